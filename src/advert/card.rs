@@ -1,0 +1,145 @@
+//! The model card a worker advertises in discovery, and its parsing.
+
+use serde::{Deserialize, Serialize};
+
+/// How a push router picks a worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RouterMode {
+    /// Rotate over the routable instances.
+    #[default]
+    #[serde(alias = "round_robin", alias = "round-robin", alias = "roundrobin")]
+    RoundRobin,
+    /// Pick uniformly at random.
+    #[serde(alias = "random")]
+    Random,
+    /// Prefix-aware: prefer the worker that already holds the request's KV blocks.
+    #[serde(alias = "kv", alias = "Kv")]
+    KV,
+    /// The caller names the worker.
+    #[serde(alias = "direct")]
+    Direct,
+}
+
+impl std::fmt::Display for RouterMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RouterMode::RoundRobin => "round-robin",
+            RouterMode::Random => "random",
+            RouterMode::KV => "kv",
+            RouterMode::Direct => "direct",
+        })
+    }
+}
+
+/// Tuning of the KV (prefix-aware) router. Defaults follow upstream Dynamo.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KvRouterConfig {
+    /// Weight of the prefix-overlap score against load (upstream default 1.0).
+    pub overlap_score_weight: f64,
+    /// Softmax temperature for sampling among workers; 0 picks the best (upstream default 0.0).
+    pub router_temperature: f64,
+    /// Whether workers publish KV cache events (upstream default true).
+    pub use_kv_events: bool,
+    /// Whether the router tracks active blocks per worker (upstream default true; forced off
+    /// for an advertised prefill configuration).
+    pub router_track_active_blocks: bool,
+}
+
+impl Default for KvRouterConfig {
+    fn default() -> Self {
+        KvRouterConfig {
+            overlap_score_weight: 1.0,
+            router_temperature: 0.0,
+            use_kv_events: true,
+            router_track_active_blocks: true,
+        }
+    }
+}
+
+/// The routing configuration a card may advertise.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RouterConfig {
+    /// The mode the prefill hop should use.
+    #[serde(default)]
+    pub router_mode: RouterMode,
+    /// KV tuning; a card that names a mode without tuning gets the defaults.
+    #[serde(default)]
+    pub kv_router_config: KvRouterConfig,
+    /// Session-affinity TTL in seconds; `None` means no affinity.
+    #[serde(default)]
+    pub session_affinity_ttl_secs: Option<u64>,
+}
+
+/// Runtime facts a card carries.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuntimeConfig {
+    /// Whether the engine runs EAGLE speculative decoding.
+    #[serde(default)]
+    pub enable_eagle: bool,
+}
+
+/// A worker's model deployment card, as stored in discovery (JSON).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelCard {
+    /// The served model's name.
+    pub name: String,
+    /// KV cache block size in tokens; 0 means not declared.
+    #[serde(default)]
+    pub kv_cache_block_size: u32,
+    /// The routing configuration the worker advertises, if any.
+    #[serde(default)]
+    pub router_config: Option<RouterConfig>,
+    /// Runtime facts.
+    #[serde(default)]
+    pub runtime_config: RuntimeConfig,
+}
+
+impl ModelCard {
+    /// A card with a name and nothing else declared.
+    pub fn named(name: impl Into<String>) -> Self {
+        ModelCard {
+            name: name.into(),
+            ..ModelCard::default()
+        }
+    }
+
+    /// Parse one card from JSON bytes.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+
+    /// Serialize to JSON bytes.
+    pub fn to_json(&self) -> Vec<u8> {
+        // A card holds only strings, numbers and bools: serialization cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// Cards read from raw documents, with the number of unreadable ones skipped.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ParsedCards {
+    /// The readable cards, in input order.
+    pub cards: Vec<ModelCard>,
+    /// How many documents could not be read as a card.
+    pub skipped: usize,
+}
+
+/// Parse raw card JSON documents, skipping (and counting) unreadable ones. Never panics.
+pub fn parse_cards<I, D>(docs: I) -> ParsedCards
+where
+    I: IntoIterator<Item = D>,
+    D: AsRef<[u8]>,
+{
+    let mut parsed = ParsedCards::default();
+    for (index, doc) in docs.into_iter().enumerate() {
+        match ModelCard::from_json(doc.as_ref()) {
+            Ok(card) => parsed.cards.push(card),
+            Err(error) => {
+                parsed.skipped += 1;
+                tracing::debug!(index, %error, "skipping unreadable model card");
+            }
+        }
+    }
+    parsed
+}
