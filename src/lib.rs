@@ -11,4 +11,5 @@
 //! See `docs/design.md` for the machine and `docs/properties.md` for what is proven and how.
 
 pub mod advert;
+pub mod discovery;
 pub mod lifecycle;
