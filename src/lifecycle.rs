@@ -40,7 +40,10 @@ use std::fmt;
 use std::time::Duration;
 
 mod actions;
+mod trace;
 pub use actions::{Actions, ActionsIntoIter};
+#[doc(hidden)]
+pub use trace::realistic_mix;
 
 /// The hop's routability, derived from the machine's state (never stored separately).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -190,7 +193,11 @@ impl<T: fmt::Debug> fmt::Display for Action<T> {
                 after,
                 delay,
                 attempt,
-            } => write!(f, "retry after {build} in {delay:?} (attempt {attempt})", build = after),
+            } => write!(
+                f,
+                "retry after {build} in {delay:?} (attempt {attempt})",
+                build = after
+            ),
             Action::CancelRetry { after } => write!(f, "cancel retry after {after}"),
         }
     }

@@ -60,20 +60,20 @@ impl<T> Actions<T> {
 pub struct ActionsIntoIter<T> {
     items: [Option<Action<T>>; CAPACITY],
     next: usize,
+    len: usize,
 }
 
 impl<T> Iterator for ActionsIntoIter<T> {
     type Item = Action<T>;
 
     fn next(&mut self) -> Option<Action<T>> {
-        while self.next < CAPACITY {
-            let i = self.next;
+        // Slots below `len` are always filled; the ones above are always empty.
+        if self.next < self.len {
             self.next += 1;
-            if let Some(a) = self.items[i].take() {
-                return Some(a);
-            }
+            self.items[self.next - 1].take()
+        } else {
+            None
         }
-        None
     }
 }
 
@@ -85,6 +85,7 @@ impl<T> IntoIterator for Actions<T> {
         ActionsIntoIter {
             items: self.items,
             next: 0,
+            len: self.len,
         }
     }
 }
