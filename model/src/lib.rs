@@ -26,3 +26,7 @@ pub use subject::{Subject, Target};
 
 /// The real machine over the model's targets.
 pub type Real = prefill_router::lifecycle::Machine<Target>;
+
+/// Unique states of [`Config::STANDARD`] with the real machine, pinned by the tests so that a
+/// silently truncated or changed search fails (update it, with the reason, when the model changes).
+pub const STANDARD_STATES: usize = 242_502;

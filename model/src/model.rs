@@ -16,13 +16,13 @@ use crate::world::{bit, fault, seen, Binding, Build, Request, State, Timer};
 pub struct Config {
     /// Number of real targets (the controller also has `None`).
     pub targets: u8,
-    /// `SetTarget` calls the controller may make.
+    /// Calls the controller may make (`SetTarget`, and `Shutdown` when enabled).
     pub retargets: u8,
     /// Build failures the world may inject (over the whole run).
     pub failures: u8,
     /// Requests, each one load, dispatch or bypass, finish.
     pub requests: u8,
-    /// Whether the controller may shut the hop down (once, at any time).
+    /// Whether the controller may shut the hop down (once, at any time; it spends a retarget).
     pub shutdown: bool,
 }
 
@@ -147,6 +147,7 @@ impl<S: Subject> RouterModel<S> {
                 n.subject.feed(Input::SetTarget(t), &mut actions);
             }
             Step::Shutdown => {
+                n.retargets_left -= 1;
                 n.shut_down = true;
                 n.subject.feed(Input::Shutdown, &mut actions);
             }
@@ -318,6 +319,34 @@ impl<S: Subject> RouterModel<S> {
     }
 }
 
+impl<S> RouterModel<S> {
+    /// A ranking function that every step strictly decreases (checked over the whole state space
+    /// by `model/tests/bounding.rs`): so no path revisits a state, every path is finite, and
+    /// stateright's `eventually` (judged only at terminal states) is sound here.
+    ///
+    /// Weights: a controller call may start one build (+1), so it weighs more; a failure arms a
+    /// timer (+2) but spends a failure (-3) and a build (-1); a firing timer (-2) starts at most
+    /// one build (+1); each request step lowers the request's stage.
+    pub fn rank(&self, s: &State<S>) -> u64 {
+        let controller = u64::from(s.retargets_left) * 4 + u64::from(!s.shut_down);
+        let requests: u64 = s
+            .requests
+            .iter()
+            .map(|r| match r {
+                Request::Idle => 3,
+                Request::Loaded { .. } => 2,
+                Request::Running(_) => 1,
+                Request::Done => 0,
+            })
+            .sum();
+        controller
+            + u64::from(s.failures_left) * 3
+            + s.timers.len() as u64 * 2
+            + s.builds.len() as u64
+            + requests
+    }
+}
+
 fn take_build(builds: &mut Vec<Build>, id: BuildId) -> Option<Build> {
     let i = builds.iter().position(|b| b.id == id)?;
     Some(builds.remove(i))
@@ -349,12 +378,12 @@ impl<S: Subject> Model for RouterModel<S> {
 
     fn actions(&self, s: &State<S>, out: &mut Vec<Step>) {
         // The order is deterministic: stateright stores paths as action indices.
-        if !s.shut_down {
-            if s.retargets_left > 0 {
-                out.push(Step::SetTarget(None));
-                for t in 0..self.config.targets {
-                    out.push(Step::SetTarget(Some(Target(t))));
-                }
+        // Shutdown spends the controller's budget too: were it always enabled, every maximal
+        // path would end in it and M9 would never be judged on a path without shutdown.
+        if !s.shut_down && s.retargets_left > 0 {
+            out.push(Step::SetTarget(None));
+            for t in 0..self.config.targets {
+                out.push(Step::SetTarget(Some(Target(t))));
             }
             if self.config.shutdown {
                 out.push(Step::Shutdown);

@@ -184,3 +184,17 @@ impl Subject for ReuseRetired {
         Subject::held(&self.machine)
     }
 }
+
+wrapper!(
+    /// Never arms the retry timer after a failed build: drops `ScheduleRetry`, so the hop stays
+    /// Pending for good after one failure.
+    NoRetry,
+    "no-retry",
+    |m, input, out| {
+        out.extend(
+            m.handle(input)
+                .into_iter()
+                .filter(|a| !matches!(a, Action::ScheduleRetry { .. })),
+        );
+    }
+);

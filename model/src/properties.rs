@@ -86,7 +86,10 @@ pub fn active_serves_desired<S: Subject>(_: &RouterModel<S>, s: &State<S>) -> bo
     if snap.lifecycle != Lifecycle::Active {
         return true;
     }
-    !s.shut_down && snap.binding.is_some_and(|b| s.desired == Some(Some(b.target)))
+    !s.shut_down
+        && snap
+            .binding
+            .is_some_and(|b| s.desired == Some(Some(b.target)))
 }
 
 /// M3: at most one uncancelled build, and only for the desired target.
