@@ -14,6 +14,7 @@
 //!
 //! See docs/model.md for the bounds and why every path is finite and acyclic.
 
+pub mod cli;
 pub mod model;
 pub mod mutants;
 pub mod properties;

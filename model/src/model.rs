@@ -347,6 +347,32 @@ impl<S> RouterModel<S> {
     }
 }
 
+impl<S: Subject> RouterModel<S> {
+    /// The shortest counterexample (or example) for `property`: breadth-first runs with a
+    /// growing depth bound, stopping at the first depth where the property has a discovery.
+    /// (One unbounded run may report a longer path: stateright overwrites discoveries while it
+    /// finishes a block of states.) Returns `None` if none exists within `max_steps` steps.
+    pub fn shortest_discovery(
+        &self,
+        property: &'static str,
+        max_steps: usize,
+    ) -> Option<Vec<Step>> {
+        use stateright::{Checker, HasDiscoveries};
+        for depth in 1..=max_steps + 1 {
+            let checker = RouterModel::<S>::new(self.config)
+                .checker()
+                .target_max_depth(depth)
+                .finish_when(HasDiscoveries::AnyOf([property].into()))
+                .spawn_bfs()
+                .join();
+            if let Some(path) = checker.discovery(property) {
+                return Some(path.into_actions());
+            }
+        }
+        None
+    }
+}
+
 fn take_build(builds: &mut Vec<Build>, id: BuildId) -> Option<Build> {
     let i = builds.iter().position(|b| b.id == id)?;
     Some(builds.remove(i))
@@ -425,7 +451,7 @@ impl<S: Subject> Model for RouterModel<S> {
 
     fn format_step(&self, s: &State<S>, step: Step) -> Option<String> {
         let (n, actions) = self.apply(s, step);
-        Some(crate::trace::describe(step, &actions, &n))
+        Some(crate::trace::describe(s, step, &actions, &n))
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
