@@ -122,7 +122,8 @@ pub fn settles<S: Subject>(_: &RouterModel<S>, s: &State<S>) -> bool {
         (false, Some(Some(t))) => {
             snap.lifecycle == Lifecycle::Active && snap.binding.is_some_and(|b| b.target == t)
         }
-        (false, None) => false,
+        // Never targeted (a zero budget): Pending is the decision shown.
+        (false, None) => snap.lifecycle == Lifecycle::Pending,
     };
     done && shows_decision && s.requests.iter().all(|r| *r == Request::Done)
 }
