@@ -43,7 +43,9 @@ impl<T> Mutex<T> {
         {
             // A loom mutex is only poisoned by a panicking model thread, which already fails
             // the model; recover the data rather than panic a second time.
-            self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+            self.0
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
         }
     }
 
@@ -113,7 +115,10 @@ impl<S> ArcCell<S> {
         }
         #[cfg(prefill_loom)]
         {
-            std::mem::replace(&mut *self.inner.lock().unwrap_or_else(|p| p.into_inner()), value)
+            std::mem::replace(
+                &mut *self.inner.lock().unwrap_or_else(|p| p.into_inner()),
+                value,
+            )
         }
     }
 }

@@ -409,7 +409,11 @@ fn retire_scenario(mutant: Mutant) {
                 // The request runs on its binding: it must stay alive until dropped here.
                 thread::yield_now();
                 assert_eq!(b.target, b'A');
-                assert_eq!(drops.load(SeqCst), 0, "binding dropped under a live request");
+                assert_eq!(
+                    drops.load(SeqCst),
+                    0,
+                    "binding dropped under a live request"
+                );
             }
         })
     };
@@ -426,7 +430,11 @@ fn retire_scenario(mutant: Mutant) {
     let st = ctl.status();
     assert_eq!(st.counters.retired, 1);
     assert_eq!(st.counters.retired_alive, 0);
-    assert_eq!(da.count(), 1, "retired binding dropped exactly once, after its reader");
+    assert_eq!(
+        da.count(),
+        1,
+        "retired binding dropped exactly once, after its reader"
+    );
     drop(ctl);
     assert_eq!(da.count(), 1);
 }
