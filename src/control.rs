@@ -310,6 +310,7 @@ where
     }
 
     /// After the lock: drop what was taken out, log what happened.
+    #[inline]
     fn finish(
         &self,
         effects: Effects<T>,

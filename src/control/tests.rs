@@ -218,7 +218,7 @@ fn bindings_never_drop_under_the_lock() {
         drops: Arc::clone(&drops),
     };
     let ctl = Arc::new(Control::<u8, Probe>::new(RetryPolicy::default()));
-    slot.set(Arc::downgrade(&ctl)).ok().expect("set once");
+    assert!(slot.set(Arc::downgrade(&ctl)).is_ok(), "set once");
     // Stale build: discarded.
     let b1 = started(&ctl.set_target(Some(1)));
     let b2 = started(&ctl.set_target(Some(2)));
