@@ -86,8 +86,12 @@ struct Inner<T, B> {
     machine: Machine<T>,
     /// The binding of `machine.held()`, same build id.
     held: Option<(BuildId, Arc<B>)>,
-    /// The snapshot last published (the cell's content, kept to skip no-op publishes).
-    current: Arc<Snapshot<T, B>>,
+    /// What the last published snapshot shows requests, kept to skip no-op publishes. A key,
+    /// not an `Arc` of the snapshot: holding one would cost two more atomic refcount updates
+    /// per publish.
+    view: View<T>,
+    /// The epoch of the last published snapshot.
+    epoch: u64,
     last_error: Option<String>,
     counters: Counters,
     retired: Retired<B>,
@@ -142,7 +146,8 @@ where
             inner: Mutex::new(Inner {
                 machine: Machine::new(policy),
                 held: None,
-                current: Arc::clone(&initial),
+                view: View::of(&initial),
+                epoch: initial.epoch(),
                 last_error: None,
                 counters: Counters::default(),
                 retired: Retired::new(),
@@ -225,7 +230,7 @@ where
             retry_armed: m.retry_armed(),
             failures: m.failures(),
             last_error: inner.last_error.clone(),
-            epoch: inner.current.epoch(),
+            epoch: inner.epoch,
             shut_down: m.is_shut_down(),
             counters,
         }
@@ -294,7 +299,6 @@ where
             if let Some(next) = next_snapshot(inner) {
                 report.epoch = Some((next.epoch(), next.lifecycle()));
                 inner.counters.snapshots = next.epoch();
-                inner.current = Arc::clone(&next);
                 #[cfg(prefill_loom)]
                 if self.mutant.publishes_outside_lock() {
                     drop(guard);
@@ -341,46 +345,79 @@ where
     }
 }
 
+/// What a snapshot shows requests, epoch aside. The binding is identified by its build id:
+/// Control holds exactly one binding per held build.
+#[derive(Debug, PartialEq, Eq)]
+struct View<T> {
+    lifecycle: Lifecycle,
+    bypass: Option<BypassReason>,
+    target: Option<T>,
+    build: Option<BuildId>,
+}
+
+impl<T: Clone> View<T> {
+    fn of<B>(s: &Snapshot<T, B>) -> Self {
+        View {
+            lifecycle: s.lifecycle(),
+            bypass: s.bypass(),
+            target: s.target().cloned(),
+            build: s.build(),
+        }
+    }
+}
+
 /// The snapshot the machine's state calls for, or `None` if it shows requests nothing new.
-fn next_snapshot<T, B>(inner: &Inner<T, B>) -> Option<Arc<Snapshot<T, B>>>
+/// Updates the view key and the epoch when it returns a snapshot.
+fn next_snapshot<T, B>(inner: &mut Inner<T, B>) -> Option<Arc<Snapshot<T, B>>>
 where
     T: Clone + Eq + fmt::Debug,
 {
     let m = &inner.machine;
     let lifecycle = m.lifecycle();
-    let (route, build) = match lifecycle {
+    let (bypass, build) = match lifecycle {
         Lifecycle::Active => match &inner.held {
-            Some((id, binding)) => (Route::Prefill(Arc::clone(binding)), Some(*id)),
+            Some((id, _)) => (None, Some(*id)),
             // Active means the machine holds a binding, and Control stores every binding the
             // machine holds; bypass rather than panic if that ever broke.
-            None => (Route::Bypass(BypassReason::Building), None),
+            None => (Some(BypassReason::Building), None),
         },
-        Lifecycle::Unavailable if m.is_shut_down() => (Route::Bypass(BypassReason::ShutDown), None),
-        Lifecycle::Unavailable => (Route::Bypass(BypassReason::NoTarget), None),
-        Lifecycle::Pending if !m.is_targeted() => {
-            (Route::Bypass(BypassReason::NotYetTargeted), None)
-        }
+        Lifecycle::Unavailable if m.is_shut_down() => (Some(BypassReason::ShutDown), None),
+        Lifecycle::Unavailable => (Some(BypassReason::NoTarget), None),
+        Lifecycle::Pending if !m.is_targeted() => (Some(BypassReason::NotYetTargeted), None),
         Lifecycle::Pending => match (m.in_flight(), m.retry_armed()) {
-            (_, Some(after)) => (
-                Route::Bypass(BypassReason::RetryingAfterFailure),
-                Some(after),
-            ),
-            (Some((id, _)), None) => (Route::Bypass(BypassReason::Building), Some(id)),
-            (None, None) => (Route::Bypass(BypassReason::Building), None),
+            (_, Some(after)) => (Some(BypassReason::RetryingAfterFailure), Some(after)),
+            (Some((id, _)), None) => (Some(BypassReason::Building), Some(id)),
+            (None, None) => (Some(BypassReason::Building), None),
         },
     };
-    let next = Snapshot {
+    let view = &inner.view;
+    if view.lifecycle == lifecycle
+        && view.bypass == bypass
+        && view.build == build
+        && view.target.as_ref() == m.desired()
+    {
+        return None;
+    }
+    let route = match (bypass, &inner.held) {
+        (None, Some((_, binding))) => Route::Prefill(Arc::clone(binding)),
+        (Some(reason), _) => Route::Bypass(reason),
+        (None, None) => Route::Bypass(BypassReason::Building),
+    };
+    let target = m.desired().cloned();
+    inner.epoch += 1;
+    inner.view = View {
+        lifecycle,
+        bypass,
+        target: target.clone(),
+        build,
+    };
+    Some(Arc::new(Snapshot {
         lifecycle,
         route,
-        target: m.desired().cloned(),
+        target,
         build,
-        epoch: inner.current.epoch() + 1,
-    };
-    if next.same_view(&inner.current) {
-        None
-    } else {
-        Some(Arc::new(next))
-    }
+        epoch: inner.epoch,
+    }))
 }
 
 impl<T, B> fmt::Debug for Control<T, B>

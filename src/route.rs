@@ -164,23 +164,6 @@ impl<T, B> Snapshot<T, B> {
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
-
-    /// Whether `other` shows requests the same thing (epoch aside): then publishing it would
-    /// only churn the readers' cache line.
-    pub(crate) fn same_view(&self, other: &Self) -> bool
-    where
-        T: PartialEq,
-    {
-        let same_route = match (&self.route, &other.route) {
-            (Route::Prefill(a), Route::Prefill(b)) => Arc::ptr_eq(a, b),
-            (Route::Bypass(a), Route::Bypass(b)) => a == b,
-            _ => false,
-        };
-        same_route
-            && self.lifecycle == other.lifecycle
-            && self.target == other.target
-            && self.build == other.build
-    }
 }
 
 /// A read guard pinning one [`Snapshot`]: normally an `arc_swap::Guard` (no refcount traffic on
