@@ -133,6 +133,10 @@ pub struct Control<T, B> {
     cell: RouteCell<T, B>,
     #[cfg(prefill_loom)]
     mutant: mutant::State<T, B>,
+    /// Test-only mutant: drop bindings while still holding the lock, to show that
+    /// `bindings_never_drop_under_the_lock` catches it.
+    #[cfg(all(test, not(prefill_loom)))]
+    drop_under_lock: bool,
 }
 
 impl<T, B> Control<T, B>
@@ -155,6 +159,8 @@ where
             cell: RouteCell::new(initial),
             #[cfg(prefill_loom)]
             mutant: mutant::State::new(Mutant::None),
+            #[cfg(all(test, not(prefill_loom)))]
+            drop_under_lock: false,
         }
     }
 
@@ -308,6 +314,11 @@ where
                 #[cfg(prefill_loom)]
                 self.mutant.publish_two_cells(&next);
                 trash.old_snapshot = Some(self.cell.swap(next));
+            }
+            #[cfg(all(test, not(prefill_loom)))]
+            if self.drop_under_lock {
+                drop(std::mem::take(&mut trash));
+                drop(built.take());
             }
         }
         self.finish(effects, trash, report, built)

@@ -207,8 +207,9 @@ impl Drop for Probe {
     }
 }
 
-#[test]
-fn bindings_never_drop_under_the_lock() {
+/// Drive a core through a stale discard, two retirements and a late result; returns (drops,
+/// whether any binding dropped while the lock was held).
+fn drops_under_lock(drop_under_lock: bool) -> (usize, bool) {
     let slot = Arc::new(OnceLock::new());
     let under = Arc::new(AtomicBool::new(false));
     let drops = Arc::new(AtomicUsize::new(0));
@@ -217,7 +218,9 @@ fn bindings_never_drop_under_the_lock() {
         dropped_under_lock: Arc::clone(&under),
         drops: Arc::clone(&drops),
     };
-    let ctl = Arc::new(Control::<u8, Probe>::new(RetryPolicy::default()));
+    let mut ctl = Control::<u8, Probe>::new(RetryPolicy::default());
+    ctl.drop_under_lock = drop_under_lock;
+    let ctl = Arc::new(ctl);
     assert!(slot.set(Arc::downgrade(&ctl)).is_ok(), "set once");
     // Stale build: discarded.
     let b1 = started(&ctl.set_target(Some(1)));
@@ -234,11 +237,17 @@ fn bindings_never_drop_under_the_lock() {
     assert_eq!(drops.load(SeqCst), 3);
     // Late result after shutdown.
     let _ = ctl.build_succeeded(BuildId(7), probe());
-    assert_eq!(drops.load(SeqCst), 4);
-    assert!(
-        !under.load(SeqCst),
-        "a binding was dropped while the lock was held"
-    );
+    (drops.load(SeqCst), under.load(SeqCst))
+}
+
+#[test]
+fn bindings_never_drop_under_the_lock() {
+    assert_eq!(drops_under_lock(false), (4, false));
+}
+
+#[test]
+fn drop_under_lock_mutant_is_caught() {
+    assert_eq!(drops_under_lock(true), (4, true));
 }
 
 /// Control inputs for the property test: targets 0..3, build ids near the ones in use.
