@@ -15,6 +15,36 @@
 //!
 //! Clearing is synchronous: once `set_target(None)` returns, every later
 //! [`load`](Control::load) or [`route`](Control::route) sees the cleared state.
+//!
+//! ```
+//! use prefill_router::control::{Control, Effect};
+//! use prefill_router::lifecycle::RetryPolicy;
+//! use prefill_router::route::{BypassReason, Route};
+//!
+//! let control: Control<&str, String> = Control::new(RetryPolicy::default());
+//! assert_eq!(control.route(), Route::Bypass(BypassReason::NotYetTargeted));
+//!
+//! // The controller picks a target; the async side carries out the effects.
+//! for effect in control.set_target(Some("gen-1")) {
+//!     if let Effect::StartBuild { build, target } = effect {
+//!         // ... build the router for `target`, then report it under `build`:
+//!         let _ = control.build_succeeded(build, format!("router for {target}"));
+//!     }
+//! }
+//!
+//! // Request path, the decision: one guard load, no refcount traffic.
+//! let snapshot = control.load();
+//! assert_eq!(snapshot.binding().map(|b| b.as_str()), Some("router for gen-1"));
+//! drop(snapshot);
+//! // Admission: an owned binding for the dispatch.
+//! let Route::Prefill(binding) = control.route() else { unreachable!() };
+//!
+//! // Clearing is visible to every load after the call returns; the request holding
+//! // `binding` finishes on it.
+//! let _ = control.set_target(None);
+//! assert_eq!(control.route(), Route::Bypass(BypassReason::NoTarget));
+//! assert_eq!(*binding, "router for gen-1");
+//! ```
 
 use std::fmt;
 use std::sync::Arc;
@@ -99,6 +129,7 @@ struct Inner<T, B> {
 
 /// Things taken out under the lock and dropped after it is released.
 struct Trash<T, B> {
+    last_error: Option<String>,
     discarded: Option<Arc<B>>,
     retired: Option<Arc<B>>,
     old_snapshot: Option<Arc<Snapshot<T, B>>>,
@@ -107,6 +138,7 @@ struct Trash<T, B> {
 impl<T, B> Default for Trash<T, B> {
     fn default() -> Self {
         Trash {
+            last_error: None,
             discarded: None,
             retired: None,
             old_snapshot: None,
@@ -120,7 +152,9 @@ struct Report {
     published: Option<BuildId>,
     discarded: Option<BuildId>,
     retired: Option<BuildId>,
-    failure_accepted: bool,
+    /// An accepted failure: the retry it scheduled and the error text (a copy made before the
+    /// lock, so logging needs no allocation under it).
+    retry: Option<(BuildId, std::time::Duration, u32, String)>,
     epoch: Option<(u64, Lifecycle)>,
 }
 
@@ -190,7 +224,8 @@ where
     pub fn build_failed(&self, build: BuildId, err: impl fmt::Display) -> Effects<T> {
         // Format outside the lock; the text is kept only if the failure is accepted.
         let text = err.to_string();
-        self.step(Input::BuildFailed(build), None, Some(text))
+        let copy = text.clone();
+        self.step(Input::BuildFailed(build), None, Some((text, copy)))
     }
 
     /// The retry timer armed after `after` fired.
@@ -256,7 +291,7 @@ where
         &self,
         input: Input<T>,
         built: Option<(BuildId, Arc<B>)>,
-        mut error: Option<String>,
+        mut error: Option<(String, String)>,
     ) -> Effects<T> {
         let mut effects = Effects::default();
         let mut trash = Trash::default();
@@ -272,7 +307,7 @@ where
                         if let Some((id, binding)) = built.take_if(|(id, _)| *id == build) {
                             inner.held = Some((id, binding));
                             inner.counters.published += 1;
-                            inner.last_error = None;
+                            trash.last_error = inner.last_error.take();
                             report.published = Some(build);
                         }
                     }
@@ -292,9 +327,17 @@ where
                         }
                     }
                     other => {
-                        if let Action::ScheduleRetry { .. } = other {
-                            report.failure_accepted = true;
-                            inner.last_error = error.take();
+                        if let Action::ScheduleRetry {
+                            after,
+                            delay,
+                            attempt,
+                        } = &other
+                        {
+                            if let Some((text, copy)) = error.take() {
+                                // The replaced text drops after the lock, with the trash.
+                                trash.last_error = inner.last_error.replace(text);
+                                report.retry = Some((*after, *delay, *attempt, copy));
+                            }
                         }
                         if let Some(effect) = Effect::from_action(other) {
                             effects.push(effect);
@@ -346,8 +389,8 @@ where
         if let Some(build) = report.retired {
             tracing::debug!(%build, "prefill binding retired");
         }
-        if report.failure_accepted {
-            tracing::warn!("prefill build failed; retry scheduled");
+        if let Some((after, delay, attempt, error)) = report.retry {
+            tracing::warn!(build = %after, ?delay, attempt, %error, "prefill build failed; retry scheduled");
         }
         if let Some((epoch, lifecycle)) = report.epoch {
             tracing::trace!(epoch, %lifecycle, "prefill route snapshot published");
