@@ -76,7 +76,8 @@ fi
 start=$(date +%s.%N)
 set +e
 : > "$cpu_file"
-$timer "$work/pan" -m1000000 -w"$PAN_W" > "$work/pan.out" 2>&1
+# From inside $work: pan writes its error trail (router.pml.trail) to the current directory.
+(cd "$work" && $timer ./pan -m1000000 -w"$PAN_W" > pan.out 2>&1)
 set -e
 end=$(date +%s.%N)
 stored=$(sed -nE 's/^ *([0-9.e+]+) states, stored.*/\1/p' "$work/pan.out")
