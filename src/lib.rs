@@ -13,3 +13,7 @@
 pub mod advert;
 pub mod discovery;
 pub mod lifecycle;
+#[cfg(feature = "runtime")]
+pub mod push;
+#[cfg(feature = "runtime")]
+pub mod transport;

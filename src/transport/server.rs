@@ -1,0 +1,379 @@
+//! The worker side: serve an [`Engine`] on a TCP listener.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use parking_lot::Mutex;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
+use tokio_util::sync::CancellationToken;
+
+use super::engine::{Engine, GenerateRequest};
+use super::error::{FrameError, RemoteError};
+use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
+
+/// Worker-side limits.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Largest frame accepted or sent, in bytes (payload, without the 4-byte prefix).
+    pub max_frame_len: usize,
+    /// Requests in flight per connection; beyond it a request is refused with
+    /// [`RemoteError::Overloaded`].
+    pub max_in_flight: usize,
+    /// Open connections; beyond it new connections are closed at once.
+    pub max_connections: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            max_frame_len: DEFAULT_MAX_FRAME_LEN,
+            max_in_flight: 1024,
+            max_connections: 4096,
+        }
+    }
+}
+
+/// A running worker listener. Dropping it (or [`shutdown`](ServerHandle::shutdown)) stops
+/// accepting and closes every connection at once, without finishing streams: to clients it
+/// looks like the worker died.
+#[derive(Debug)]
+pub struct ServerHandle {
+    local_addr: SocketAddr,
+    shutdown: CancellationToken,
+    connections: Arc<AtomicUsize>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl ServerHandle {
+    /// The address the listener is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// How many client connections are open now.
+    pub fn open_connections(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Stop accepting and close all connections (pending streams end without a final frame).
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Shut down and wait until the accept loop has exited (the listener is closed).
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Serve `engine` on `listener` until the returned handle is shut down or dropped. Must be
+/// called within a tokio runtime.
+pub fn serve(
+    listener: TcpListener,
+    engine: Arc<dyn Engine>,
+    config: ServerConfig,
+) -> io::Result<ServerHandle> {
+    let local_addr = listener.local_addr()?;
+    let shutdown = CancellationToken::new();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let task = tokio::spawn(accept_loop(
+        listener,
+        engine,
+        config,
+        shutdown.clone(),
+        Arc::clone(&connections),
+    ));
+    Ok(ServerHandle {
+        local_addr,
+        shutdown,
+        connections,
+        task: Some(task),
+    })
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    engine: Arc<dyn Engine>,
+    config: ServerConfig,
+    shutdown: CancellationToken,
+    connections: Arc<AtomicUsize>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                if connections.load(Ordering::Relaxed) >= config.max_connections {
+                    tracing::warn!(%peer, "refusing connection: too many open");
+                    continue;
+                }
+                connections.fetch_add(1, Ordering::Relaxed);
+                let engine = Arc::clone(&engine);
+                let config = config.clone();
+                let token = shutdown.child_token();
+                let connections = Arc::clone(&connections);
+                tokio::spawn(async move {
+                    serve_connection(stream, peer, engine, config, token).await;
+                    connections.fetch_sub(1, Ordering::Relaxed);
+                });
+            }
+            Err(e) => {
+                // Typically EMFILE: back off briefly instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+/// Why a server connection closed.
+enum Closed {
+    Eof,
+    Io(io::Error),
+    Frame(FrameError),
+    Shutdown,
+}
+
+async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    engine: Arc<dyn Engine>,
+    config: ServerConfig,
+    token: CancellationToken,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(%peer, error = %e, "set_nodelay failed");
+    }
+    let (rd, wr) = stream.into_split();
+    let max = config.max_frame_len;
+    let (writer, writer_rx) = mpsc::channel::<Bytes>(256);
+    tokio::spawn(write_loop(
+        FramedWrite::new(wr, wire::codec(max)),
+        writer_rx,
+        token.clone(),
+    ));
+    let active: Arc<Mutex<HashMap<u64, CancellationToken>>> = Arc::default();
+    let mut frames = FramedRead::new(rd, wire::codec(max));
+    let closed = loop {
+        let next = tokio::select! {
+            _ = token.cancelled() => break Closed::Shutdown,
+            next = frames.next() => next,
+        };
+        let bytes = match next {
+            None => break Closed::Eof,
+            Some(Err(e)) => match wire::classify_read_error(&e, max) {
+                Some(frame_error) => break Closed::Frame(frame_error),
+                None => break Closed::Io(e),
+            },
+            Some(Ok(bytes)) => bytes,
+        };
+        match wire::decode_frame(&bytes) {
+            Err(e) => break Closed::Frame(e),
+            Ok(Frame::Request {
+                id,
+                timeout_ms,
+                request,
+            }) => {
+                // Decide under the lock, act after it: the guard must not live across awaits.
+                let admit = {
+                    let table = active.lock();
+                    if table.contains_key(&id) {
+                        None
+                    } else {
+                        Some(table.len() < config.max_in_flight)
+                    }
+                };
+                match admit {
+                    None => {
+                        break Closed::Frame(FrameError::Unexpected {
+                            reason: format!("duplicate request id {id}"),
+                        })
+                    }
+                    Some(false) => {
+                        let frame = Frame::Error {
+                            id,
+                            error: RemoteError::Overloaded,
+                        };
+                        if !send(&writer, &token, frame, max).await {
+                            break Closed::Shutdown;
+                        }
+                        continue;
+                    }
+                    Some(true) => {}
+                }
+                let request_token = token.child_token();
+                active.lock().insert(id, request_token.clone());
+                tokio::spawn(run_request(
+                    id,
+                    request,
+                    timeout_ms,
+                    Arc::clone(&engine),
+                    writer.clone(),
+                    request_token,
+                    Arc::clone(&active),
+                    max,
+                ));
+            }
+            Ok(Frame::Cancel { id }) => {
+                // Unknown ids are normal: the request may have just finished.
+                if let Some(request_token) = active.lock().remove(&id) {
+                    request_token.cancel();
+                }
+            }
+            Ok(Frame::Data { .. } | Frame::End { .. } | Frame::Error { .. }) => {
+                break Closed::Frame(FrameError::Unexpected {
+                    reason: "client sent a worker frame".into(),
+                })
+            }
+        }
+    };
+    match closed {
+        Closed::Eof | Closed::Shutdown => tracing::debug!(%peer, "connection closed"),
+        Closed::Io(e) => tracing::debug!(%peer, error = %e, "connection lost"),
+        Closed::Frame(e) => {
+            tracing::warn!(%peer, error = %e, "closing connection: bad frame from client")
+        }
+    }
+    // Stops the writer and every request of this connection (their engine streams drop).
+    token.cancel();
+}
+
+#[allow(clippy::too_many_arguments)] // one task's whole context; a struct would only rename it
+async fn run_request(
+    id: u64,
+    request: GenerateRequest,
+    timeout_ms: Option<u64>,
+    engine: Arc<dyn Engine>,
+    writer: mpsc::Sender<Bytes>,
+    token: CancellationToken,
+    active: Arc<Mutex<HashMap<u64, CancellationToken>>>,
+    max: usize,
+) {
+    let mut stream = engine.generate(request);
+    let deadline = tokio::time::sleep(timeout_ms.map_or(
+        Duration::from_secs(u64::from(u32::MAX)),
+        Duration::from_millis,
+    ));
+    tokio::pin!(deadline);
+    loop {
+        let item = tokio::select! {
+            biased;
+            _ = token.cancelled() => break,
+            _ = &mut deadline => {
+                send(&writer, &token, Frame::Error { id, error: RemoteError::DeadlineExceeded }, max).await;
+                break;
+            }
+            item = stream.next() => item,
+        };
+        let (frame, last) = match item {
+            None => (Frame::End { id }, true),
+            Some(Ok(response)) => {
+                let last = response.finish.is_some();
+                (Frame::Data { id, response }, last)
+            }
+            Some(Err(e)) => (
+                Frame::Error {
+                    id,
+                    error: RemoteError::Engine { message: e.message },
+                },
+                true,
+            ),
+        };
+        if !send(&writer, &token, frame, max).await || last {
+            break;
+        }
+    }
+    // Generation stops here (the engine stream is dropped) whatever ended the loop.
+    drop(stream);
+    active.lock().remove(&id);
+}
+
+/// Queue a frame for the writer; false when the connection or request is finished.
+async fn send(
+    writer: &mpsc::Sender<Bytes>,
+    token: &CancellationToken,
+    frame: Frame,
+    max: usize,
+) -> bool {
+    let id = match &frame {
+        Frame::Request { id, .. }
+        | Frame::Cancel { id }
+        | Frame::Data { id, .. }
+        | Frame::End { id }
+        | Frame::Error { id, .. } => *id,
+    };
+    let bytes = match wire::encode_bounded(&frame, max) {
+        Some(bytes) => bytes,
+        None => {
+            let error = Frame::Error {
+                id,
+                error: RemoteError::ResponseTooLarge,
+            };
+            match wire::encode_bounded(&error, max) {
+                Some(bytes) => bytes,
+                None => return false,
+            }
+        }
+    };
+    tokio::select! {
+        _ = token.cancelled() => false,
+        sent = writer.send(bytes) => sent.is_ok(),
+    }
+}
+
+/// Write queued frames, batching whatever is ready into one flush (one syscall per batch).
+pub(crate) async fn write_loop(
+    mut sink: FramedWrite<OwnedWriteHalf, LengthDelimitedCodec>,
+    mut rx: mpsc::Receiver<Bytes>,
+    token: CancellationToken,
+) {
+    loop {
+        let first = tokio::select! {
+            _ = token.cancelled() => break,
+            first = rx.recv() => match first {
+                Some(first) => first,
+                None => break,
+            },
+        };
+        let batch = async {
+            sink.feed(first).await?;
+            for _ in 0..64 {
+                match rx.try_recv() {
+                    Ok(more) => sink.feed(more).await?,
+                    Err(_) => break,
+                }
+            }
+            SinkExt::<Bytes>::flush(&mut sink).await?;
+            Ok::<(), io::Error>(())
+        };
+        let written = tokio::select! {
+            _ = token.cancelled() => break,
+            written = batch => written,
+        };
+        if let Err(e) = written {
+            tracing::debug!(error = %e, "write failed; closing connection");
+            break;
+        }
+    }
+    token.cancel();
+}
