@@ -21,7 +21,7 @@ use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
 use super::engine::{GenerateRequest, GenerateResponse};
-use super::error::{FrameError, TransportError};
+use super::error::{FrameError, RemoteError, TransportError};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
 
 /// Client-side limits.
@@ -359,6 +359,12 @@ impl Stream for ResponseStream {
             Poll::Ready(Some(Event::Failed(e))) => {
                 this.open = false;
                 this.done = true;
+                // The worker enforces the same deadline; whichever side notices first, the
+                // caller sees one error for it.
+                let e = match e {
+                    TransportError::Remote(RemoteError::DeadlineExceeded) => TransportError::Timeout,
+                    other => other,
+                };
                 return Poll::Ready(Some(Err(e)));
             }
             Poll::Ready(None) => {
