@@ -22,7 +22,10 @@ async fn worker_closes_after(addr: std::net::SocketAddr, bytes: &[u8]) -> bool {
     let mut raw = TcpStream::connect(addr).await.expect("connect");
     raw.write_all(bytes).await.expect("write");
     let mut buf = [0u8; 256];
-    matches!(timeout(WAIT, raw.read(&mut buf)).await, Ok(Ok(0)) | Ok(Err(_)))
+    matches!(
+        timeout(WAIT, raw.read(&mut buf)).await,
+        Ok(Ok(0)) | Ok(Err(_))
+    )
 }
 
 fn framed(payload: &[u8]) -> Vec<u8> {
@@ -39,7 +42,10 @@ async fn one_request_works(addr: std::net::SocketAddr) {
         .generate(GenerateRequest::new(vec![1, 2, 3], 1), None)
         .await
         .expect("send");
-    let r = timeout(WAIT, s.next()).await.expect("in time").expect("item");
+    let r = timeout(WAIT, s.next())
+        .await
+        .expect("in time")
+        .expect("item");
     assert!(r.is_ok(), "{r:?}");
 }
 
@@ -53,11 +59,11 @@ async fn garbage_client_cannot_crash_a_worker() {
         .expect("connect");
 
     let attacks: Vec<Vec<u8>> = vec![
-        framed(&[0xff; 32]),                                   // not a frame
-        framed(&[]),                                           // empty payload
-        (u32::MAX).to_be_bytes().to_vec(),                     // oversized length prefix
+        framed(&[0xff; 32]),                                         // not a frame
+        framed(&[]),                                                 // empty payload
+        (u32::MAX).to_be_bytes().to_vec(),                           // oversized length prefix
         ((DEFAULT_MAX_FRAME_LEN as u32) + 1).to_be_bytes().to_vec(), // just over the limit
-        framed(&encode_frame(&Frame::End { id: 1 })),          // a worker-only frame
+        framed(&encode_frame(&Frame::End { id: 1 })),                // a worker-only frame
         {
             let mut trailing = encode_frame(&Frame::Cancel { id: 1 });
             trailing.push(0);
@@ -75,7 +81,11 @@ async fn garbage_client_cannot_crash_a_worker() {
         .generate(GenerateRequest::new(vec![9], 1), None)
         .await
         .expect("healthy connection still open");
-    assert!(timeout(WAIT, s.next()).await.expect("in time").expect("item").is_ok());
+    assert!(timeout(WAIT, s.next())
+        .await
+        .expect("in time")
+        .expect("item")
+        .is_ok());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,9 +124,15 @@ async fn garbage_from_a_worker_fails_the_clients_streams_with_a_frame_error() {
         .generate(GenerateRequest::new(vec![1], 1), None)
         .await
         .expect("send");
-    let item = timeout(WAIT, s.next()).await.expect("no hang").expect("item");
+    let item = timeout(WAIT, s.next())
+        .await
+        .expect("no hang")
+        .expect("item");
     assert!(
-        matches!(item, Err(TransportError::Frame(FrameError::Malformed { .. }))),
+        matches!(
+            item,
+            Err(TransportError::Frame(FrameError::Malformed { .. }))
+        ),
         "{item:?}"
     );
     assert!(conn.is_closed());
@@ -135,7 +151,10 @@ fn decode_rejects_trailing_bytes_and_truncation() {
     assert!(decode_frame(&good).is_ok());
     let mut long = good.clone();
     long.push(1);
-    assert!(matches!(decode_frame(&long), Err(FrameError::Malformed { .. })));
+    assert!(matches!(
+        decode_frame(&long),
+        Err(FrameError::Malformed { .. })
+    ));
     assert!(matches!(
         decode_frame(&good[..good.len() - 1]),
         Err(FrameError::Malformed { .. })

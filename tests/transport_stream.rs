@@ -29,7 +29,9 @@ async fn responses_arrive_in_order_and_the_stream_ends_after_finish() {
         .generate(GenerateRequest::new(vec![1, 2, 3], 5), None)
         .await
         .expect("send");
-    let items: Vec<_> = timeout(WAIT, stream.collect::<Vec<_>>()).await.expect("in time");
+    let items: Vec<_> = timeout(WAIT, stream.collect::<Vec<_>>())
+        .await
+        .expect("in time");
     let tokens: Vec<u32> = items
         .into_iter()
         .flat_map(|r| r.expect("ok").token_ids)
@@ -51,7 +53,10 @@ async fn concurrent_requests_on_one_connection_get_their_own_responses() {
                 .await
                 .expect("send");
             let r = s.next().await.expect("one item").expect("ok");
-            assert!(s.next().await.is_none(), "stream ends after the finishing response");
+            assert!(
+                s.next().await.is_none(),
+                "stream ends after the finishing response"
+            );
             (n, r.token_ids)
         }));
     }
@@ -73,7 +78,11 @@ async fn dropping_the_stream_stops_generation_at_the_worker() {
         .generate(GenerateRequest::new(vec![1], 1_000_000), None)
         .await
         .expect("send");
-    timeout(WAIT, s.next()).await.expect("first token").expect("item").expect("ok");
+    timeout(WAIT, s.next())
+        .await
+        .expect("first token")
+        .expect("item")
+        .expect("ok");
     assert_eq!(live.load(Ordering::SeqCst), 1);
     drop(s);
     assert!(
@@ -97,10 +106,18 @@ async fn cancellation_check_catches_a_worker_that_ignores_cancel() {
         .generate(GenerateRequest::new(vec![1], 1_000_000), None)
         .await
         .expect("send");
-    timeout(WAIT, s.next()).await.expect("first token").expect("item").expect("ok");
+    timeout(WAIT, s.next())
+        .await
+        .expect("first token")
+        .expect("item")
+        .expect("ok");
     drop(s);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(live.load(Ordering::SeqCst), 1, "the mutant keeps generating");
+    assert_eq!(
+        live.load(Ordering::SeqCst),
+        1,
+        "the mutant keeps generating"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -119,11 +136,17 @@ async fn deadline_yields_timeout_and_the_worker_stops() {
         )
         .await
         .expect("send");
-    let item = timeout(WAIT, s.next()).await.expect("no hang").expect("an item");
+    let item = timeout(WAIT, s.next())
+        .await
+        .expect("no hang")
+        .expect("an item");
     assert_eq!(item, Err(TransportError::Timeout));
     assert!(started.elapsed() >= Duration::from_millis(300));
     assert!(s.next().await.is_none());
-    assert!(wait_count(&live, 0).await, "worker still generating after the deadline");
+    assert!(
+        wait_count(&live, 0).await,
+        "worker still generating after the deadline"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,7 +189,11 @@ async fn oversized_request_is_refused_locally_and_the_connection_survives() {
         .generate(GenerateRequest::new(vec![1, 2], 1), None)
         .await
         .expect("small request still goes");
-    assert!(timeout(WAIT, s.next()).await.expect("in time").expect("item").is_ok());
+    assert!(timeout(WAIT, s.next())
+        .await
+        .expect("in time")
+        .expect("item")
+        .is_ok());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -180,7 +207,11 @@ async fn worker_killed_mid_stream_fails_pending_streams_promptly() {
             .generate(GenerateRequest::new(vec![1], 1_000_000), None)
             .await
             .expect("send");
-        timeout(WAIT, s.next()).await.expect("first").expect("item").expect("ok");
+        timeout(WAIT, s.next())
+            .await
+            .expect("first")
+            .expect("item")
+            .expect("ok");
         streams.push(s);
     }
     worker.shutdown();

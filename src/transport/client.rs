@@ -362,7 +362,9 @@ impl Stream for ResponseStream {
                 // The worker enforces the same deadline; whichever side notices first, the
                 // caller sees one error for it.
                 let e = match e {
-                    TransportError::Remote(RemoteError::DeadlineExceeded) => TransportError::Timeout,
+                    TransportError::Remote(RemoteError::DeadlineExceeded) => {
+                        TransportError::Timeout
+                    }
                     other => other,
                 };
                 return Poll::Ready(Some(Err(e)));

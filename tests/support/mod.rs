@@ -97,22 +97,28 @@ impl Engine for TickEngine {
         let interval = self.interval;
         let fail_after = self.fail_after;
         let max = request.max_tokens;
-        Box::pin(stream::unfold((0u32, guard), move |(i, guard)| async move {
-            if i >= max {
-                return None;
-            }
-            if fail_after == Some(i) {
-                return Some((Err(EngineError::new("simulated engine failure")), (max, guard)));
-            }
-            tokio::time::sleep(interval).await;
-            let finish = (i + 1 == max).then_some(FinishReason::Length);
-            let response = GenerateResponse {
-                token_ids: vec![i],
-                finish,
-                prefill: None,
-            };
-            Some((Ok(response), (i + 1, guard)))
-        }))
+        Box::pin(stream::unfold(
+            (0u32, guard),
+            move |(i, guard)| async move {
+                if i >= max {
+                    return None;
+                }
+                if fail_after == Some(i) {
+                    return Some((
+                        Err(EngineError::new("simulated engine failure")),
+                        (max, guard),
+                    ));
+                }
+                tokio::time::sleep(interval).await;
+                let finish = (i + 1 == max).then_some(FinishReason::Length);
+                let response = GenerateResponse {
+                    token_ids: vec![i],
+                    finish,
+                    prefill: None,
+                };
+                Some((Ok(response), (i + 1, guard)))
+            },
+        ))
     }
 }
 
@@ -173,7 +179,9 @@ pub fn receiver_stream<T: Send + 'static>(
 
 /// Serve `engine` on a fresh loopback port.
 pub async fn start_worker(engine: Arc<dyn Engine>) -> ServerHandle {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
     serve(listener, engine, ServerConfig::default()).expect("serve")
 }
 
