@@ -12,6 +12,7 @@ mod engine;
 mod error;
 mod server;
 mod wire;
+mod writer;
 
 pub use client::{ClientConfig, Connection, ResponseStream};
 pub use engine::{

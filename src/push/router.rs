@@ -198,8 +198,9 @@ impl PushRouter {
                 kv.record(&hashes, id);
                 drop(kv);
                 let instance = routable
-                    .into_iter()
+                    .iter()
                     .find(|i| i.instance_id == id)
+                    .cloned()
                     .ok_or(PushError::NoRoutableInstances)?;
                 Ok((instance, Some(overlap)))
             }

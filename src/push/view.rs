@@ -147,11 +147,12 @@ impl RoutableView {
         self.inner.epoch.send_modify(|e| *e += 1);
     }
 
-    /// The routable instances, by ascending id.
-    pub fn routable(&self) -> Vec<Arc<Instance>> {
+    /// The routable instances, by ascending id. Without an admission set this is a shared
+    /// snapshot (one reference-count increment, no copy).
+    pub fn routable(&self) -> Arc<[Arc<Instance>]> {
         let usable = Arc::clone(&self.inner.state.read().usable);
         match &self.inner.admission {
-            None => usable.to_vec(),
+            None => usable,
             Some(admission) => {
                 let admitted = admission.borrow();
                 usable

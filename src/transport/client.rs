@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures_core::Stream;
 use futures_util::StreamExt;
 use parking_lot::Mutex;
@@ -23,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use super::engine::{GenerateRequest, GenerateResponse};
 use super::error::{FrameError, RemoteError, TransportError};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
+use super::writer::Writer;
 
 /// Client-side limits.
 #[derive(Clone, Debug)]
@@ -65,7 +65,7 @@ struct Pending {
 struct Shared {
     addr: SocketAddr,
     config: ClientConfig,
-    writer: mpsc::Sender<Bytes>,
+    writer: Writer,
     pending: Mutex<Pending>,
     next_id: AtomicU64,
     slots: Arc<Semaphore>,
@@ -98,15 +98,13 @@ impl Shared {
             })
     }
 
-    /// Forget a request and tell the worker to stop it (best effort: if the write queue is
-    /// full the worker's own deadline still ends it).
+    /// Forget a request and tell the worker to stop it (best effort: without a runtime to send
+    /// the Cancel, the worker's own deadline still ends it).
     fn cancel(&self, id: u64) {
         let was_pending = self.pending.lock().streams.remove(&id).is_some();
         if was_pending && !self.closed.is_cancelled() {
             if let Some(bytes) = wire::encode_bounded(&Frame::Cancel { id }, usize::MAX) {
-                if self.writer.try_send(bytes).is_err() {
-                    tracing::debug!(addr = %self.addr, id, "cancel frame dropped: write queue full");
-                }
+                self.writer.send_detached(bytes);
             }
         }
     }
@@ -140,8 +138,8 @@ impl std::fmt::Debug for Connection {
 }
 
 impl Connection {
-    /// Connect to a worker at `addr` (TCP_NODELAY on) and start the connection's reader and
-    /// writer tasks on the current tokio runtime.
+    /// Connect to a worker at `addr` (TCP_NODELAY on) and start the connection's reader task
+    /// on the current tokio runtime.
     pub async fn connect(addr: SocketAddr, config: ClientConfig) -> Result<Self, TransportError> {
         let stream =
             match tokio::time::timeout(config.connect_timeout, TcpStream::connect(addr)).await {
@@ -162,8 +160,8 @@ impl Connection {
                 reason: e.to_string(),
             })?;
         let (rd, wr) = stream.into_split();
-        // Each in-flight request queues at most a Request and a Cancel frame.
-        let (writer, writer_rx) = mpsc::channel(config.max_in_flight.max(1) * 2);
+        let closed = CancellationToken::new();
+        let writer = Writer::new(wr, config.max_frame_len, closed.clone());
         let shared = Arc::new(Shared {
             addr,
             slots: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
@@ -174,12 +172,8 @@ impl Connection {
                 streams: HashMap::new(),
             }),
             next_id: AtomicU64::new(1),
-            closed: CancellationToken::new(),
+            closed,
         });
-        let sink =
-            tokio_util::codec::FramedWrite::new(wr, wire::codec(shared.config.max_frame_len));
-        let closed = shared.closed.clone();
-        tokio::spawn(super::server::write_loop(sink, writer_rx, closed));
         tokio::spawn(read_loop(rd, Arc::clone(&shared)));
         Ok(Connection {
             handle: Arc::new(Handle { shared }),
@@ -233,7 +227,7 @@ impl Connection {
             }
             pending.streams.insert(id, tx);
         }
-        if shared.writer.send(bytes).await.is_err() {
+        if !shared.writer.send(bytes).await {
             shared.pending.lock().streams.remove(&id);
             return Err(shared.failure());
         }

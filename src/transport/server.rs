@@ -7,18 +7,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::{FutureExt, StreamExt};
 use parking_lot::Mutex;
-use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
-use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
+use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-use super::engine::{Engine, GenerateRequest};
+use super::engine::{Engine, EngineError, EngineStream, GenerateResponse};
 use super::error::{FrameError, RemoteError};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
+use super::writer::Writer;
 
 /// Worker-side limits.
 #[derive(Clone, Debug)]
@@ -166,12 +164,7 @@ async fn serve_connection(
     }
     let (rd, wr) = stream.into_split();
     let max = config.max_frame_len;
-    let (writer, writer_rx) = mpsc::channel::<Bytes>(256);
-    tokio::spawn(write_loop(
-        FramedWrite::new(wr, wire::codec(max)),
-        writer_rx,
-        token.clone(),
-    ));
+    let writer = Writer::new(wr, max, token.clone());
     let active: Arc<Mutex<HashMap<u64, CancellationToken>>> = Arc::default();
     let mut frames = FramedRead::new(rd, wire::codec(max));
     let closed = loop {
@@ -214,20 +207,31 @@ async fn serve_connection(
                             id,
                             error: RemoteError::Overloaded,
                         };
-                        if !send(&writer, &token, frame, max).await {
+                        if !send(&writer, frame, max).await {
                             break Closed::Shutdown;
                         }
                         continue;
                     }
                     Some(true) => {}
                 }
+                let mut stream = engine.generate(request);
+                // Poll once here: an engine with its answer ready (a cached or one-token
+                // reply) is served from this task, without spawning one per request.
+                if let Some(item) = stream.next().now_or_never() {
+                    let (frame, last) = to_frame(id, item);
+                    if !send(&writer, frame, max).await {
+                        break Closed::Shutdown;
+                    }
+                    if last {
+                        continue;
+                    }
+                }
                 let request_token = token.child_token();
                 active.lock().insert(id, request_token.clone());
                 tokio::spawn(run_request(
                     id,
-                    request,
+                    stream,
                     timeout_ms,
-                    Arc::clone(&engine),
                     writer.clone(),
                     request_token,
                     Arc::clone(&active),
@@ -258,18 +262,34 @@ async fn serve_connection(
     token.cancel();
 }
 
-#[allow(clippy::too_many_arguments)] // one task's whole context; a struct would only rename it
+/// Turn an engine item (or the end of its stream) into a frame; true if it is the last one.
+fn to_frame(id: u64, item: Option<Result<GenerateResponse, EngineError>>) -> (Frame, bool) {
+    match item {
+        None => (Frame::End { id }, true),
+        Some(Ok(response)) => {
+            let last = response.finish.is_some();
+            (Frame::Data { id, response }, last)
+        }
+        Some(Err(e)) => (
+            Frame::Error {
+                id,
+                error: RemoteError::Engine { message: e.message },
+            },
+            true,
+        ),
+    }
+}
+
+/// Drive one request's engine stream to the end, a cancel, the deadline, or connection close.
 async fn run_request(
     id: u64,
-    request: GenerateRequest,
+    mut stream: EngineStream,
     timeout_ms: Option<u64>,
-    engine: Arc<dyn Engine>,
-    writer: mpsc::Sender<Bytes>,
+    writer: Writer,
     token: CancellationToken,
     active: Arc<Mutex<HashMap<u64, CancellationToken>>>,
     max: usize,
 ) {
-    let mut stream = engine.generate(request);
     let deadline = tokio::time::sleep(timeout_ms.map_or(
         Duration::from_secs(u64::from(u32::MAX)),
         Duration::from_millis,
@@ -280,26 +300,18 @@ async fn run_request(
             biased;
             _ = token.cancelled() => break,
             _ = &mut deadline => {
-                send(&writer, &token, Frame::Error { id, error: RemoteError::DeadlineExceeded }, max).await;
+                let frame = Frame::Error { id, error: RemoteError::DeadlineExceeded };
+                send(&writer, frame, max).await;
                 break;
             }
             item = stream.next() => item,
         };
-        let (frame, last) = match item {
-            None => (Frame::End { id }, true),
-            Some(Ok(response)) => {
-                let last = response.finish.is_some();
-                (Frame::Data { id, response }, last)
-            }
-            Some(Err(e)) => (
-                Frame::Error {
-                    id,
-                    error: RemoteError::Engine { message: e.message },
-                },
-                true,
-            ),
+        let (frame, last) = to_frame(id, item);
+        let sent = tokio::select! {
+            _ = token.cancelled() => false,
+            sent = send(&writer, frame, max) => sent,
         };
-        if !send(&writer, &token, frame, max).await || last {
+        if !sent || last {
             break;
         }
     }
@@ -308,13 +320,9 @@ async fn run_request(
     active.lock().remove(&id);
 }
 
-/// Queue a frame for the writer; false when the connection or request is finished.
-async fn send(
-    writer: &mpsc::Sender<Bytes>,
-    token: &CancellationToken,
-    frame: Frame,
-    max: usize,
-) -> bool {
+/// Send a frame, replacing a response too large to frame by an error; false when the
+/// connection is finished.
+async fn send(writer: &Writer, frame: Frame, max: usize) -> bool {
     let id = match &frame {
         Frame::Request { id, .. }
         | Frame::Cancel { id }
@@ -335,45 +343,5 @@ async fn send(
             }
         }
     };
-    tokio::select! {
-        _ = token.cancelled() => false,
-        sent = writer.send(bytes) => sent.is_ok(),
-    }
-}
-
-/// Write queued frames, batching whatever is ready into one flush (one syscall per batch).
-pub(crate) async fn write_loop(
-    mut sink: FramedWrite<OwnedWriteHalf, LengthDelimitedCodec>,
-    mut rx: mpsc::Receiver<Bytes>,
-    token: CancellationToken,
-) {
-    loop {
-        let first = tokio::select! {
-            _ = token.cancelled() => break,
-            first = rx.recv() => match first {
-                Some(first) => first,
-                None => break,
-            },
-        };
-        let batch = async {
-            sink.feed(first).await?;
-            for _ in 0..64 {
-                match rx.try_recv() {
-                    Ok(more) => sink.feed(more).await?,
-                    Err(_) => break,
-                }
-            }
-            SinkExt::<Bytes>::flush(&mut sink).await?;
-            Ok::<(), io::Error>(())
-        };
-        let written = tokio::select! {
-            _ = token.cancelled() => break,
-            written = batch => written,
-        };
-        if let Err(e) = written {
-            tracing::debug!(error = %e, "write failed; closing connection");
-            break;
-        }
-    }
-    token.cancel();
+    writer.send(bytes).await
 }
