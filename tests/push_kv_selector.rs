@@ -77,6 +77,25 @@ fn positive_temperature_samples_near_best_workers() {
     assert!(hits > 190, "{hits}");
 }
 
+#[test]
+fn the_least_recently_used_chains_are_evicted_first() {
+    let mut kv = selector(4);
+    let p1 = block_hashes(&(0..8).collect::<Vec<_>>(), 4);
+    let p2 = block_hashes(&(100..108).collect::<Vec<_>>(), 4);
+    let p3 = block_hashes(&(200..208).collect::<Vec<_>>(), 4);
+    kv.record(&p1, 1);
+    kv.record(&p2, 2);
+    kv.record(&p1, 1); // p1 used again: p2 is now the oldest
+    kv.record(&p3, 3);
+    assert_eq!(kv.len(), 4);
+    assert_eq!(kv.overlap(&p1, 1), 2);
+    assert_eq!(kv.overlap(&p2, 2), 0);
+    assert_eq!(kv.overlap(&p3, 3), 2);
+    kv.forget(1);
+    assert_eq!(kv.overlap(&p1, 1), 0);
+    assert_eq!(kv.len(), 2);
+}
+
 proptest! {
     #[test]
     fn the_index_never_exceeds_its_capacity(

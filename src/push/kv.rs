@@ -4,7 +4,7 @@
 //! sent which block chains to, and assumes they still hold them: a worker's overlap with a
 //! request is the number of leading blocks of the request that were last routed to it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{HashMap, VecDeque};
 
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
@@ -56,8 +56,10 @@ pub struct KvSelector {
     temperature: f64,
     capacity: usize,
     entries: HashMap<u64, Entry>,
-    /// tick → block hash, oldest first (the LRU order).
-    order: BTreeMap<u64, u64>,
+    /// `(tick, block hash)` in the order of use, oldest first. An entry whose tick no longer
+    /// matches its block's is stale (the block was used again later) and is skipped: O(1)
+    /// per use instead of an ordered-map update; compacted when stale entries dominate.
+    order: VecDeque<(u64, u64)>,
     tick: u64,
 }
 
@@ -92,7 +94,7 @@ impl KvSelector {
             },
             capacity: capacity.max(1),
             entries: HashMap::new(),
-            order: BTreeMap::new(),
+            order: VecDeque::new(),
             tick: 0,
         }
     }
@@ -201,7 +203,6 @@ impl KvSelector {
             let tick = self.tick;
             match self.entries.get_mut(&h) {
                 Some(entry) => {
-                    self.order.remove(&entry.tick);
                     entry.tick = tick;
                     if let Some(pos) = entry.workers.iter().position(|&w| w == worker) {
                         entry.workers.remove(pos);
@@ -220,27 +221,34 @@ impl KvSelector {
                     );
                 }
             }
-            self.order.insert(tick, h);
+            self.order.push_back((tick, h));
         }
         while self.entries.len() > self.capacity {
-            let Some((_, oldest)) = self.order.pop_first() else {
+            let Some((tick, oldest)) = self.order.pop_front() else {
                 break;
             };
-            self.entries.remove(&oldest);
+            if self.entries.get(&oldest).is_some_and(|e| e.tick == tick) {
+                self.entries.remove(&oldest);
+            }
         }
+        if self.order.len() > 2 * self.entries.len() + 64 {
+            self.compact();
+        }
+    }
+
+    /// Drop stale entries of the use order (keeps it within twice the index size).
+    fn compact(&mut self) {
+        let entries = &self.entries;
+        self.order
+            .retain(|(tick, h)| entries.get(h).is_some_and(|e| e.tick == *tick));
     }
 
     /// Forget a worker (it left discovery): its chains no longer attract requests.
     pub fn forget(&mut self, worker: InstanceId) {
-        let order = &mut self.order;
         self.entries.retain(|_, e| {
             e.workers.retain(|&w| w != worker);
-            if e.workers.is_empty() {
-                order.remove(&e.tick);
-                false
-            } else {
-                true
-            }
+            !e.workers.is_empty()
         });
+        self.compact();
     }
 }
