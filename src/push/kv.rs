@@ -44,6 +44,32 @@ pub fn block_hashes(token_ids: &[u32], block_size: u32) -> Vec<u64> {
     hashes
 }
 
+/// Hasher for keys that are `u64`s: one splitmix step instead of SipHash. Keys here are
+/// block hashes and instance ids chosen by our own code or discovery, not by request senders
+/// (block hashes are derived from token ids, but through the keyed-by-nothing chain; a
+/// collision flood costs only lookup time, bounded by the index capacity).
+#[derive(Clone, Copy, Default)]
+pub(crate) struct MixHasher(u64);
+
+impl std::hash::Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = mix(self.0 ^ u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = mix(self.0 ^ n);
+    }
+}
+
+/// `BuildHasher` for [`MixHasher`].
+pub(crate) type MixState = std::hash::BuildHasherDefault<MixHasher>;
+
 struct Entry {
     workers: Vec<InstanceId>,
     tick: u64,
@@ -55,7 +81,7 @@ pub struct KvSelector {
     overlap_weight: f64,
     temperature: f64,
     capacity: usize,
-    entries: HashMap<u64, Entry>,
+    entries: HashMap<u64, Entry, MixState>,
     /// `(tick, block hash)` in the order of use, oldest first. An entry whose tick no longer
     /// matches its block's is stale (the block was used again later) and is skipped: O(1)
     /// per use instead of an ordered-map update; compacted when stale entries dominate.
@@ -93,7 +119,7 @@ impl KvSelector {
                 0.0
             },
             capacity: capacity.max(1),
-            entries: HashMap::new(),
+            entries: HashMap::default(),
             order: VecDeque::new(),
             tick: 0,
         }

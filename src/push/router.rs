@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::error::PushError;
-use super::kv::{block_hashes, mix, KvSelector};
+use super::kv::{block_hashes, mix, KvSelector, MixState};
 use super::view::{InstanceStatus, RoutableView};
 use crate::advert::{KvRouterConfig, PrefillConfig, RouterMode};
 use crate::discovery::{Instance, InstanceId};
@@ -79,7 +79,7 @@ impl Default for PushConfig {
     }
 }
 
-type Loads = Arc<Mutex<HashMap<InstanceId, u64>>>;
+type Loads = Arc<Mutex<HashMap<InstanceId, u64, MixState>>>;
 
 /// Routes requests to instances of a [`RoutableView`] over the request plane. Share it behind
 /// an `Arc`; all methods take `&self`.
