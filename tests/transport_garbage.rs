@@ -139,6 +139,55 @@ async fn garbage_from_a_worker_fails_the_clients_streams_with_a_frame_error() {
     fake.abort();
 }
 
+/// Panics on every request, either when starting or on the first poll.
+struct PanickingEngine {
+    on_start: bool,
+}
+
+impl prefill_router::transport::Engine for PanickingEngine {
+    fn generate(&self, _request: GenerateRequest) -> prefill_router::transport::EngineStream {
+        if self.on_start {
+            panic!("engine bug at start");
+        }
+        Box::pin(futures_util::stream::poll_fn(
+            |_| -> std::task::Poll<Option<_>> { panic!("engine bug while generating") },
+        ))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_engine_fails_only_its_request() {
+    for on_start in [true, false] {
+        let worker = start_worker(std::sync::Arc::new(PanickingEngine { on_start })).await;
+        let conn = Connection::connect(worker.local_addr(), ClientConfig::default())
+            .await
+            .expect("connect");
+        for _ in 0..3 {
+            let mut s = conn
+                .generate(GenerateRequest::new(vec![1], 1), None)
+                .await
+                .expect("send");
+            let item = timeout(WAIT, s.next())
+                .await
+                .expect("no hang")
+                .expect("item");
+            assert_eq!(
+                item,
+                Err(TransportError::Remote(
+                    prefill_router::transport::RemoteError::Engine {
+                        message: "engine panicked".into()
+                    }
+                ))
+            );
+        }
+        assert!(
+            !conn.is_closed(),
+            "the connection survives the engine's panics"
+        );
+        assert_eq!(worker.open_connections(), 1);
+    }
+}
+
 #[test]
 fn decode_rejects_trailing_bytes_and_truncation() {
     let good = encode_frame(&Frame::Data {

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-use super::engine::{Engine, EngineError, EngineStream, GenerateResponse};
+use super::engine::{Engine, EngineError, EngineStream, GenerateRequest, GenerateResponse};
 use super::error::{FrameError, RemoteError};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
 use super::writer::Writer;
@@ -131,8 +132,8 @@ async fn accept_loop(
                 let token = shutdown.child_token();
                 let connections = Arc::clone(&connections);
                 tokio::spawn(async move {
+                    let _open = OpenConnection(connections);
                     serve_connection(stream, peer, engine, config, token).await;
-                    connections.fetch_sub(1, Ordering::Relaxed);
                 });
             }
             Err(e) => {
@@ -140,6 +141,40 @@ async fn accept_loop(
                 tracing::warn!(error = %e, "accept failed");
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
+        }
+    }
+}
+
+/// Counts an open connection until dropped (also when its task panics).
+struct OpenConnection(Arc<AtomicUsize>);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Start the engine; a panicking engine fails this request, not the connection.
+fn start(engine: &dyn Engine, request: GenerateRequest) -> EngineStream {
+    match std::panic::catch_unwind(AssertUnwindSafe(|| engine.generate(request))) {
+        Ok(stream) => stream,
+        Err(_) => {
+            tracing::error!("engine panicked starting a request");
+            Box::pin(futures_util::stream::iter([Err(EngineError::new(
+                "engine panicked",
+            ))]))
+        }
+    }
+}
+
+/// The engine stream's next item; a panic inside the engine becomes an error item (and the
+/// stream is not polled again, since an error is the last frame).
+async fn next_item(stream: &mut EngineStream) -> Option<Result<GenerateResponse, EngineError>> {
+    match AssertUnwindSafe(stream.next()).catch_unwind().await {
+        Ok(item) => item,
+        Err(_) => {
+            tracing::error!("engine panicked while generating");
+            Some(Err(EngineError::new("engine panicked")))
         }
     }
 }
@@ -214,10 +249,10 @@ async fn serve_connection(
                     }
                     Some(true) => {}
                 }
-                let mut stream = engine.generate(request);
+                let mut stream = start(engine.as_ref(), request);
                 // Poll once here: an engine with its answer ready (a cached or one-token
                 // reply) is served from this task, without spawning one per request.
-                if let Some(item) = stream.next().now_or_never() {
+                if let Some(item) = next_item(&mut stream).now_or_never() {
                     let (frame, last) = to_frame(id, item);
                     if !send(&writer, frame, max).await {
                         break Closed::Shutdown;
@@ -304,7 +339,7 @@ async fn run_request(
                 send(&writer, frame, max).await;
                 break;
             }
-            item = stream.next() => item,
+            item = next_item(&mut stream) => item,
         };
         let (frame, last) = to_frame(id, item);
         let sent = tokio::select! {
