@@ -236,3 +236,45 @@ async fn a_silent_worker_yields_timeout_at_the_deadline() {
         InstanceStatus::Routable(_)
     ));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_after_its_instance_left_discovery_reports_instance_gone() {
+    let discovery = Discovery::new(None);
+    let worker = start_worker(TickEngine::new(Duration::from_millis(5))).await;
+    discovery.add(1, worker.local_addr()).await;
+    discovery.wait_routable(&[1]).await;
+    let router = PushRouter::new(
+        discovery.view.clone(),
+        PushMode::RoundRobin,
+        PushConfig::default(),
+    );
+    let mut s = router
+        .generate(GenerateRequest::new(vec![1], 1_000_000))
+        .await
+        .expect("routed");
+    timeout(WAIT, s.next())
+        .await
+        .expect("first")
+        .expect("item")
+        .expect("ok");
+    // Deregistered first (its stream keeps running: graceful drain), then the process dies.
+    discovery.remove(1).await;
+    discovery.wait_routable(&[]).await;
+    timeout(WAIT, s.next())
+        .await
+        .expect("drain")
+        .expect("item")
+        .expect("still streaming");
+    worker.shutdown();
+    let failure = timeout(WAIT, async {
+        loop {
+            match s.next().await {
+                Some(Ok(_)) => continue,
+                other => break other,
+            }
+        }
+    })
+    .await
+    .expect("no hang");
+    assert_eq!(failure, Some(Err(PushError::InstanceGone(1))));
+}
