@@ -236,3 +236,32 @@ async fn worker_killed_mid_stream_fails_pending_streams_promptly() {
     let refused = conn.generate(GenerateRequest::new(vec![1], 1), None).await;
     assert!(matches!(refused, Err(TransportError::Disconnected { .. })));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_cuts_a_stream_that_never_pauses() {
+    let engine = TickEngine::new(Duration::ZERO);
+    let live = Arc::clone(&engine.live);
+    let worker = start_worker(engine).await;
+    let conn = connect(&worker).await;
+    let mut s = conn
+        .generate(
+            GenerateRequest::new(vec![1], u32::MAX),
+            Some(Instant::now() + Duration::from_millis(300)),
+        )
+        .await
+        .expect("send");
+    let end = timeout(WAIT, async {
+        let mut items = 0u64;
+        loop {
+            match s.next().await {
+                Some(Ok(_)) => items += 1,
+                other => break (items, other),
+            }
+        }
+    })
+    .await
+    .expect("the deadline ends the stream");
+    assert!(end.0 > 0, "tokens flowed before the deadline");
+    assert_eq!(end.1, Some(Err(TransportError::Timeout)));
+    assert!(wait_count(&live, 0).await);
+}

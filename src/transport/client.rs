@@ -337,6 +337,16 @@ impl Stream for ResponseStream {
         if this.done {
             return Poll::Ready(None);
         }
+        // The deadline first: a worker streaming faster than the caller reads must not be
+        // able to outrun it.
+        if let Some(deadline) = this.deadline.as_mut() {
+            if deadline.as_mut().poll(cx).is_ready() {
+                this.done = true;
+                this.open = false;
+                this.conn.handle.shared.cancel(this.id);
+                return Poll::Ready(Some(Err(TransportError::Timeout)));
+            }
+        }
         match this.rx.poll_recv(cx) {
             Poll::Ready(Some(Event::Data(response))) => {
                 if response.finish.is_some() {
@@ -369,14 +379,6 @@ impl Stream for ResponseStream {
                 return Poll::Ready(Some(Err(this.conn.handle.shared.failure())));
             }
             Poll::Pending => {}
-        }
-        if let Some(deadline) = this.deadline.as_mut() {
-            if deadline.as_mut().poll(cx).is_ready() {
-                this.done = true;
-                this.open = false;
-                this.conn.handle.shared.cancel(this.id);
-                return Poll::Ready(Some(Err(TransportError::Timeout)));
-            }
         }
         Poll::Pending
     }
