@@ -104,7 +104,7 @@ fn round_trip_table(rt: &tokio::runtime::Runtime) {
         let view = RoutableView::spawn(stream::pending(), None, CancellationToken::new());
         view.apply(InstanceEvent::Added(instance(1, addr)));
         let router = PushRouter::new(view, PushMode::RoundRobin, PushConfig::default());
-        (router, bare_echo_server().await)
+        (Arc::new(router), bare_echo_server().await)
     });
     let rounds = 6;
     let per_round = 4000;
@@ -178,6 +178,72 @@ fn round_trip_table(rt: &tokio::runtime::Runtime) {
         (rp50.as_secs_f64() - ep50.as_secs_f64()) * 1e6,
         (rp99.as_secs_f64() - ep99.as_secs_f64()) * 1e6
     );
+    concurrent_table(rt, &router, echo_addr);
+}
+
+/// 16 callers at once: through the router they share one multiplexed connection; the bare
+/// echo gets one connection per caller (it cannot multiplex).
+fn concurrent_table(rt: &tokio::runtime::Runtime, router: &Arc<PushRouter>, echo_addr: SocketAddr) {
+    const CALLERS: usize = 16;
+    const PER_CALLER: usize = 2000;
+    let (router_rate, echo_rate) = rt.block_on(async {
+        let router_rate = {
+            let started = Instant::now();
+            let calls: Vec<_> = (0..CALLERS)
+                .map(|_| {
+                    let router = Arc::clone(router);
+                    tokio::spawn(async move {
+                        for _ in 0..PER_CALLER {
+                            let mut s = router.generate(request()).await.expect("routed");
+                            black_box(s.next().await.expect("item").expect("ok"));
+                        }
+                    })
+                })
+                .collect();
+            for c in calls {
+                c.await.expect("caller");
+            }
+            (CALLERS * PER_CALLER) as f64 / started.elapsed().as_secs_f64()
+        };
+        let echo_rate = {
+            let mut conns = Vec::new();
+            for _ in 0..CALLERS {
+                let sock = TcpStream::connect(echo_addr).await.expect("connect");
+                sock.set_nodelay(true).expect("nodelay");
+                conns.push(Framed::new(sock, codec()));
+            }
+            let started = Instant::now();
+            let tasks: Vec<_> = conns
+                .into_iter()
+                .map(|mut echo| {
+                    tokio::spawn(async move {
+                        for id in 0..PER_CALLER as u64 {
+                            let frame = Frame::Request {
+                                id,
+                                timeout_ms: Some(30_000),
+                                request: request(),
+                            };
+                            echo.send(Bytes::from(encode_frame(&frame)))
+                                .await
+                                .expect("send");
+                            let bytes = echo.next().await.expect("frame").expect("ok");
+                            black_box(decode_frame(&bytes).expect("frame"));
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.expect("caller");
+            }
+            (CALLERS * PER_CALLER) as f64 / started.elapsed().as_secs_f64()
+        };
+        (router_rate, echo_rate)
+    });
+    println!("\n### {CALLERS} concurrent callers, {PER_CALLER} requests each");
+    println!("| path | req/s |\n|---|---|");
+    println!("| PushRouter, one multiplexed connection | {router_rate:.0} |");
+    println!("| bare tokio echo, one connection per caller | {echo_rate:.0} |");
+    println!("\nratio router/echo: {:.2}x", router_rate / echo_rate);
 }
 
 /// A worker's real cache in the simulation: LRU of block hashes, `capacity` blocks.
