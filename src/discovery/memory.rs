@@ -88,6 +88,17 @@ impl Default for MemoryDiscovery {
     }
 }
 
+/// The live records under `prefix`.
+fn listing(records: &BTreeMap<String, Slot>, prefix: &str) -> Vec<(String, Vec<u8>)> {
+    let now = Instant::now();
+    records
+        .range(prefix.to_owned()..)
+        .take_while(|(k, _)| k.starts_with(prefix))
+        .filter(|(_, slot)| slot.live(now))
+        .map(|(k, slot)| (k.clone(), slot.bytes.clone()))
+        .collect()
+}
+
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Slot>> {
         // A panic while holding the lock cannot leave the map half-updated (each critical
@@ -96,13 +107,18 @@ impl Inner {
     }
 
     fn snapshot(&self, prefix: &str) -> Vec<(String, Vec<u8>)> {
-        let now = Instant::now();
-        self.lock()
-            .range(prefix.to_owned()..)
-            .take_while(|(k, _)| k.starts_with(prefix))
-            .filter(|(_, slot)| slot.live(now))
-            .map(|(k, slot)| (k.clone(), slot.bytes.clone()))
-            .collect()
+        listing(&self.lock(), prefix)
+    }
+
+    /// Subscribe and list under the store lock (events are sent under it too), so the
+    /// subscription carries exactly the changes after the listing: none missed, none
+    /// replayed (a replayed put-then-delete would flash a dead instance to the watcher).
+    fn subscribe_with_snapshot(
+        &self,
+        prefix: &str,
+    ) -> (broadcast::Receiver<RawEvent>, Vec<(String, Vec<u8>)>) {
+        let records = self.lock();
+        (self.events.subscribe(), listing(&records, prefix))
     }
 
     fn put(&self, key: String, slot: Slot) {
@@ -222,16 +238,10 @@ impl MemoryDiscovery {
     fn feed(&self, prefix: String) -> mpsc::Receiver<RawEvent> {
         self.ensure_reaper();
         let (tx, rx) = mpsc::channel(FEED_CAPACITY);
-        // Subscribe before listing: nothing written in between is missed (a replayed event
-        // already in the listing is a no-op for the known set).
-        let mut events = self.inner.events.subscribe();
+        let (mut events, first) = self.inner.subscribe_with_snapshot(&prefix);
         let inner = Arc::clone(&self.inner);
         tokio::spawn(async move {
-            if tx
-                .send(RawEvent::Resync(inner.snapshot(&prefix)))
-                .await
-                .is_err()
-            {
+            if tx.send(RawEvent::Resync(first)).await.is_err() {
                 return;
             }
             loop {
@@ -247,7 +257,11 @@ impl MemoryDiscovery {
                     Ok(_) => continue,
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         tracing::debug!(missed, "memory discovery watch lagged; resyncing");
-                        RawEvent::Resync(inner.snapshot(&prefix))
+                        // Start over from a fresh subscription: the old one would replay
+                        // events older than the new listing.
+                        let (fresh, listing) = inner.subscribe_with_snapshot(&prefix);
+                        events = fresh;
+                        RawEvent::Resync(listing)
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
                 };
