@@ -797,3 +797,367 @@ conformance!(memory, MemoryHarness);
 conformance!(file, FileHarness);
 #[cfg(feature = "etcd")]
 conformance!(etcd, etcd_harness::EtcdHarness);
+
+// ---------------------------------------------------------------------------------------------
+// The store restarting: etcd killed and restarted under live workers and watchers.
+
+#[cfg(feature = "etcd")]
+mod etcd_restart {
+    use super::*;
+    use prefill_router::discovery::{EtcdConfig, EtcdDiscovery};
+    use std::process::{Child, Command, Stdio};
+
+    /// An etcd server of our own, on spare loopback ports, killed on drop.
+    struct OwnEtcd {
+        child: Option<Child>,
+        data: tempfile::TempDir,
+        port: u16,
+        peer_port: u16,
+    }
+
+    fn spare_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    impl OwnEtcd {
+        fn endpoint(&self) -> String {
+            format!("http://127.0.0.1:{}", self.port)
+        }
+
+        fn launch(&mut self) {
+            let client = format!("http://127.0.0.1:{}", self.port);
+            let peer = format!("http://127.0.0.1:{}", self.peer_port);
+            let log = std::fs::File::create(self.data.path().join("etcd.log")).unwrap();
+            let child = Command::new("etcd")
+                .args(["--name", "restart-test", "--data-dir"])
+                .arg(self.data.path().join("data"))
+                .args([
+                    "--listen-client-urls",
+                    &client,
+                    "--advertise-client-urls",
+                    &client,
+                ])
+                .args([
+                    "--listen-peer-urls",
+                    &peer,
+                    "--initial-advertise-peer-urls",
+                    &peer,
+                ])
+                .arg("--initial-cluster")
+                .arg(format!("restart-test={peer}"))
+                .args(["--initial-cluster-state", "new"])
+                .args(["--heartbeat-interval", "10", "--election-timeout", "100"])
+                .args(["--log-level", "warn", "--logger", "zap"])
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("cannot start etcd");
+            self.child = Some(child);
+        }
+
+        fn kill(&mut self) {
+            if let Some(mut child) = self.child.take() {
+                let _ = child.kill(); // SIGKILL: no graceful shutdown
+                let _ = child.wait();
+            }
+        }
+
+        async fn wait_healthy(&self) {
+            let started = Instant::now();
+            loop {
+                let config = EtcdConfig::new([self.endpoint()]).with_root("health/");
+                if let Ok(store) = EtcdDiscovery::connect(config).await {
+                    if store.list_namespace("probe").await.is_ok() {
+                        return;
+                    }
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "own etcd not healthy: {}",
+                    std::fs::read_to_string(self.data.path().join("etcd.log")).unwrap_or_default()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+
+    impl Drop for OwnEtcd {
+        fn drop(&mut self) {
+            self.kill();
+        }
+    }
+
+    fn etcd_binary_available() -> bool {
+        let found = Command::new("etcd")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "the etcd binary is missing in CI: source .ci/etcd.sh in .ci/run"
+            );
+            eprintln!("NOTICE: no etcd binary; skipping the etcd restart test");
+        }
+        found
+    }
+
+    async fn register_retrying(
+        store: &EtcdDiscovery,
+        instance: &Instance,
+    ) -> prefill_router::discovery::Registration {
+        let started = Instant::now();
+        loop {
+            match store
+                .register(instance.clone(), card("m", RouterMode::KV))
+                .await
+            {
+                Ok(registration) => return registration,
+                Err(error) => {
+                    assert!(
+                        started.elapsed() < Duration::from_secs(20),
+                        "register: {error}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_killed_and_restarted_resumes_watch_without_loss_or_duplicates() {
+        if !etcd_binary_available() {
+            return;
+        }
+        let mut etcd = OwnEtcd {
+            child: None,
+            data: tempfile::tempdir().unwrap(),
+            port: spare_port(),
+            peer_port: spare_port(),
+        };
+        etcd.launch();
+        etcd.wait_healthy().await;
+        let ttl = Duration::from_secs(4);
+        let config = EtcdConfig::new([etcd.endpoint()])
+            .with_root("restart/")
+            .with_ttl(ttl);
+        let worker = EtcdDiscovery::connect(config.clone()).await.unwrap();
+        let frontend = EtcdDiscovery::connect(config).await.unwrap();
+        let ep = endpoint("ns", "prefill");
+        let (a, b, c) = (instance(&ep, 1), instance(&ep, 2), instance(&ep, 3));
+        let _ra = register_retrying(&worker, &a).await;
+        let _rb = register_retrying(&worker, &b).await;
+        let mut watch = frontend.watch(&ep).await.unwrap();
+        let mut ns_watch = frontend.watch_namespace("ns").await.unwrap();
+        let mut view = View::default();
+        view.until(&mut watch, &[&a, &b]).await;
+
+        etcd.kill();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        etcd.launch();
+        etcd.wait_healthy().await;
+
+        // A worker registering after the restart is seen by the resumed watch ...
+        let _rc = register_retrying(&worker, &c).await;
+        view.until(&mut watch, &[&a, &b, &c]).await;
+        // ... and the workers that lived through the outage were never lost (no removal)
+        // nor duplicated (the view rejects a repeated Added).
+        assert_eq!(view.removals, 0);
+        let k = card("m", RouterMode::KV);
+        let mut ns_view = NsView::default();
+        ns_view
+            .until(&mut ns_watch, &[(&a, &k), (&b, &k), (&c, &k)])
+            .await;
+        // Their leases are kept alive across the restart: still there after a full TTL.
+        tokio::time::sleep(ttl + ttl / 2).await;
+        assert_eq!(
+            frontend.list_instances(&ep).await.unwrap(),
+            vec![a.clone(), b.clone(), c.clone()]
+        );
+        assert_quiet(&mut watch).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mutants: deliberately broken backends. Each must make a suite case fail, which shows the
+// suite's checks can fail at all.
+
+mod mutants {
+    use super::*;
+
+    /// Which way a wrapped memory store is broken.
+    #[derive(Clone, Copy)]
+    enum Bug {
+        /// Nothing in the wrapper is broken (the control, and the lease-timing mutant).
+        Nothing,
+        /// Every `Added` is delivered twice (a resync that does not diff).
+        DuplicateAdded,
+        /// An endpoint watch reports the whole namespace (a prefix-boundary bug).
+        LeakyEndpointWatch,
+    }
+
+    struct Broken {
+        store: MemoryDiscovery,
+        bug: Bug,
+    }
+
+    #[async_trait::async_trait]
+    impl Discovery for Broken {
+        async fn register(
+            &self,
+            instance: Instance,
+            card: ModelCard,
+        ) -> Result<prefill_router::discovery::Registration, DiscoveryError> {
+            self.store.register(instance, card).await
+        }
+        async fn list_instances(&self, ep: &EndpointId) -> Result<Vec<Instance>, DiscoveryError> {
+            self.store.list_instances(ep).await
+        }
+        async fn list_cards(
+            &self,
+            ep: &EndpointId,
+        ) -> Result<Vec<(InstanceId, ModelCard)>, DiscoveryError> {
+            self.store.list_cards(ep).await
+        }
+        async fn list_namespace(
+            &self,
+            ns: &str,
+        ) -> Result<Vec<(Instance, ModelCard)>, DiscoveryError> {
+            self.store.list_namespace(ns).await
+        }
+        async fn watch(&self, ep: &EndpointId) -> Result<InstanceStream, DiscoveryError> {
+            match self.bug {
+                Bug::Nothing => self.store.watch(ep).await,
+                Bug::DuplicateAdded => {
+                    let inner = self.store.watch(ep).await?;
+                    Ok(Box::pin(inner.flat_map(|event| {
+                        let twice = match &event {
+                            InstanceEvent::Added(_) => vec![event.clone(), event],
+                            InstanceEvent::Removed(_) => vec![event],
+                        };
+                        futures::stream::iter(twice)
+                    })))
+                }
+                Bug::LeakyEndpointWatch => {
+                    let inner = self.store.watch_namespace(&ep.namespace).await?;
+                    Ok(Box::pin(inner.map(|event| match event {
+                        NamespaceEvent::Upserted(instance, _) => InstanceEvent::Added(instance),
+                        NamespaceEvent::Removed(_, id) => InstanceEvent::Removed(id),
+                    })))
+                }
+            }
+        }
+        async fn watch_namespace(&self, ns: &str) -> Result<NamespaceStream, DiscoveryError> {
+            self.store.watch_namespace(ns).await
+        }
+    }
+
+    struct BrokenHarness {
+        store: MemoryDiscovery,
+        bug: Bug,
+        ttl: Duration,
+    }
+
+    #[async_trait::async_trait]
+    impl Harness for BrokenHarness {
+        async fn start() -> Option<Self> {
+            unreachable!("mutant harnesses are built by hand")
+        }
+        async fn client(&self) -> Arc<dyn Discovery> {
+            Arc::new(Broken {
+                store: self.store.clone(),
+                bug: self.bug,
+            })
+        }
+        async fn write_raw(&self, key: &str, bytes: Vec<u8>) {
+            self.store.insert_raw(key, bytes);
+        }
+        fn ttl(&self) -> Duration {
+            self.ttl
+        }
+        async fn register_then_kill(
+            &self,
+            instance: Instance,
+            card: ModelCard,
+            observer: &dyn Discovery,
+        ) {
+            let worker = self.client().await;
+            let registration = worker.register(instance.clone(), card).await.unwrap();
+            outlives_ttl_while_alive(observer, &instance, self.ttl).await;
+            registration.abandon();
+        }
+    }
+
+    fn harness(bug: Bug, config: MemoryConfig) -> BrokenHarness {
+        BrokenHarness {
+            store: MemoryDiscovery::new(config),
+            bug,
+            ttl: config.ttl,
+        }
+    }
+
+    /// Runs a case to completion and asserts that it failed.
+    async fn rejected<F>(case: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let outcome = tokio::time::timeout(Duration::from_secs(60), tokio::spawn(case))
+            .await
+            .expect("mutant case hung");
+        assert!(
+            outcome.is_err_and(|e| e.is_panic()),
+            "the suite accepted a broken backend"
+        );
+    }
+
+    fn sound() -> MemoryConfig {
+        MemoryConfig::with_ttl(Duration::from_secs(1))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn suite_rejects_a_watch_that_duplicates_instances() {
+        let h = harness(Bug::DuplicateAdded, sound());
+        rejected(async move { register_list_and_watch_agree(&h).await }).await;
+        let h = harness(Bug::DuplicateAdded, sound());
+        rejected(async move { two_watchers_agree(&h).await }).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn suite_rejects_an_endpoint_watch_that_leaks_other_endpoints() {
+        let h = harness(Bug::LeakyEndpointWatch, sound());
+        rejected(async move { endpoints_and_namespaces_are_isolated(&h).await }).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn suite_rejects_leases_that_are_not_kept_alive() {
+        // Renewing less often than the TTL: records of live workers expire.
+        let config = MemoryConfig {
+            ttl: Duration::from_millis(500),
+            keepalive_interval: Duration::from_secs(30),
+            reap_interval: Duration::from_millis(100),
+        };
+        let h = harness(Bug::Nothing, config);
+        rejected(async move { killed_worker_lease_expires(&h).await }).await;
+        let h = harness(Bug::Nothing, config);
+        rejected(async move { reregister_with_changed_card_is_an_upsert(&h).await }).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sound_wrapper_passes_so_the_mutants_fail_for_their_bug() {
+        // Control: the same wrapper without a bug passes the cases the mutants fail.
+        let h = harness(Bug::Nothing, sound());
+        register_list_and_watch_agree(&h).await;
+        let h = harness(Bug::Nothing, sound());
+        two_watchers_agree(&h).await;
+        let h = harness(Bug::Nothing, sound());
+        endpoints_and_namespaces_are_isolated(&h).await;
+        let h = harness(Bug::Nothing, sound());
+        killed_worker_lease_expires(&h).await;
+    }
+}

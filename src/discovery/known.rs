@@ -62,6 +62,9 @@ pub(crate) struct KnownSet {
     records: BTreeMap<String, (Instance, ModelCard)>,
     /// Keys already reported as malformed: warn once per bad record, not once per resync.
     malformed: BTreeSet<String>,
+    /// Test-only mutant: a resync that replaces the known set without diffing it.
+    #[cfg(test)]
+    blind_resync: bool,
 }
 
 impl KnownSet {
@@ -70,6 +73,8 @@ impl KnownSet {
             scope,
             records: BTreeMap::new(),
             malformed: BTreeSet::new(),
+            #[cfg(test)]
+            blind_resync: false,
         }
     }
 
@@ -117,6 +122,10 @@ impl KnownSet {
                     }
                 }
                 self.malformed.retain(|key| seen.contains(key));
+                #[cfg(test)]
+                if self.blind_resync {
+                    self.records.clear();
+                }
                 let gone: Vec<String> = self
                     .records
                     .keys()
@@ -186,7 +195,18 @@ mod tests {
 
     #[test]
     fn resync_emits_only_what_changed() {
-        let mut known = KnownSet::new(scope());
+        check_resync_emits_only_what_changed(KnownSet::new(scope()));
+    }
+
+    #[test]
+    fn blind_resync_mutant_is_caught() {
+        let mut mutant = KnownSet::new(scope());
+        mutant.blind_resync = true;
+        let caught = std::panic::catch_unwind(move || check_resync_emits_only_what_changed(mutant));
+        assert!(caught.is_err(), "a non-diffing resync went unnoticed");
+    }
+
+    fn check_resync_emits_only_what_changed(mut known: KnownSet) {
         let (a, b, c) = (inst(1, 1), inst(2, 2), inst(3, 3));
         let first = run(
             &mut known,
@@ -279,5 +299,99 @@ mod tests {
     fn delete_of_an_unknown_key_is_silent() {
         let mut known = KnownSet::new(scope());
         assert!(run(&mut known, RawEvent::Delete("nope".into())).is_empty());
+    }
+
+    mod level_triggered {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// One change to the store, and whether the watcher hears about it.
+        #[derive(Clone, Debug)]
+        enum Op {
+            /// Write instance `id` at `port` with card `card`; `heard` false = lost event.
+            Write {
+                id: u64,
+                port: u16,
+                card: u8,
+                heard: bool,
+            },
+            /// Write junk under instance `id`'s key.
+            Corrupt { id: u64, heard: bool },
+            /// Delete instance `id`.
+            Delete { id: u64, heard: bool },
+            /// A gap heals: the watcher gets a full listing.
+            Resync,
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                4 => (0..6u64, 1..3u16, 0..2u8, proptest::bool::weighted(0.8))
+                    .prop_map(|(id, port, card, heard)| Op::Write { id, port, card, heard }),
+                1 => (0..6u64, proptest::bool::weighted(0.8))
+                    .prop_map(|(id, heard)| Op::Corrupt { id, heard }),
+                2 => (0..6u64, proptest::bool::weighted(0.8))
+                    .prop_map(|(id, heard)| Op::Delete { id, heard }),
+                1 => Just(Op::Resync),
+            ]
+        }
+
+        proptest! {
+            /// Whatever events are lost, after a resync the watcher's view, built only from
+            /// the changes it was given, equals the readable contents of the store; and no
+            /// change it was given was a no-op (a duplicate upsert or a removal of nothing).
+            #[test]
+            fn view_converges_to_the_store_after_every_resync(ops in proptest::collection::vec(op(), 1..60)) {
+                let mut store: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+                let mut known = KnownSet::new(scope());
+                let mut view: BTreeMap<u64, (Instance, ModelCard)> = BTreeMap::new();
+                let mut out = VecDeque::new();
+                for op in ops {
+                    let event = match op {
+                        Op::Write { id, port, card, heard } => {
+                            let (k, v) = put(&inst(id, port), &format!("m{card}"));
+                            store.insert(k.clone(), v.clone());
+                            heard.then_some(RawEvent::Put(k, v))
+                        }
+                        Op::Corrupt { id, heard } => {
+                            let k = record_key(&inst(id, 1).endpoint, id);
+                            store.insert(k.clone(), b"{oops".to_vec());
+                            heard.then_some(RawEvent::Put(k, b"{oops".to_vec()))
+                        }
+                        Op::Delete { id, heard } => {
+                            let k = record_key(&inst(id, 1).endpoint, id);
+                            store.remove(&k);
+                            heard.then_some(RawEvent::Delete(k))
+                        }
+                        Op::Resync => Some(RawEvent::Resync(
+                            store.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                        )),
+                    };
+                    let resync = matches!(event, Some(RawEvent::Resync(_)));
+                    if let Some(event) = event {
+                        known.apply(event, &mut out);
+                    }
+                    for change in out.drain(..) {
+                        match change {
+                            Change::Upserted { previous, instance, card } => {
+                                let before = view.insert(instance.instance_id, (instance.clone(), card.clone()));
+                                prop_assert_eq!(before.as_ref().map(|(i, _)| i.clone()), previous);
+                                prop_assert_ne!(before, Some((instance, card)), "no-op upsert");
+                            }
+                            Change::Removed(instance) => {
+                                prop_assert!(view.remove(&instance.instance_id).is_some(), "removal of nothing");
+                            }
+                        }
+                    }
+                    if resync {
+                        let readable: BTreeMap<u64, (Instance, ModelCard)> = store
+                            .iter()
+                            .filter_map(|(k, v)| decode_record(k, v).ok())
+                            .map(|(i, c)| (i.instance_id, (i, c)))
+                            .collect();
+                        prop_assert_eq!(&view, &readable);
+                    }
+                }
+            }
+        }
     }
 }
