@@ -3,9 +3,10 @@
 //!
 //! This file holds the vocabulary shared by every backend and by the request plane. The record
 //! format ([`record_key`], [`encode_record`], [`decode_record`]) and the level-triggered diff
-//! behind every watch are pure and build without tokio. With the default feature `runtime` the module adds the [`Discovery`] trait and
-//! its backends: [`MemoryDiscovery`] (in-process), [`FileDiscovery`] (a shared directory, the
-//! embedded default) and, with feature `etcd`, `EtcdDiscovery`. See `docs/discovery.md`.
+//! behind every watch are pure and build without tokio. With the default feature `runtime`
+//! the module adds the `Discovery` trait and its backends: `MemoryDiscovery` (in-process),
+//! `FileDiscovery` (a shared directory, the embedded default) and, with feature `etcd`,
+//! `EtcdDiscovery`. See `docs/discovery.md`.
 
 use std::fmt;
 use std::net::SocketAddr;
