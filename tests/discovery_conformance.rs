@@ -73,7 +73,7 @@ struct MemoryHarness {
 impl Harness for MemoryHarness {
     async fn start() -> Option<Self> {
         Some(MemoryHarness {
-            store: MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(1))),
+            store: MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(2))),
         })
     }
     async fn client(&self) -> Arc<dyn Discovery> {
@@ -83,7 +83,7 @@ impl Harness for MemoryHarness {
         self.store.insert_raw(key, bytes);
     }
     fn ttl(&self) -> Duration {
-        Duration::from_secs(1)
+        Duration::from_secs(2)
     }
     async fn register_then_kill(
         &self,
@@ -1117,7 +1117,7 @@ mod mutants {
     }
 
     fn sound() -> MemoryConfig {
-        MemoryConfig::with_ttl(Duration::from_secs(1))
+        MemoryConfig::with_ttl(Duration::from_secs(2))
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
