@@ -74,8 +74,8 @@ pub(crate) trait Lease: Send + Sync {
 ///
 /// - [`deregister`](Registration::deregister) removes the record at once (polite shutdown);
 /// - dropping it stops the keep-alive and removes the record promptly too: synchronously on
-///   the memory and file backends, by a spawned lease revoke on etcd (if no tokio runtime is
-///   running any more, the record expires after its TTL instead);
+///   the memory and file backends; on etcd the keep-alive task revokes the lease (if no tokio
+///   runtime is running any more, the record expires after its TTL instead);
 /// - [`abandon`](Registration::abandon) stops the keep-alive but leaves the record to expire
 ///   after its TTL, which is what a killed process does;
 /// - if the process dies, nothing keeps the lease alive and the record expires after its TTL.

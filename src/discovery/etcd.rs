@@ -6,19 +6,20 @@
 //! - Keep-alive: a task renews the lease every `keepalive_interval` over etcd's keep-alive
 //!   stream, reopening the stream after an outage. If the lease expired meanwhile (the server
 //!   was down longer than the TTL), the task grants a new lease and re-puts the record, unless
-//!   a newer registration for the same instance owns the key.
+//!   a newer registration for the same instance owns the key. The same task revokes the
+//!   lease when the registration is deregistered or dropped.
 //! - Watch: list the prefix (revision R), then watch from R+1: no gap between the two. A
 //!   broken stream (server restart, network), a cancelled watch or a compacted revision make
 //!   the watch list again and watch from the new revision; the level-triggered diff of the new
 //!   listing against what the watcher knows emits exactly the missed changes.
+//! - Streams are half-closed and drained, never dropped open: see `close_keepalive`.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::sync::{mpsc, oneshot};
 
 use super::api::{
     cards_of, instance_stream, instances_of, namespace_of, namespace_stream, Discovery,
@@ -215,7 +216,17 @@ async fn watch_once(
     let mut stream = bounded(config.request_timeout, client.watch(prefix, Some(options))).await?;
     loop {
         let message = tokio::select! {
-            _ = tx.closed() => return Err(DiscoveryError::Closed),
+            _ = tx.closed() => {
+                // Half-close so etcd ends the call; dropping it open would reset the stream
+                // (see `close_keepalive`).
+                let (requests, mut responses) = stream.split();
+                drop(requests);
+                let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                    while let Ok(Some(_)) = responses.message().await {}
+                })
+                .await;
+                return Err(DiscoveryError::Closed);
+            }
             message = stream.message() => message,
         };
         let resp = match message {
@@ -251,42 +262,137 @@ struct Owned {
     lease: Arc<AtomicI64>,
 }
 
-/// Keep the lease alive forever (until aborted), surviving etcd outages.
-async fn keep_alive(mut client: Client, config: Arc<EtcdConfig>, owned: Owned) {
-    loop {
+/// How a registration ends its keep-alive task.
+enum Stop {
+    /// Revoke the lease (deleting the record); reply with the outcome if asked.
+    Revoke(Option<oneshot::Sender<Result<(), DiscoveryError>>>),
+    /// Leave the lease to expire, as a killed process would.
+    Abandon,
+}
+
+/// What one renewal found.
+enum Renewal {
+    Alive,
+    /// The server no longer knows the lease (it expired during an outage).
+    Lost,
+    /// The keep-alive stream broke: reopen it.
+    Broken,
+}
+
+async fn renew(
+    keeper: &mut etcd_client::LeaseKeeper,
+    stream: &mut etcd_client::LeaseKeepAliveStream,
+    limit: Duration,
+) -> Renewal {
+    if keeper.keep_alive().await.is_err() {
+        return Renewal::Broken;
+    }
+    match tokio::time::timeout(limit, stream.message()).await {
+        Ok(Ok(Some(resp))) if resp.ttl() > 0 => Renewal::Alive,
+        Ok(Ok(Some(_))) => Renewal::Lost,
+        _ => Renewal::Broken,
+    }
+}
+
+/// Close a keep-alive stream politely: half-close our side and let the server finish the
+/// call. Dropping an open stream would reset it, and h2 closes a connection that has reset
+/// 1024 streams (`too_many_internal_resets`), failing every call on it.
+async fn close_keepalive(
+    keeper: etcd_client::LeaseKeeper,
+    mut stream: etcd_client::LeaseKeepAliveStream,
+) {
+    drop(keeper);
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        while let Ok(Some(_)) = stream.message().await {}
+    })
+    .await;
+}
+
+/// Keep the lease alive until told to stop, surviving etcd outages; then revoke or abandon.
+async fn keep_alive(
+    mut client: Client,
+    config: Arc<EtcdConfig>,
+    owned: Owned,
+    mut stop: oneshot::Receiver<Stop>,
+) {
+    // A dropped sender means the registration is gone without a word: revoke.
+    let order = 'outer: loop {
         let lease = owned.lease.load(Ordering::Acquire);
-        match bounded(config.request_timeout, client.lease_keep_alive(lease)).await {
-            Ok((mut keeper, mut stream)) => loop {
-                if keeper.keep_alive().await.is_err() {
-                    break;
-                }
-                match tokio::time::timeout(config.request_timeout, stream.message()).await {
-                    Ok(Ok(Some(resp))) if resp.ttl() > 0 => {}
-                    Ok(Ok(Some(_))) => {
-                        tracing::warn!(
-                            key = owned.key,
-                            lease,
-                            "etcd lease expired while alive; re-registering"
-                        );
-                        match restore(&mut client, &config, &owned, lease).await {
-                            Ok(true) => {}
-                            Ok(false) => return, // superseded
-                            Err(error) => {
-                                tracing::warn!(key = owned.key, %error, "cannot re-register");
+        let opened = tokio::select! {
+            order = &mut stop => break order.unwrap_or(Stop::Revoke(None)),
+            opened = bounded(config.request_timeout, client.lease_keep_alive(lease)) => opened,
+        };
+        match opened {
+            Ok((mut keeper, mut stream)) => {
+                let ending = loop {
+                    let renewal = tokio::select! {
+                        order = &mut stop => break Some(order.unwrap_or(Stop::Revoke(None))),
+                        renewal = renew(&mut keeper, &mut stream, config.request_timeout) => renewal,
+                    };
+                    match renewal {
+                        Renewal::Alive => {}
+                        Renewal::Lost => {
+                            tracing::warn!(
+                                key = owned.key,
+                                lease,
+                                "etcd lease expired while alive; re-registering"
+                            );
+                            match restore(&mut client, &config, &owned, lease).await {
+                                Ok(true) => {}
+                                Ok(false) => {
+                                    tracing::debug!(
+                                        key = owned.key,
+                                        "registration superseded; keep-alive stops"
+                                    );
+                                    close_keepalive(keeper, stream).await;
+                                    return;
+                                }
+                                Err(error) => {
+                                    tracing::warn!(key = owned.key, %error, "cannot re-register");
+                                }
                             }
+                            break None;
                         }
-                        break;
+                        Renewal::Broken => {
+                            tracing::debug!(
+                                key = owned.key,
+                                "etcd keep-alive stream broke; reopening"
+                            );
+                            break None;
+                        }
                     }
-                    _ => {
-                        tracing::debug!(key = owned.key, "etcd keep-alive stream broke; reopening");
-                        break;
+                    tokio::select! {
+                        order = &mut stop => break Some(order.unwrap_or(Stop::Revoke(None))),
+                        _ = tokio::time::sleep(config.keepalive_interval) => {}
                     }
+                };
+                close_keepalive(keeper, stream).await;
+                if let Some(order) = ending {
+                    break 'outer order;
                 }
-                tokio::time::sleep(config.keepalive_interval).await;
-            },
+            }
             Err(error) => tracing::debug!(key = owned.key, %error, "etcd keep-alive unavailable"),
         }
-        tokio::time::sleep(config.retry_interval).await;
+        tokio::select! {
+            order = &mut stop => break order.unwrap_or(Stop::Revoke(None)),
+            _ = tokio::time::sleep(config.retry_interval) => {}
+        }
+    };
+    if let Stop::Revoke(reply) = order {
+        let lease = owned.lease.load(Ordering::Acquire);
+        let result = bounded(config.request_timeout, client.lease_revoke(lease))
+            .await
+            .map(|_| ());
+        match reply {
+            Some(reply) => {
+                let _ = reply.send(result);
+            }
+            None => {
+                if let Err(error) = result {
+                    tracing::debug!(lease, %error, "etcd lease revoke failed; it will expire");
+                }
+            }
+        }
     }
 }
 
@@ -322,43 +428,43 @@ async fn restore(
     Ok(true)
 }
 
+/// A registration's end of its keep-alive task, which does the revoking itself: no runtime
+/// handle is needed on drop, and the lease is revoked only once the keep-alive stopped (so it
+/// cannot re-grant behind the revoke).
 struct EtcdLease {
-    client: Client,
+    stop: Option<oneshot::Sender<Stop>>,
     timeout: Duration,
-    lease: Arc<AtomicI64>,
-    keepalive: JoinHandle<()>,
+}
+
+impl EtcdLease {
+    fn order(&mut self, order: Stop) {
+        if let Some(stop) = self.stop.take() {
+            // The task is gone only if the runtime is: then the lease just expires.
+            let _ = stop.send(order);
+        }
+    }
 }
 
 #[async_trait::async_trait]
 impl Lease for EtcdLease {
-    async fn revoke(self: Box<Self>) -> Result<(), DiscoveryError> {
-        let this = *self;
-        this.keepalive.abort();
-        // Wait until the task is gone so it cannot re-grant behind the revoke.
-        let _ = this.keepalive.await;
-        let mut client = this.client;
-        let lease = this.lease.load(Ordering::Acquire);
-        bounded(this.timeout, client.lease_revoke(lease))
-            .await
-            .map(|_| ())
-    }
-
-    fn abandon(self: Box<Self>) {
-        self.keepalive.abort();
-    }
-
-    fn release(self: Box<Self>) {
-        self.keepalive.abort();
-        let lease = self.lease.load(Ordering::Acquire);
-        // Revoking needs the runtime; without one the record expires after its TTL.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let (mut client, limit) = (self.client.clone(), self.timeout);
-            runtime.spawn(async move {
-                if let Err(error) = bounded(limit, client.lease_revoke(lease)).await {
-                    tracing::debug!(lease, %error, "etcd lease revoke on drop failed; it will expire");
-                }
-            });
+    async fn revoke(mut self: Box<Self>) -> Result<(), DiscoveryError> {
+        let (reply, outcome) = oneshot::channel();
+        self.order(Stop::Revoke(Some(reply)));
+        match tokio::time::timeout(self.timeout * 2, outcome).await {
+            Ok(Ok(result)) => result,
+            // The task ended on its own: superseded by a newer registration, whose record
+            // is not ours to delete.
+            Ok(Err(_)) => Ok(()),
+            Err(_) => Err(DiscoveryError::Etcd("lease revoke timed out".into())),
         }
+    }
+
+    fn abandon(mut self: Box<Self>) {
+        self.order(Stop::Abandon);
+    }
+
+    fn release(mut self: Box<Self>) {
+        self.order(Stop::Revoke(None));
     }
 }
 
@@ -398,23 +504,22 @@ impl Discovery for EtcdDiscovery {
             let _ = bounded(config.request_timeout, client.lease_revoke(lease)).await;
             return Err(error);
         }
-        let lease = Arc::new(AtomicI64::new(lease));
-        let keepalive = tokio::spawn(keep_alive(
-            client.clone(),
+        let (stop, stop_rx) = oneshot::channel();
+        tokio::spawn(keep_alive(
+            client,
             Arc::clone(config),
             Owned {
                 key,
                 bytes,
-                lease: Arc::clone(&lease),
+                lease: Arc::new(AtomicI64::new(lease)),
             },
+            stop_rx,
         ));
         Ok(Registration::new(
             instance,
             Box::new(EtcdLease {
-                client,
+                stop: Some(stop),
                 timeout: config.request_timeout,
-                lease,
-                keepalive,
             }),
         ))
     }
