@@ -125,5 +125,9 @@ fn discovery(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, discovery);
-criterion_main!(benches);
+// In a private module: `criterion_group!` generates an undocumented `pub fn`.
+mod group {
+    use super::*;
+    criterion_group!(benches, discovery);
+}
+criterion_main!(group::benches);
