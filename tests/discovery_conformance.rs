@@ -40,6 +40,11 @@ trait Harness: Send + Sync + Sized + 'static {
     async fn write_raw(&self, key: &str, bytes: Vec<u8>);
     /// The lease TTL the harness configured.
     fn ttl(&self) -> Duration;
+    /// How many registrations make a watcher that does not read fall behind its backend's
+    /// buffers (so that it must resync).
+    fn burst(&self) -> u64 {
+        1500
+    }
     /// Register `instance` in a worker that keeps its lease alive, then kill the worker
     /// without deregistering. Returns once the worker is dead; `observer` is used to wait
     /// until the registration is visible and to check it outlives the TTL while alive.
@@ -199,6 +204,11 @@ mod etcd_harness {
         }
         fn ttl(&self) -> Duration {
             self.ttl
+        }
+        fn burst(&self) -> u64 {
+            // etcd has no lag to provoke (its stream is flow-controlled): a burst that fills
+            // the watch's own channel is enough, and keeps the test short.
+            400
         }
         async fn register_then_kill(
             &self,
@@ -750,6 +760,42 @@ async fn endpoints_and_namespaces_are_isolated<H: Harness>(h: &H) {
     assert_quiet(&mut ns_watch).await;
 }
 
+async fn lagging_watcher_catches_up_without_loss_or_duplicates<H: Harness>(h: &H) {
+    let worker = h.client().await;
+    let frontend = h.client().await;
+    let ep = endpoint(&unique("ns"), "prefill");
+    let mut watch = frontend.watch(&ep).await.unwrap();
+    let mut ns_watch = frontend.watch_namespace(&ep.namespace).await.unwrap();
+    // Nobody reads the watches while a burst lands: their buffers overflow.
+    let mut held = Vec::new();
+    let instances: Vec<Instance> = (0..h.burst()).map(|id| instance(&ep, 1000 + id)).collect();
+    for i in &instances {
+        held.push(
+            worker
+                .register(i.clone(), card("m", RouterMode::KV))
+                .await
+                .unwrap(),
+        );
+    }
+    // Half of them leave again before anyone looks.
+    let mut survivors = Vec::new();
+    for (n, registration) in held.into_iter().enumerate() {
+        if n % 2 == 0 {
+            registration.deregister().await.unwrap();
+        } else {
+            survivors.push(registration);
+        }
+    }
+    let expected: Vec<&Instance> = instances.iter().skip(1).step_by(2).collect();
+    let mut view = View::default();
+    view.until(&mut watch, &expected).await;
+    assert_quiet(&mut watch).await;
+    let c = card("m", RouterMode::KV);
+    let expected_ns: Vec<(&Instance, &ModelCard)> = expected.iter().map(|i| (*i, &c)).collect();
+    let mut ns_view = NsView::default();
+    ns_view.until(&mut ns_watch, &expected_ns).await;
+}
+
 async fn invalid_instance_is_rejected<H: Harness>(h: &H) {
     let store = h.client().await;
     let bad = instance(&EndpointId::new("", "prefill", "generate"), 1);
@@ -775,6 +821,7 @@ macro_rules! conformance {
                 two_watchers_agree,
                 malformed_records_are_skipped_and_never_stop_the_watch,
                 endpoints_and_namespaces_are_isolated,
+                lagging_watcher_catches_up_without_loss_or_duplicates,
                 invalid_instance_is_rejected,
             );
         }

@@ -389,69 +389,96 @@ impl FileDiscovery {
     fn feed(&self, key_prefix: String) -> mpsc::Receiver<RawEvent> {
         self.ensure_reaper();
         let (tx, rx) = mpsc::channel(FEED_CAPACITY);
-        // Subscribe before the first listing: no change in between is missed.
-        let mut signals = self.inner.subscribe();
-        let inner = Arc::clone(&self.inner);
-        tokio::spawn(async move {
-            let name_prefix = key_to_name(&key_prefix);
-            let resync = inner.config.resync_interval.max(Duration::from_millis(10));
-            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + resync, resync);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut pending = Some(RawEvent::Resync(Vec::new())); // placeholder: list first
-            loop {
-                let event = match pending.take() {
-                    Some(RawEvent::Resync(_)) => match inner.list(&key_prefix).await {
-                        Ok(listing) => RawEvent::Resync(listing),
-                        Err(error) => {
-                            // Never send an empty listing for a failed one: that would
-                            // remove every instance. Try again at the next tick.
-                            tracing::warn!(%error, "file discovery resync failed");
-                            continue;
-                        }
-                    },
-                    Some(event) => event,
-                    None => {
-                        tokio::select! {
-                            _ = tx.closed() => return,
-                            _ = tick.tick() => pending = Some(RawEvent::Resync(Vec::new())),
-                            signal = next_signal(&mut signals) => match signal {
-                                Ok(FsSignal::Changed(names)) => {
-                                    for name in names.into_iter().filter(|n| n.starts_with(&name_prefix)) {
-                                        let path = inner.dir.join(&name);
-                                        let ttl = inner.config.ttl;
-                                        let event = match blocking(move || read_fresh(&path, ttl)).await {
-                                            Ok(Ok(Some(bytes))) => RawEvent::Put(name_to_key(&name), bytes),
-                                            Ok(Ok(None)) => RawEvent::Delete(name_to_key(&name)),
-                                            Ok(Err(error)) => {
-                                                tracing::warn!(name, %error, "cannot read discovery record; resyncing");
-                                                pending = Some(RawEvent::Resync(Vec::new()));
-                                                break;
-                                            }
-                                            Err(_) => return,
-                                        };
-                                        if tx.send(event).await.is_err() {
-                                            return;
-                                        }
-                                    }
-                                }
-                                Ok(FsSignal::Rescan) => pending = Some(RawEvent::Resync(Vec::new())),
-                                Err(broadcast::error::RecvError::Lagged(missed)) => {
-                                    tracing::debug!(missed, "file discovery watch lagged; resyncing");
-                                    pending = Some(RawEvent::Resync(Vec::new()));
-                                }
-                                Err(broadcast::error::RecvError::Closed) => signals = None,
-                            },
-                        }
-                        continue;
-                    }
-                };
-                if tx.send(event).await.is_err() {
-                    return;
-                }
-            }
-        });
+        // Subscribe before the first listing: no change in between is missed (and a change
+        // replayed after it is re-read, so it reports the current state, never a stale one).
+        let signals = self.inner.subscribe();
+        tokio::spawn(run_feed(Arc::clone(&self.inner), key_prefix, signals, tx));
         rx
     }
+}
+
+/// One watch's feed: a listing first, then re-reads of changed names, and a fresh listing
+/// after any gap or at every `resync_interval`.
+async fn run_feed(
+    inner: Arc<Inner>,
+    key_prefix: String,
+    mut signals: Option<broadcast::Receiver<FsSignal>>,
+    tx: mpsc::Sender<RawEvent>,
+) {
+    let name_prefix = key_to_name(&key_prefix);
+    let period = inner.config.resync_interval.max(Duration::from_millis(10));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut resync_due = true;
+    loop {
+        if std::mem::take(&mut resync_due) {
+            match inner.list(&key_prefix).await {
+                Ok(listing) => {
+                    if tx.send(RawEvent::Resync(listing)).await.is_err() {
+                        return;
+                    }
+                }
+                // Never send an empty listing for a failed one: that would remove every
+                // instance. The next tick tries again.
+                Err(error) => tracing::warn!(%error, "file discovery resync failed"),
+            }
+        }
+        tokio::select! {
+            _ = tx.closed() => return,
+            _ = tick.tick() => resync_due = true,
+            signal = next_signal(&mut signals) => match signal {
+                Ok(FsSignal::Changed(names)) => {
+                    let relevant = names.into_iter().filter(|n| n.starts_with(&name_prefix));
+                    match reread(&inner, relevant, &tx).await {
+                        Reread::Done => {}
+                        Reread::Failed => resync_due = true,
+                        Reread::Closed => return,
+                    }
+                }
+                Ok(FsSignal::Rescan) => resync_due = true,
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    tracing::debug!(missed, "file discovery watch lagged; resyncing");
+                    resync_due = true;
+                }
+                // The watcher is gone (store dropped mid-flight): keep polling.
+                Err(broadcast::error::RecvError::Closed) => signals = None,
+            },
+        }
+    }
+}
+
+/// How re-reading changed names went.
+enum Reread {
+    Done,
+    /// A read failed: only a full listing can tell what is there now.
+    Failed,
+    /// The watch's consumer is gone.
+    Closed,
+}
+
+/// Re-read each changed record: its current state, whatever the event said, becomes a `Put`
+/// (fresh record) or a `Delete` (gone or expired).
+async fn reread(
+    inner: &Arc<Inner>,
+    names: impl Iterator<Item = String>,
+    tx: &mpsc::Sender<RawEvent>,
+) -> Reread {
+    for name in names {
+        let (path, ttl) = (inner.dir.join(&name), inner.config.ttl);
+        let event = match blocking(move || read_fresh(&path, ttl)).await {
+            Ok(Ok(Some(bytes))) => RawEvent::Put(name_to_key(&name), bytes),
+            Ok(Ok(None)) => RawEvent::Delete(name_to_key(&name)),
+            Ok(Err(error)) => {
+                tracing::warn!(name, %error, "cannot read discovery record; resyncing");
+                return Reread::Failed;
+            }
+            Err(_) => return Reread::Closed,
+        };
+        if tx.send(event).await.is_err() {
+            return Reread::Closed;
+        }
+    }
+    Reread::Done
 }
 
 /// The next inotify signal, or never if this watch polls.
