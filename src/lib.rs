@@ -15,6 +15,8 @@
 //!   frontend multiplexes streamed requests over one connection per instance.
 //! - [`push`] (feature `runtime`): the routable-instance view and the push routers (round
 //!   robin, random, direct, KV prefix-aware).
+//! - [`mock`] (feature `runtime`): mock prefill and decode engines with a bounded KV block
+//!   cache, for the demo, tests and benchmarks.
 //! - [`discovery`]: where workers register instances and model cards, and where frontends
 //!   list and watch them; backends in memory, in a shared directory (the embedded default) and
 //!   on etcd (feature `etcd`), all behind one trait and one conformance suite
@@ -27,6 +29,8 @@ pub mod advert;
 pub mod control;
 pub mod discovery;
 pub mod lifecycle;
+#[cfg(feature = "runtime")]
+pub mod mock;
 #[cfg(feature = "runtime")]
 pub mod push;
 pub mod route;
