@@ -15,6 +15,9 @@
 //!   frontend multiplexes streamed requests over one connection per instance.
 //! - [`push`] (feature `runtime`): the routable-instance view and the push routers (round
 //!   robin, random, direct, KV prefix-aware).
+//! - [`topology`] (feature `runtime`): the topology watcher turning a namespace's discovery
+//!   records into the prefill router's target (one prefill set, one decode set, first-wins
+//!   admission, generations).
 //! - [`mock`] (feature `runtime`): mock prefill and decode engines with a bounded KV block
 //!   cache, for the demo, tests and benchmarks.
 //! - [`discovery`]: where workers register instances and model cards, and where frontends
@@ -35,5 +38,7 @@ pub mod mock;
 pub mod push;
 pub mod route;
 mod sync;
+#[cfg(feature = "runtime")]
+pub mod topology;
 #[cfg(feature = "runtime")]
 pub mod transport;
