@@ -15,6 +15,8 @@
 //!   frontend multiplexes streamed requests over one connection per instance.
 //! - [`push`] (feature `runtime`): the routable-instance view and the push routers (round
 //!   robin, random, direct, KV prefix-aware).
+//! - [`binding`] (feature `runtime`): the default binding factory (card resolution, routable
+//!   view with admission, push router) and the decode hop over a push router.
 //! - [`topology`] (feature `runtime`): the topology watcher turning a namespace's discovery
 //!   records into the prefill router's target (one prefill set, one decode set, first-wins
 //!   admission, generations).
@@ -29,6 +31,8 @@
 //! `docs/transport.md` for the request plane.
 
 pub mod advert;
+#[cfg(feature = "runtime")]
+pub mod binding;
 pub mod control;
 pub mod discovery;
 pub mod lifecycle;
