@@ -15,6 +15,8 @@
 //!   frontend multiplexes streamed requests over one connection per instance.
 //! - [`push`] (feature `runtime`): the routable-instance view and the push routers (round
 //!   robin, random, direct, KV prefix-aware).
+//! - [`router`] (feature `runtime`): the tokio adapter, `PrefillRouter`, driving the control
+//!   core with real builds and timers, plus the request path and its fallback policy.
 //! - [`binding`] (feature `runtime`): the default binding factory (card resolution, routable
 //!   view with admission, push router) and the decode hop over a push router.
 //! - [`topology`] (feature `runtime`): the topology watcher turning a namespace's discovery
@@ -41,6 +43,8 @@ pub mod mock;
 #[cfg(feature = "runtime")]
 pub mod push;
 pub mod route;
+#[cfg(feature = "runtime")]
+pub mod router;
 mod sync;
 #[cfg(feature = "runtime")]
 pub mod topology;

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 mod cli;
 mod demo;
 
-use cli::{Command, CliError};
+use cli::{CliError, Command};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

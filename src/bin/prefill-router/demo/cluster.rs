@@ -8,9 +8,12 @@ use prefill_router::advert::{ModelCard, RouterConfig, RouterMode};
 use prefill_router::discovery::{
     Discovery, DiscoveryError, EndpointId, Instance, InstanceId, Registration,
 };
-use prefill_router::mock::{MockConfig, MockDecode, MockPrefill, MockStats};
+use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
 use prefill_router::transport::{serve, Engine, ServerConfig, ServerHandle};
 use tokio::net::TcpListener;
+
+/// How long a politely stopped worker keeps serving after deregistering.
+const DRAIN: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// The demo's namespace.
 pub const NAMESPACE: &str = "demo";
@@ -40,7 +43,6 @@ pub fn prefill_card(mode: RouterMode, block_size: u32) -> ModelCard {
 struct Worker {
     server: ServerHandle,
     registration: Option<Registration>,
-    stats: Arc<MockStats>,
 }
 
 /// The running workers.
@@ -74,7 +76,6 @@ impl Cluster {
         endpoint: EndpointId,
         id: InstanceId,
         engine: Arc<dyn Engine>,
-        stats: Arc<MockStats>,
         card: ModelCard,
     ) -> Result<(), ClusterError> {
         let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
@@ -90,7 +91,6 @@ impl Cluster {
             Worker {
                 server,
                 registration: Some(registration),
-                stats,
             },
         );
         Ok(())
@@ -107,9 +107,8 @@ impl Cluster {
             block_size: card.kv_cache_block_size,
             ..mock.clone()
         };
-        let engine = MockPrefill::new(id, config);
-        let stats = engine.stats();
-        self.start(prefill_endpoint(), id, engine, stats, card).await
+        self.start(prefill_endpoint(), id, MockPrefill::new(id, config), card)
+            .await
     }
 
     /// Start decode worker `id`.
@@ -118,17 +117,20 @@ impl Cluster {
         id: InstanceId,
         mock: &MockConfig,
     ) -> Result<(), ClusterError> {
-        let engine = MockDecode::new(id, mock.clone());
-        let stats = engine.stats();
         let card = ModelCard {
             kv_cache_block_size: mock.block_size,
             ..ModelCard::named("mock-llm")
         };
-        self.start(decode_endpoint(), id, engine, stats, card)
-            .await
+        self.start(
+            decode_endpoint(),
+            id,
+            MockDecode::new(id, mock.clone()),
+            card,
+        )
+        .await
     }
 
-    /// Stop worker `id` politely: deregister, then stop serving.
+    /// Stop worker `id` politely: deregister, drain, then stop serving.
     pub async fn stop(&mut self, id: InstanceId) {
         if let Some(mut worker) = self.workers.remove(&id) {
             if let Some(registration) = worker.registration.take() {
@@ -136,6 +138,9 @@ impl Cluster {
                     tracing::warn!(id, %error, "deregistering a demo worker");
                 }
             }
+            // Drain: requests routed just before the deregistration reached the frontend
+            // finish (a prefill takes tens of milliseconds) before the server stops.
+            tokio::time::sleep(DRAIN).await;
             worker.server.stop().await;
         }
     }
@@ -149,11 +154,6 @@ impl Cluster {
                 registration.abandon();
             }
         }
-    }
-
-    /// Counters of a running worker.
-    pub fn stats(&self, id: InstanceId) -> Option<Arc<MockStats>> {
-        self.workers.get(&id).map(|w| Arc::clone(&w.stats))
     }
 
     /// Stop every worker.

@@ -80,8 +80,8 @@ impl DemoOptions {
                             Some(addr) if !addr.is_empty() => DiscoverySpec::Etcd(addr.to_owned()),
                             _ => {
                                 return Err(CliError::Usage(format!(
-                                    "--discovery: expected `file` or `etcd://HOST:PORT`, got `{spec}`"
-                                )))
+                                "--discovery: expected `file` or `etcd://HOST:PORT`, got `{spec}`"
+                            )))
                             }
                         },
                     };
@@ -152,9 +152,9 @@ async fn open_discovery(
             Ok((Arc::new(discovery), None))
         }
         #[cfg(not(feature = "etcd"))]
-        DiscoverySpec::Etcd(_) => {
-            Err("this binary was built without the `etcd` feature (cargo run --features etcd)".into())
-        }
+        DiscoverySpec::Etcd(_) => Err(
+            "this binary was built without the `etcd` feature (cargo run --features etcd)".into(),
+        ),
     }
 }
 
@@ -171,17 +171,18 @@ struct Stage {
 
 impl Stage {
     fn say(&self, text: &str) {
-        println!(
-            "[{:>5.1}s] ── {text}",
-            self.started.elapsed().as_secs_f64()
-        );
+        println!("[{:>5.1}s] ── {text}", self.started.elapsed().as_secs_f64());
     }
 
     fn router(&self) -> &PrefillRouter<DefaultBindingFactory> {
         &self.frontend.router
     }
 
-    async fn wait_for(&self, what: &str, mut ready: impl FnMut(&Self) -> bool) -> Result<(), DynError> {
+    async fn wait_for(
+        &self,
+        what: &str,
+        mut ready: impl FnMut(&Self) -> bool,
+    ) -> Result<(), DynError> {
         let deadline = Instant::now() + Duration::from_secs(20);
         while !ready(self) {
             if Instant::now() > deadline {
@@ -196,7 +197,10 @@ impl Stage {
         self.wait_for(&format!("generation {generation} to be active"), |s| {
             let status = s.router().status();
             status.lifecycle == Lifecycle::Active
-                && status.held.as_ref().is_some_and(|id| id.generation == generation)
+                && status
+                    .held
+                    .as_ref()
+                    .is_some_and(|id| id.generation == generation)
         })
         .await
     }
@@ -223,7 +227,7 @@ async fn demo(options: DemoOptions) -> Result<bool, DynError> {
     let (discovery, _dir) = open_discovery(&options.discovery, pace.ttl).await?;
     let mock = MockConfig {
         block_size: 16,
-        block_cost: Duration::from_micros(800),
+        block_cost: Duration::from_micros(1500),
         token_interval: Duration::from_millis(1),
         cache_blocks: 8192,
     };
@@ -263,7 +267,8 @@ async fn demo(options: DemoOptions) -> Result<bool, DynError> {
             ..PrefillRouterConfig::default()
         },
     ));
-    let watcher = TopologyWatcher::start(Arc::clone(&discovery), NAMESPACE, Arc::clone(&router)).await?;
+    let watcher =
+        TopologyWatcher::start(Arc::clone(&discovery), NAMESPACE, Arc::clone(&router)).await?;
     let feeds = CancellationToken::new();
     let decode_view = RoutableView::spawn(
         discovery.watch(&decode_endpoint()).await?,
@@ -306,7 +311,10 @@ async fn demo(options: DemoOptions) -> Result<bool, DynError> {
         stage.tally.retried.load(Ordering::Relaxed),
     );
     println!("lost requests: {lost}   routed outside the admission set: {outside}");
-    if let (Some(rr), Some(kv)) = (rows.iter().find(|r| r.label.contains("RoundRobin")), rows.iter().find(|r| r.label.contains("KV"))) {
+    if let (Some(rr), Some(kv)) = (
+        rows.iter().find(|r| r.label.contains("RoundRobin")),
+        rows.iter().find(|r| r.label.contains("KV")),
+    ) {
         let (rr50, _) = rr.ttft();
         let (kv50, _) = kv.ttft();
         println!(
@@ -401,7 +409,10 @@ async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::S
 
     stage.say("prefill pool appears: generation 1 (KV, block size 16), workers 1 2 3");
     for id in 1..=3 {
-        stage.cluster.start_prefill(id, gen1.clone(), &stage.mock).await?;
+        stage
+            .cluster
+            .start_prefill(id, gen1.clone(), &stage.mock)
+            .await?;
     }
     stage.wait_active_on(1).await?;
     stage.say("generation 1 active: requests route through prefill");
@@ -409,7 +420,10 @@ async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::S
 
     stage.say("generation 2 rolls out (block size 32): workers 4 5 6 start (rejected while generation 1 serves: first card wins)");
     for id in 4..=6 {
-        stage.cluster.start_prefill(id, gen2.clone(), &stage.mock).await?;
+        stage
+            .cluster
+            .start_prefill(id, gen2.clone(), &stage.mock)
+            .await?;
     }
     tokio::time::sleep(stage.pace.hold / 2).await;
     stage.say("generation 1 workers leave: the set selects the new card, generation 2 builds");
@@ -422,7 +436,13 @@ async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::S
 
     stage.say("prefill worker 5 is killed (its record lingers until its lease expires)");
     stage.cluster.kill(5);
-    tokio::time::sleep(stage.pace.hold.max(stage.pace.ttl + Duration::from_millis(500))).await;
+    tokio::time::sleep(
+        stage
+            .pace
+            .hold
+            .max(stage.pace.ttl + Duration::from_millis(500)),
+    )
+    .await;
 
     stage.say("the prefill pool vanishes: requests bypass to decode");
     let built_before = stage.stats.built.load(Ordering::Relaxed);
@@ -438,7 +458,10 @@ async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::S
 
     stage.say("the prefill pool returns with the same card: generation 2 again, binding reused");
     for id in [4, 6] {
-        stage.cluster.start_prefill(id, gen2.clone(), &stage.mock).await?;
+        stage
+            .cluster
+            .start_prefill(id, gen2.clone(), &stage.mock)
+            .await?;
     }
     stage.wait_active_on(2).await?;
     let rebuilt = stage.stats.built.load(Ordering::Relaxed) - built_before;
@@ -465,7 +488,10 @@ async fn compare(
     let card = prefill_card(mode, 16);
     let ids: Vec<InstanceId> = (first_id..first_id + 3).collect();
     for &id in &ids {
-        stage.cluster.start_prefill(id, card.clone(), &stage.mock).await?;
+        stage
+            .cluster
+            .start_prefill(id, card.clone(), &stage.mock)
+            .await?;
     }
     stage
         .wait_for(&format!("the {mode} pool to be active"), |s| {

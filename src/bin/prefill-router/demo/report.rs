@@ -16,7 +16,11 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
     }
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
     let index = ((sorted.len() - 1) as f64 * p).round() as usize;
     sorted[index.min(sorted.len() - 1)]
 }
@@ -40,7 +44,10 @@ impl Row {
             .iter()
             .filter(|s| s.prefill_worker.is_some())
             .fold((0u64, 0u64), |(c, t), s| {
-                (c + u64::from(s.cached_blocks), t + u64::from(s.prompt_blocks))
+                (
+                    c + u64::from(s.cached_blocks),
+                    t + u64::from(s.prompt_blocks),
+                )
             });
         #[allow(clippy::cast_precision_loss)]
         (total > 0).then(|| cached as f64 / total as f64)
@@ -57,7 +64,11 @@ pub fn print(rows: &[Row]) {
     println!("{}", "-".repeat(96));
     for row in rows {
         let (p50, p99) = row.ttft();
-        let prefill = row.samples.iter().filter(|s| s.prefill_worker.is_some()).count();
+        let prefill = row
+            .samples
+            .iter()
+            .filter(|s| s.prefill_worker.is_some())
+            .count();
         let hit = row
             .hit_rate()
             .map_or_else(|| "-".to_owned(), |r| format!("{:.1}%", r * 100.0));

@@ -128,7 +128,12 @@ pub async fn converse(
 }
 
 /// One turn, with retries on errors; returns the reply's tokens.
-async fn turn(frontend: &Frontend, tally: &Tally, shape: &TrafficShape, prompt: Vec<u32>) -> Vec<u32> {
+async fn turn(
+    frontend: &Frontend,
+    tally: &Tally,
+    shape: &TrafficShape,
+    prompt: Vec<u32>,
+) -> Vec<u32> {
     for attempt in 1..=shape.attempts {
         let request = GenerateRequest::new(prompt.clone(), shape.max_tokens);
         match tokio::time::timeout(shape.deadline, once(frontend, request)).await {
@@ -140,7 +145,10 @@ async fn turn(frontend: &Frontend, tally: &Tally, shape: &TrafficShape, prompt: 
             Ok(Ok((sample, tokens))) => {
                 if tokens.len() != shape.max_tokens as usize {
                     tally.lost.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(got = tokens.len(), "request answered with the wrong token count");
+                    tracing::error!(
+                        got = tokens.len(),
+                        "request answered with the wrong token count"
+                    );
                 }
                 let counter = if sample.prefill_worker.is_some() {
                     &tally.via_prefill
