@@ -403,6 +403,11 @@ async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::S
     let gen1 = prefill_card(RouterMode::KV, 16);
     let gen2 = prefill_card(RouterMode::KV, 32);
     stage.cluster.start_decode(DECODE_IDS, &stage.mock).await?;
+    stage
+        .wait_for("the decode worker to be discovered", |s| {
+            !s.frontend.decode.router().view().routable().is_empty()
+        })
+        .await?;
     stage.say("decode worker up, no prefill pool: requests bypass to decode");
     let (stop, mut users) = start_traffic(stage, shape, 1);
     stage.hold().await;
