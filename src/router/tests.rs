@@ -1,5 +1,9 @@
 //! Tests of the adapter (fake factories and bindings; paused time where timing matters).
 
+mod fakes;
+mod lifecycle;
+mod timing;
+
 mod jitter {
     use std::time::Duration;
 
