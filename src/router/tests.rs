@@ -1,7 +1,11 @@
 //! Tests of the adapter (fake factories and bindings; paused time where timing matters).
 
+mod drop_safety;
 mod fakes;
+mod fallback;
 mod lifecycle;
+mod metrics;
+mod retired;
 mod timing;
 
 mod jitter {

@@ -158,7 +158,10 @@ impl BindingFactory for ScriptFactory {
         cancel: CancellationToken,
     ) -> BoxFuture<'static, Result<FakeBinding, BuildError>> {
         let step = self.log.script.lock().pop_front().unwrap_or(Step::Succeed);
-        self.log.calls.lock().push((target.id.clone(), Instant::now()));
+        self.log
+            .calls
+            .lock()
+            .push((target.id.clone(), Instant::now()));
         self.log.tokens.lock().push(cancel);
         let guard = LiveGuard::new(&self.log.builds_live);
         let bindings = Arc::clone(&self.log.bindings_live);

@@ -19,16 +19,23 @@ async fn instant_factory_activates_and_subscribers_see_each_change() {
     assert_eq!(*rx.borrow_and_update(), Lifecycle::Pending);
     assert_eq!(router.route().bypass(), Some(BypassReason::NotYetTargeted));
     router.set_target(Some(target(1)));
-    tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|l| *l == Lifecycle::Active))
-        .await
-        .unwrap()
-        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        rx.wait_for(|l| *l == Lifecycle::Active),
+    )
+    .await
+    .unwrap()
+    .unwrap();
     let Route::Prefill(binding) = router.route() else {
         panic!("active without a binding")
     };
     assert_eq!(binding.target, WorkerSetTargetId::new("ns/prefill", 1));
     router.set_target(None);
-    assert_eq!(*rx.borrow_and_update(), Lifecycle::Unavailable, "announced before returning");
+    assert_eq!(
+        *rx.borrow_and_update(),
+        Lifecycle::Unavailable,
+        "announced before returning"
+    );
 }
 
 #[tokio::test]
@@ -62,13 +69,20 @@ async fn retarget_retires_the_old_binding_and_builds_the_new_one() {
     router.set_target(Some(target(1)));
     router.wait_active(Duration::from_secs(5)).await.unwrap();
     router.set_target(Some(target(2)));
-    assert!(!router.route().is_prefill(), "never the old binding after a retarget");
+    assert!(
+        !router.route().is_prefill(),
+        "never the old binding after a retarget"
+    );
     router.wait_active(Duration::from_secs(5)).await.unwrap();
     let status = router.status();
     assert_eq!(status.held, Some(WorkerSetTargetId::new("ns/prefill", 2)));
     assert_eq!(status.counters.retired, 1);
     assert_eq!(status.counters.activations, 2);
-    assert_eq!(log.bindings_live.get(), 1, "the retired binding was dropped");
+    assert_eq!(
+        log.bindings_live.get(),
+        1,
+        "the retired binding was dropped"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -92,7 +106,10 @@ async fn wait_active_times_out_while_pending_and_fails_after_shutdown() {
     let (factory, _log) = ScriptFactory::new([Step::Hang]);
     let router = router(factory);
     router.set_target(Some(target(1)));
-    let err = router.wait_active(Duration::from_secs(3)).await.unwrap_err();
+    let err = router
+        .wait_active(Duration::from_secs(3))
+        .await
+        .unwrap_err();
     assert_eq!(
         err,
         WaitError::TimedOut {

@@ -36,7 +36,10 @@ async fn builds_that_fail_n_times_then_succeed_activate_after_doubling_backoff()
         assert_eq!(status.counters.build_failures, n as u64);
         assert_eq!(status.counters.activations, 1);
         assert_eq!(status.consecutive_failures, 0);
-        assert_eq!(status.last_error, None, "an activation clears the last error");
+        assert_eq!(
+            status.last_error, None,
+            "an activation clears the last error"
+        );
         let expected: Vec<Duration> = [1, 2, 4, 4][..n]
             .iter()
             .map(|s| Duration::from_secs(*s))
@@ -48,7 +51,10 @@ async fn builds_that_fail_n_times_then_succeed_activate_after_doubling_backoff()
 #[tokio::test(start_paused = true)]
 async fn failing_builds_report_the_error_and_keep_the_hop_pending() {
     let (factory, log) = ScriptFactory::new(vec![Step::Fail("no card"); 3]);
-    let router = PrefillRouter::new(factory, config(RetryPolicy::fixed(Duration::from_secs(10)), 0.0));
+    let router = PrefillRouter::new(
+        factory,
+        config(RetryPolicy::fixed(Duration::from_secs(10)), 0.0),
+    );
     router.set_target(Some(target(1)));
     tokio::time::sleep(Duration::from_secs(15)).await;
     let status = router.status();
@@ -62,7 +68,10 @@ async fn failing_builds_report_the_error_and_keep_the_hop_pending() {
 #[tokio::test(start_paused = true)]
 async fn retry_jitter_stays_within_delay_and_delay_times_one_plus_jitter() {
     let (factory, log) = ScriptFactory::new(vec![Step::Fail("boom"); 40]);
-    let router = PrefillRouter::new(factory, config(RetryPolicy::fixed(Duration::from_secs(1)), 0.5));
+    let router = PrefillRouter::new(
+        factory,
+        config(RetryPolicy::fixed(Duration::from_secs(1)), 0.5),
+    );
     router.set_target(Some(target(1)));
     router.wait_active(Duration::from_secs(600)).await.unwrap();
     let gaps = gaps(&log.call_times());
@@ -80,7 +89,10 @@ async fn retry_jitter_stays_within_delay_and_delay_times_one_plus_jitter() {
 #[tokio::test(start_paused = true)]
 async fn hanging_build_fails_at_the_build_timeout_and_is_retried() {
     let (factory, log) = ScriptFactory::new([Step::Hang]);
-    let router = PrefillRouter::new(factory, config(RetryPolicy::fixed(Duration::from_secs(1)), 0.0));
+    let router = PrefillRouter::new(
+        factory,
+        config(RetryPolicy::fixed(Duration::from_secs(1)), 0.0),
+    );
     router.set_target(Some(target(1)));
     tokio::time::sleep(Duration::from_millis(4_900)).await;
     let status = router.status();
@@ -93,19 +105,36 @@ async fn hanging_build_fails_at_the_build_timeout_and_is_retried() {
     assert_eq!(status.consecutive_failures, 1);
     assert_eq!(status.counters.build_timeouts, 1);
     assert!(status.last_error.unwrap().contains("timed out after 5s"));
-    assert_eq!(log.builds_live.get(), 0, "the hung build future was dropped");
-    assert!(log.tokens.lock()[0].is_cancelled(), "its token was cancelled");
+    assert_eq!(
+        log.builds_live.get(),
+        0,
+        "the hung build future was dropped"
+    );
+    assert!(
+        log.tokens.lock()[0].is_cancelled(),
+        "its token was cancelled"
+    );
 
     router.wait_active(Duration::from_secs(10)).await.unwrap();
     let times = log.call_times();
-    assert_eq!(gaps(&times), vec![Duration::from_secs(6)], "timeout 5 s + retry 1 s");
-    assert!(!log.tokens.lock()[1].is_cancelled(), "a built binding keeps its token");
+    assert_eq!(
+        gaps(&times),
+        vec![Duration::from_secs(6)],
+        "timeout 5 s + retry 1 s"
+    );
+    assert!(
+        !log.tokens.lock()[1].is_cancelled(),
+        "a built binding keeps its token"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn retarget_during_backoff_builds_at_once_without_waiting_for_the_timer() {
     let (factory, log) = ScriptFactory::new([Step::Fail("boom")]);
-    let router = PrefillRouter::new(factory, config(RetryPolicy::fixed(Duration::from_secs(30)), 0.0));
+    let router = PrefillRouter::new(
+        factory,
+        config(RetryPolicy::fixed(Duration::from_secs(30)), 0.0),
+    );
     router.set_target(Some(target(1)));
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(router.status().retry_armed);
