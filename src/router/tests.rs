@@ -5,6 +5,7 @@ mod fakes;
 mod fallback;
 mod lifecycle;
 mod metrics;
+mod race;
 mod retired;
 mod timing;
 
