@@ -96,10 +96,7 @@ pub fn resolve(cards: &[ModelCard], decode: &DecodeDefaults) -> Result<PrefillCo
                 rc.session_affinity_ttl_secs.map(Duration::from_secs),
             )
         }
-        None => (
-            decode.kv_router_config.clone(),
-            decode.session_affinity_ttl,
-        ),
+        None => (decode.kv_router_config.clone(), decode.session_affinity_ttl),
     };
     let block_size = match first.kv_cache_block_size {
         0 => decode.block_size,

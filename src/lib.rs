@@ -11,12 +11,21 @@
 //!   snapshots; loom-checked (`docs/concurrency.md`).
 //! - [`advert`]: pure resolution of the prefill workers' model cards into the hop's
 //!   configuration (router mode, KV tuning, block size, session affinity).
+//! - [`transport`] (feature `runtime`): the TCP request plane; a worker serves an `Engine`, a
+//!   frontend multiplexes streamed requests over one connection per instance.
+//! - [`push`] (feature `runtime`): the routable-instance view and the push routers (round
+//!   robin, random, direct, KV prefix-aware).
 //!
-//! See `docs/design.md` for the machine and `docs/properties.md` for what is proven and how.
+//! See `docs/design.md` for the machine, `docs/properties.md` for what is proven and how, and
+//! `docs/transport.md` for the request plane.
 
 pub mod advert;
 pub mod control;
 pub mod discovery;
 pub mod lifecycle;
+#[cfg(feature = "runtime")]
+pub mod push;
 pub mod route;
 mod sync;
+#[cfg(feature = "runtime")]
+pub mod transport;

@@ -193,7 +193,11 @@ impl<T: fmt::Debug> fmt::Display for Action<T> {
                 after,
                 delay,
                 attempt,
-            } => write!(f, "retry after {build} in {delay:?} (attempt {attempt})", build = after),
+            } => write!(
+                f,
+                "retry after {build} in {delay:?} (attempt {attempt})",
+                build = after
+            ),
             Action::CancelRetry { after } => write!(f, "cancel retry after {after}"),
         }
     }
