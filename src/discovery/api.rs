@@ -271,12 +271,20 @@ pub(crate) fn namespace_of(
 /// resurrect a record that the release has just deleted (aborting a task is not enough: it may
 /// be mid-poll on another worker thread).
 #[derive(Debug, Default)]
-pub(crate) struct StopFlag(std::sync::Mutex<bool>);
+pub(crate) struct StopFlag {
+    stopped: std::sync::Mutex<bool>,
+    /// Wakes a keep-alive thread sleeping in [`StopFlag::sleep`] when the flag is set.
+    wake: std::sync::Condvar,
+}
 
 impl StopFlag {
+    fn lock(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.stopped.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Run `renew` unless stopped; false if stopped.
     pub(crate) fn unless_stopped(&self, renew: impl FnOnce()) -> bool {
-        let stopped = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let stopped = self.lock();
         if *stopped {
             return false;
         }
@@ -286,9 +294,20 @@ impl StopFlag {
 
     /// Stop, then run `cleanup` while no renewal can interleave.
     pub(crate) fn stop_then(&self, cleanup: impl FnOnce()) {
-        let mut stopped = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stopped = self.lock();
         *stopped = true;
+        self.wake.notify_all();
         cleanup();
+    }
+
+    /// Block the calling (non-runtime) thread for `period` or until stopped; true if stopped.
+    pub(crate) fn sleep(&self, period: std::time::Duration) -> bool {
+        let stopped = self.lock();
+        let (stopped, _) = self
+            .wake
+            .wait_timeout_while(stopped, period, |stopped| !*stopped)
+            .unwrap_or_else(|e| e.into_inner());
+        *stopped
     }
 }
 
