@@ -24,6 +24,35 @@ pub type NamespaceStream = Pin<Box<dyn Stream<Item = NamespaceEvent> + Send + 's
 /// Where workers register and frontends look. Object-safe: use it as `Arc<dyn Discovery>`.
 ///
 /// Every backend passes the same conformance suite (`tests/discovery_conformance.rs`).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use futures::StreamExt;
+/// use prefill_router::advert::ModelCard;
+/// use prefill_router::discovery::{
+///     Discovery, EndpointId, Instance, InstanceEvent, MemoryDiscovery,
+/// };
+///
+/// let store: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::default());
+/// let endpoint = EndpointId::new("dynamo", "prefill", "generate");
+/// let mut watch = store.watch(&endpoint).await?;
+///
+/// let worker = Instance {
+///     endpoint: endpoint.clone(),
+///     instance_id: 7,
+///     address: "127.0.0.1:9000".parse()?,
+/// };
+/// let registration = store.register(worker.clone(), ModelCard::named("llama")).await?;
+/// assert_eq!(watch.next().await, Some(InstanceEvent::Added(worker)));
+/// assert_eq!(store.list_cards(&endpoint).await?, vec![(7, ModelCard::named("llama"))]);
+///
+/// registration.deregister().await?;
+/// assert_eq!(watch.next().await, Some(InstanceEvent::Removed(7)));
+/// # Ok(())
+/// # }
+/// ```
 #[async_trait::async_trait]
 pub trait Discovery: Send + Sync {
     /// Publish `instance` with its model card under a lease that the returned [`Registration`]
