@@ -15,6 +15,10 @@
 //!   frontend multiplexes streamed requests over one connection per instance.
 //! - [`push`] (feature `runtime`): the routable-instance view and the push routers (round
 //!   robin, random, direct, KV prefix-aware).
+//! - [`discovery`]: where workers register instances and model cards, and where frontends
+//!   list and watch them; backends in memory, in a shared directory (the embedded default) and
+//!   on etcd (feature `etcd`), all behind one trait and one conformance suite
+//!   (`docs/discovery.md`).
 //!
 //! See `docs/design.md` for the machine, `docs/properties.md` for what is proven and how, and
 //! `docs/transport.md` for the request plane.
