@@ -24,6 +24,35 @@ pub type NamespaceStream = Pin<Box<dyn Stream<Item = NamespaceEvent> + Send + 's
 /// Where workers register and frontends look. Object-safe: use it as `Arc<dyn Discovery>`.
 ///
 /// Every backend passes the same conformance suite (`tests/discovery_conformance.rs`).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use futures::StreamExt;
+/// use prefill_router::advert::ModelCard;
+/// use prefill_router::discovery::{
+///     Discovery, EndpointId, Instance, InstanceEvent, MemoryDiscovery,
+/// };
+///
+/// let store: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::default());
+/// let endpoint = EndpointId::new("dynamo", "prefill", "generate");
+/// let mut watch = store.watch(&endpoint).await?;
+///
+/// let worker = Instance {
+///     endpoint: endpoint.clone(),
+///     instance_id: 7,
+///     address: "127.0.0.1:9000".parse()?,
+/// };
+/// let registration = store.register(worker.clone(), ModelCard::named("llama")).await?;
+/// assert_eq!(watch.next().await, Some(InstanceEvent::Added(worker)));
+/// assert_eq!(store.list_cards(&endpoint).await?, vec![(7, ModelCard::named("llama"))]);
+///
+/// registration.deregister().await?;
+/// assert_eq!(watch.next().await, Some(InstanceEvent::Removed(7)));
+/// # Ok(())
+/// # }
+/// ```
 #[async_trait::async_trait]
 pub trait Discovery: Send + Sync {
     /// Publish `instance` with its model card under a lease that the returned [`Registration`]
@@ -271,12 +300,20 @@ pub(crate) fn namespace_of(
 /// resurrect a record that the release has just deleted (aborting a task is not enough: it may
 /// be mid-poll on another worker thread).
 #[derive(Debug, Default)]
-pub(crate) struct StopFlag(std::sync::Mutex<bool>);
+pub(crate) struct StopFlag {
+    stopped: std::sync::Mutex<bool>,
+    /// Wakes a keep-alive thread sleeping in [`StopFlag::sleep`] when the flag is set.
+    wake: std::sync::Condvar,
+}
 
 impl StopFlag {
+    fn lock(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.stopped.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Run `renew` unless stopped; false if stopped.
     pub(crate) fn unless_stopped(&self, renew: impl FnOnce()) -> bool {
-        let stopped = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let stopped = self.lock();
         if *stopped {
             return false;
         }
@@ -286,9 +323,20 @@ impl StopFlag {
 
     /// Stop, then run `cleanup` while no renewal can interleave.
     pub(crate) fn stop_then(&self, cleanup: impl FnOnce()) {
-        let mut stopped = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stopped = self.lock();
         *stopped = true;
+        self.wake.notify_all();
         cleanup();
+    }
+
+    /// Block the calling (non-runtime) thread for `period` or until stopped; true if stopped.
+    pub(crate) fn sleep(&self, period: std::time::Duration) -> bool {
+        let stopped = self.lock();
+        let (stopped, _) = self
+            .wake
+            .wait_timeout_while(stopped, period, |stopped| !*stopped)
+            .unwrap_or_else(|e| e.into_inner());
+        *stopped
     }
 }
 

@@ -7,8 +7,8 @@
 //!
 //! - Publish: write a temp file in the same directory, then `rename` over the name (atomic: a
 //!   reader sees the old record or the new one, never a torn one). Re-registering overwrites.
-//! - Lease: the file's mtime is its heartbeat; the registration's task touches it every
-//!   `keepalive_interval`. A file whose mtime is older than `ttl` is expired: readers ignore
+//! - Lease: the file's mtime is its heartbeat; the registration's own OS thread touches it
+//!   every `keepalive_interval` (a thread, not a task: a busy runtime cannot starve it). A file whose mtime is older than `ttl` is expired: readers ignore
 //!   it, and every process's reaper deletes it (so a survivor reaps a killed worker's record).
 //! - Watch: one inotify watcher (via `notify`) per store per process, fanned out to every
 //!   watch; a changed name is re-read, so the event kind never has to be trusted. Keep-alive
@@ -26,7 +26,6 @@ use std::time::{Duration, SystemTime};
 use notify::event::ModifyKind;
 use notify::{EventKind, RecursiveMode, Watcher};
 use tokio::sync::{broadcast, mpsc};
-use tokio::task::JoinHandle;
 
 use super::api::{
     cards_of, fresh_owner, instance_stream, instances_of, namespace_of, namespace_stream,
@@ -495,8 +494,8 @@ struct FileLease {
     path: PathBuf,
     key: String,
     owner: u64,
+    /// Shared with the heartbeat thread, which exits as soon as it is set.
     stop: Arc<StopFlag>,
-    keepalive: JoinHandle<()>,
 }
 
 #[async_trait::async_trait]
@@ -507,13 +506,11 @@ impl Lease for FileLease {
 
     fn abandon(self: Box<Self>) {
         self.stop.stop_then(|| ());
-        self.keepalive.abort();
     }
 
     fn release(self: Box<Self>) {
         self.stop
             .stop_then(|| remove_owned(&self.path, &self.key, self.owner));
-        self.keepalive.abort();
     }
 }
 
@@ -544,26 +541,18 @@ impl Discovery for FileDiscovery {
             .config
             .keepalive_interval
             .max(Duration::from_millis(1));
-        let keepalive = {
+        // The heartbeat runs on its own OS thread, as upstream's does: a tokio runtime busy
+        // with model work cannot starve it into a false expiry. It is a read and a touch of
+        // one small file per tick, under the stop flag so it cannot race a release.
+        {
+            let (path_for_error, key_for_error) = (path.clone(), key.clone());
             let (path, key, stop) = (path.clone(), key.clone(), Arc::clone(&stop));
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(period);
-                tick.tick().await; // immediate; the record was just written
-                loop {
-                    tick.tick().await;
-                    let (path, key, stop, dir, name, bytes) = (
-                        path.clone(),
-                        key.clone(),
-                        Arc::clone(&stop),
-                        dir.clone(),
-                        name.clone(),
-                        Arc::clone(&bytes),
-                    );
-                    // A heartbeat is a read and a touch of one small file: done off the
-                    // runtime, under the stop flag so it cannot race a release.
-                    let go_on = blocking(move || {
+            std::thread::Builder::new()
+                .name("prefill-discovery-heartbeat".into())
+                .spawn(move || {
+                    while !stop.sleep(period) {
                         let mut go_on = true;
-                        let live = stop.unless_stopped(|| match heartbeat(&path, &key, owner) {
+                        stop.unless_stopped(|| match heartbeat(&path, &key, owner) {
                             Ok(Beat::Renewed) => {}
                             Ok(Beat::Missing) => {
                                 tracing::warn!(key, "discovery record vanished while alive; republishing");
@@ -575,20 +564,19 @@ impl Discovery for FileDiscovery {
                                 tracing::debug!(key, "registration superseded; keep-alive stops");
                                 go_on = false;
                             }
-                            Err(error) => {
-                                tracing::warn!(key, %error, "discovery heartbeat failed");
-                            }
+                            Err(error) => tracing::warn!(key, %error, "discovery heartbeat failed"),
                         });
-                        live && go_on
-                    })
-                    .await
-                    .unwrap_or(false);
-                    if !go_on {
-                        return;
+                        if !go_on {
+                            return;
+                        }
                     }
-                }
-            })
-        };
+                })
+                .map_err(|e| {
+                    // Without a heartbeat the record would linger for a TTL: take it back.
+                    remove_owned(&path_for_error, &key_for_error, owner);
+                    DiscoveryError::io("starting the heartbeat thread", e)
+                })?;
+        }
         Ok(Registration::new(
             instance,
             Box::new(FileLease {
@@ -596,7 +584,6 @@ impl Discovery for FileDiscovery {
                 key,
                 owner,
                 stop,
-                keepalive,
             }),
         ))
     }

@@ -69,7 +69,8 @@ impl std::fmt::Debug for RoutableView {
 }
 
 impl RoutableView {
-    /// Build a view fed by `events` on a task that runs until `cancel` fires or the stream ends.
+    /// Build a view fed by `events` on a task (spawned on the current tokio runtime, so call it
+    /// within one) that runs until `cancel` fires or the stream ends.
     ///
     /// `admission`: `None` means every discovered instance is admitted; `Some` restricts to the
     /// ids in the current set (an empty set admits nothing). Admission is read at each pick, so
