@@ -19,6 +19,10 @@ use crate::router::{
 };
 use crate::transport::GenerateRequest;
 
+/// How long a prefill waits for its view to show admitted instances it has not discovered
+/// yet before failing with [`crate::push::PushError::NoRoutableInstances`].
+pub const DISCOVERY_CATCH_UP: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Settings of the default factory.
 #[derive(Clone, Debug, Default)]
 pub struct FactoryConfig {
@@ -218,6 +222,18 @@ impl Prefill for PrefillBinding {
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
         async move {
             let before = self.admitted.borrow().clone();
+            if !before.is_empty() && self.router.view().routable().is_empty() {
+                // Admitted instances this view's own discovery watch has not shown yet: the
+                // watcher (namespace watch) and the view (endpoint watch) read two streams with
+                // no common order, e.g. a returning pool re-activates the reused binding first.
+                // Wait briefly for the view to catch up; an empty admission set never waits.
+                let view = self.router.view();
+                let _ = tokio::time::timeout(
+                    DISCOVERY_CATCH_UP,
+                    view.wait_for(|routable| !routable.is_empty()),
+                )
+                .await;
+            }
             let stream = self.router.generate(request).await?;
             let worker = stream.instance_id();
             self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
