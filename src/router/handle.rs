@@ -269,6 +269,13 @@ impl<F: BindingFactory> PrefillRouter<F> {
             .register_collector(Box::new(collector));
     }
 
+    /// Hand the driver a batch directly, bypassing `Control` (tests of the driver's handling
+    /// of reordered batches).
+    #[cfg(test)]
+    pub(crate) fn inject(&self, effects: crate::control::Effects<WorkerSetTarget>) {
+        let _ = self.shared.to_driver.send(Msg::Effects(effects));
+    }
+
     /// How many tasks the router has alive (driver and builds); 0 once terminated.
     pub fn tasks_alive(&self) -> usize {
         self.shared.tracker.len()
