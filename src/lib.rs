@@ -13,3 +13,7 @@
 pub mod advert;
 pub mod discovery;
 pub mod lifecycle;
+
+#[cfg(feature = "testkit")]
+#[doc(hidden)]
+pub mod testkit;
