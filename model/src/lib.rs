@@ -1,0 +1,33 @@
+//! # prefill-router-model
+//!
+//! A [stateright] model of the prefill hop's whole design. Its state wraps the **real**
+//! [`prefill_router::lifecycle::Machine`] (not a copy of its logic) together with the world
+//! around it: builds in flight that may finish in any order (also after being cancelled), armed
+//! retry timers (which may fire late), the controller's bounded budget of retargets and its
+//! shutdown, the snapshot the adapter publishes after every step, and requests that load the
+//! snapshot, dispatch on the binding they loaded (or bypass) and finish.
+//!
+//! - [`model::RouterModel`]: the model, generic over the machine under check ([`Subject`]).
+//! - [`properties`]: the named properties (ids M1..M9, V1..V5, see docs/properties.md).
+//! - [`mutants`]: deliberately broken machines, each caught by at least one property.
+//! - [`trace`]: counterexamples as readable inputs and actions.
+//!
+//! See docs/model.md for the bounds and why every path is finite and acyclic.
+
+pub mod cli;
+pub mod model;
+pub mod mutants;
+pub mod properties;
+pub mod subject;
+pub mod trace;
+pub mod world;
+
+pub use model::{Config, RouterModel, Step};
+pub use subject::{Subject, Target};
+
+/// The real machine over the model's targets.
+pub type Real = prefill_router::lifecycle::Machine<Target>;
+
+/// Unique states of [`Config::STANDARD`] with the real machine, pinned by the tests so that a
+/// silently truncated or changed search fails (update it, with the reason, when the model changes).
+pub const STANDARD_STATES: usize = 242_502;

@@ -1,0 +1,460 @@
+//! The stateright model: the real machine (or a mutant) driven by every interleaving of the
+//! controller, the builds, the retry timers and the requests.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use prefill_router::lifecycle::{Action, BuildId, Input, Lifecycle, RetryPolicy};
+use stateright::{Model, Property};
+
+use crate::subject::{Subject, Target};
+use crate::world::{bit, fault, seen, Binding, Build, Request, State, Timer};
+
+/// The bounds of one model configuration. Every bound is a budget the world spends, which is
+/// what keeps every path finite and acyclic (see docs/model.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Number of real targets (the controller also has `None`).
+    pub targets: u8,
+    /// Calls the controller may make (`SetTarget`, and `Shutdown` when enabled).
+    pub retargets: u8,
+    /// Build failures the world may inject (over the whole run).
+    pub failures: u8,
+    /// Requests, each one load, dispatch or bypass, finish.
+    pub requests: u8,
+    /// Whether the controller may shut the hop down (once, at any time; it spends a retarget).
+    pub shutdown: bool,
+}
+
+impl Config {
+    /// The standard configuration of issue 3: targets {None, A, B}, 4 retargets, builds that may
+    /// fail twice, 2 concurrent requests, shutdown possible.
+    pub const STANDARD: Config = Config {
+        targets: 2,
+        retargets: 4,
+        failures: 2,
+        requests: 2,
+        shutdown: true,
+    };
+
+    /// Checks the bounds: build ids must fit the model's 64-bit masks.
+    pub fn validate(&self) -> Result<(), String> {
+        // Each StartBuild follows a SetTarget or a failure's retry, so ids stay <= their sum.
+        let max_builds = u32::from(self.retargets) + u32::from(self.failures);
+        if max_builds > 62 {
+            return Err(format!(
+                "retargets + failures = {max_builds}: at most 62 builds fit the model's masks"
+            ));
+        }
+        if self.targets == 0 || self.targets > 26 {
+            return Err("targets must be 1..=26".into());
+        }
+        Ok(())
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::STANDARD
+    }
+}
+
+/// One step of the world.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Step {
+    /// The controller calls `set_target`.
+    SetTarget(Option<Target>),
+    /// The controller shuts the hop down.
+    Shutdown,
+    /// A started build (possibly cancelled) reports success.
+    BuildSucceeds(BuildId),
+    /// A started build (possibly cancelled) reports failure.
+    BuildFails(BuildId),
+    /// An armed retry timer (possibly cancelled) fires.
+    RetryFires(BuildId),
+    /// Request slot `i` loads the snapshot.
+    Load(usize),
+    /// Request slot `i` dispatches on the binding it loaded.
+    Dispatch(usize),
+    /// Request slot `i` bypasses prefill (its snapshot had no binding).
+    Bypass(usize),
+    /// Request slot `i` finishes on its binding.
+    Finish(usize),
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Step::SetTarget(Some(t)) => write!(f, "set_target({t})"),
+            Step::SetTarget(None) => write!(f, "set_target(None)"),
+            Step::Shutdown => write!(f, "shutdown"),
+            Step::BuildSucceeds(b) => write!(f, "build {b} succeeds"),
+            Step::BuildFails(b) => write!(f, "build {b} fails"),
+            Step::RetryFires(b) => write!(f, "retry timer after {b} fires"),
+            Step::Load(i) => write!(f, "request {i} loads the snapshot"),
+            Step::Dispatch(i) => write!(f, "request {i} dispatches"),
+            Step::Bypass(i) => write!(f, "request {i} bypasses prefill"),
+            Step::Finish(i) => write!(f, "request {i} finishes"),
+        }
+    }
+}
+
+/// The model, generic over the machine under check (the real one or a mutant).
+pub struct RouterModel<S> {
+    /// The bounds.
+    pub config: Config,
+    _subject: PhantomData<fn() -> S>,
+}
+
+impl<S> Clone for RouterModel<S> {
+    fn clone(&self) -> Self {
+        RouterModel::new(self.config)
+    }
+}
+
+impl<S> fmt::Debug for RouterModel<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RouterModel")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S> RouterModel<S> {
+    /// A model with the given bounds.
+    pub fn new(config: Config) -> Self {
+        RouterModel {
+            config,
+            _subject: PhantomData,
+        }
+    }
+}
+
+impl<S: Subject> RouterModel<S> {
+    /// Applies one step and returns the next state with the machine's actions (the trace printer
+    /// replays paths through this too, so traces show exactly what the checker saw).
+    pub fn apply(&self, s: &State<S>, step: Step) -> (State<S>, Vec<Action<Target>>) {
+        let mut n = s.clone();
+        let mut actions = Vec::new();
+        // The binding a successful build just produced, and that build's record.
+        let mut produced: Option<Build> = None;
+        let mut failed: Option<Build> = None;
+        let before = s.subject.lifecycle();
+        match step {
+            Step::SetTarget(t) => {
+                n.retargets_left -= 1;
+                n.desired = Some(t);
+                n.subject.feed(Input::SetTarget(t), &mut actions);
+            }
+            Step::Shutdown => {
+                n.retargets_left -= 1;
+                n.shut_down = true;
+                n.subject.feed(Input::Shutdown, &mut actions);
+            }
+            Step::BuildSucceeds(id) => {
+                produced = take_build(&mut n.builds, id);
+                n.subject.feed(Input::BuildSucceeded(id), &mut actions);
+            }
+            Step::BuildFails(id) => {
+                failed = take_build(&mut n.builds, id);
+                n.failures_left -= 1;
+                n.subject.feed(Input::BuildFailed(id), &mut actions);
+            }
+            Step::RetryFires(after) => {
+                n.timers.retain(|t| t.after != after);
+                n.subject.feed(Input::RetryElapsed(after), &mut actions);
+            }
+            Step::Load(i) => {
+                let snap = s.snapshot();
+                n.requests[i] = Request::Loaded {
+                    binding: snap.binding,
+                    desired: s.desired.flatten(),
+                };
+            }
+            Step::Dispatch(i) => {
+                if let Request::Loaded {
+                    binding: Some(b),
+                    desired,
+                } = s.requests[i]
+                {
+                    if desired != Some(b.target) {
+                        n.faults |= fault::STALE_DISPATCH;
+                    }
+                    if s.torn & bit(b.build) != 0 {
+                        n.faults |= fault::REQUEST_LOST;
+                    }
+                    n.requests[i] = Request::Running(b);
+                }
+            }
+            Step::Bypass(i) => n.requests[i] = Request::Done,
+            Step::Finish(i) => {
+                if let Request::Running(b) = s.requests[i] {
+                    if s.torn & bit(b.build) != 0 {
+                        n.faults |= fault::REQUEST_LOST;
+                    } else if s.retired & bit(b.build) != 0 {
+                        n.seen |= seen::RETIRED_SERVED;
+                    }
+                }
+                n.requests[i] = Request::Done;
+            }
+        }
+        let from_retry = matches!(step, Step::RetryFires(_));
+        for action in &actions {
+            self.carry_out(&mut n, action, produced, failed, from_retry);
+        }
+        if let Step::SetTarget(Some(_)) = step {
+            let started = actions
+                .iter()
+                .any(|a| matches!(a, Action::StartBuild { .. }));
+            if !started && before != Lifecycle::Active && n.subject.lifecycle() == Lifecycle::Active
+            {
+                n.seen |= seen::REUSED;
+            }
+        }
+        n.requests.sort_unstable();
+        (n, actions)
+    }
+
+    /// The adapter carrying out one action of the machine, recording what it observes.
+    fn carry_out(
+        &self,
+        n: &mut State<S>,
+        action: &Action<Target>,
+        produced: Option<Build>,
+        failed: Option<Build>,
+        from_retry: bool,
+    ) {
+        match *action {
+            Action::StartBuild { build, target } => {
+                if !n.builds.iter().any(|b| b.id == build) {
+                    n.builds.push(Build {
+                        id: build,
+                        target,
+                        cancelled: false,
+                        retry: from_retry,
+                    });
+                    n.builds.sort_unstable();
+                }
+                n.newest = n.newest.max(build);
+            }
+            Action::CancelBuild { build } => {
+                for b in n.builds.iter_mut().filter(|b| b.id == build) {
+                    b.cancelled = true;
+                }
+            }
+            Action::Publish { build, target } => {
+                let binding = match produced {
+                    Some(p) if p.id == build => {
+                        if p.cancelled || p.id < n.newest {
+                            n.faults |= fault::STALE_PUBLISHED;
+                        }
+                        if p.retry {
+                            n.seen |= seen::RETRY_ACTIVE;
+                        }
+                        Binding {
+                            build,
+                            target: p.target,
+                        }
+                    }
+                    _ => {
+                        // Not the build that just succeeded: only an earlier binding could be
+                        // meant, and it must at least be one the adapter knows.
+                        if n.published & bit(build) == 0 {
+                            n.faults |= fault::STALE_PUBLISHED;
+                        }
+                        Binding { build, target }
+                    }
+                };
+                if n.retired & bit(build) != 0 {
+                    n.faults |= fault::REPUBLISHED;
+                }
+                if let Some(c) = n.current {
+                    if c.build != build {
+                        // The previous binding would be dropped without a Retire.
+                        n.faults |= fault::BAD_RETIRE;
+                    }
+                }
+                n.current = Some(binding);
+                n.published |= bit(build);
+            }
+            Action::Retire { build } => {
+                if n.published & bit(build) == 0 || n.retired & bit(build) != 0 {
+                    n.faults |= fault::BAD_RETIRE;
+                }
+                n.retired |= bit(build);
+                if n.current.is_some_and(|c| c.build == build) {
+                    n.current = None;
+                }
+            }
+            Action::Discard { build } => {
+                if n.published & bit(build) != 0 {
+                    // A published binding is torn down: requests holding it lose it.
+                    n.torn |= bit(build);
+                    if n.current.is_some_and(|c| c.build == build) {
+                        n.current = None;
+                    }
+                } else if produced.is_some_and(|p| p.id == build) {
+                    n.seen |= seen::STALE_REJECTED;
+                }
+            }
+            Action::ScheduleRetry { after, .. } => {
+                let target = failed
+                    .filter(|f| f.id == after)
+                    .map(|f| f.target)
+                    .or(n.desired.flatten())
+                    .unwrap_or(Target(0));
+                n.timers.push(Timer {
+                    after,
+                    target,
+                    cancelled: false,
+                });
+                n.timers.sort_unstable();
+            }
+            Action::CancelRetry { after } => {
+                for t in n.timers.iter_mut().filter(|t| t.after == after) {
+                    t.cancelled = true;
+                }
+            }
+        }
+    }
+}
+
+impl<S> RouterModel<S> {
+    /// A ranking function that every step strictly decreases (checked over the whole state space
+    /// by `model/tests/bounding.rs`): so no path revisits a state, every path is finite, and
+    /// stateright's `eventually` (judged only at terminal states) is sound here.
+    ///
+    /// Weights: a controller call may start one build (+1), so it weighs more; a failure arms a
+    /// timer (+2) but spends a failure (-3) and a build (-1); a firing timer (-2) starts at most
+    /// one build (+1); each request step lowers the request's stage.
+    pub fn rank(&self, s: &State<S>) -> u64 {
+        let controller = u64::from(s.retargets_left) * 4 + u64::from(!s.shut_down);
+        let requests: u64 = s
+            .requests
+            .iter()
+            .map(|r| match r {
+                Request::Idle => 3,
+                Request::Loaded { .. } => 2,
+                Request::Running(_) => 1,
+                Request::Done => 0,
+            })
+            .sum();
+        controller
+            + u64::from(s.failures_left) * 3
+            + s.timers.len() as u64 * 2
+            + s.builds.len() as u64
+            + requests
+    }
+}
+
+impl<S: Subject> RouterModel<S> {
+    /// The shortest counterexample (or example) for `property`: breadth-first runs with a
+    /// growing depth bound, stopping at the first depth where the property has a discovery.
+    /// (One unbounded run may report a longer path: stateright overwrites discoveries while it
+    /// finishes a block of states.) Returns `None` if none exists within `max_steps` steps.
+    pub fn shortest_discovery(
+        &self,
+        property: &'static str,
+        max_steps: usize,
+    ) -> Option<Vec<Step>> {
+        use stateright::{Checker, HasDiscoveries};
+        for depth in 1..=max_steps + 1 {
+            let checker = RouterModel::<S>::new(self.config)
+                .checker()
+                .target_max_depth(depth)
+                .finish_when(HasDiscoveries::AnyOf([property].into()))
+                .spawn_bfs()
+                .join();
+            if let Some(path) = checker.discovery(property) {
+                return Some(path.into_actions());
+            }
+        }
+        None
+    }
+}
+
+fn take_build(builds: &mut Vec<Build>, id: BuildId) -> Option<Build> {
+    let i = builds.iter().position(|b| b.id == id)?;
+    Some(builds.remove(i))
+}
+
+impl<S: Subject> Model for RouterModel<S> {
+    type State = State<S>;
+    type Action = Step;
+
+    fn init_states(&self) -> Vec<State<S>> {
+        vec![State {
+            subject: S::fresh(RetryPolicy::default()),
+            desired: None,
+            shut_down: false,
+            retargets_left: self.config.retargets,
+            failures_left: self.config.failures,
+            builds: Vec::new(),
+            timers: Vec::new(),
+            current: None,
+            newest: BuildId(0),
+            requests: vec![Request::Idle; usize::from(self.config.requests)],
+            published: 0,
+            retired: 0,
+            torn: 0,
+            faults: 0,
+            seen: 0,
+        }]
+    }
+
+    fn actions(&self, s: &State<S>, out: &mut Vec<Step>) {
+        // The order is deterministic: stateright stores paths as action indices.
+        // Shutdown spends the controller's budget too: were it always enabled, every maximal
+        // path would end in it and M9 would never be judged on a path without shutdown.
+        if !s.shut_down && s.retargets_left > 0 {
+            out.push(Step::SetTarget(None));
+            for t in 0..self.config.targets {
+                out.push(Step::SetTarget(Some(Target(t))));
+            }
+            if self.config.shutdown {
+                out.push(Step::Shutdown);
+            }
+        }
+        for b in &s.builds {
+            out.push(Step::BuildSucceeds(b.id));
+            if s.failures_left > 0 {
+                out.push(Step::BuildFails(b.id));
+            }
+        }
+        for t in &s.timers {
+            out.push(Step::RetryFires(t.after));
+        }
+        for (i, r) in s.requests.iter().enumerate() {
+            // Equal requests are interchangeable: step only the first of a run.
+            if i > 0 && s.requests[i - 1] == *r {
+                continue;
+            }
+            match r {
+                Request::Idle => out.push(Step::Load(i)),
+                Request::Loaded {
+                    binding: Some(_), ..
+                } => out.push(Step::Dispatch(i)),
+                Request::Loaded { binding: None, .. } => out.push(Step::Bypass(i)),
+                Request::Running(_) => out.push(Step::Finish(i)),
+                Request::Done => {}
+            }
+        }
+    }
+
+    fn next_state(&self, s: &State<S>, step: Step) -> Option<State<S>> {
+        Some(self.apply(s, step).0)
+    }
+
+    fn format_action(&self, step: &Step) -> String {
+        step.to_string()
+    }
+
+    fn format_step(&self, s: &State<S>, step: Step) -> Option<String> {
+        let (n, actions) = self.apply(s, step);
+        Some(crate::trace::describe(s, step, &actions, &n))
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        crate::properties::all()
+    }
+}

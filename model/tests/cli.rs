@@ -1,0 +1,81 @@
+//! The command line: parsing, verdicts, counterexample traces, loopback-only Explorer.
+
+use prefill_router_model::cli::{parse, run, CliError, Verb};
+
+fn args(s: &str) -> Vec<String> {
+    s.split_whitespace().map(String::from).collect()
+}
+
+fn check(s: &str) -> (i32, String) {
+    let cmd = parse(&args(s)).expect("arguments parse");
+    let mut out = Vec::new();
+    let code = run(&cmd, &mut out).expect("check runs");
+    (code, String::from_utf8(out).expect("utf-8 report"))
+}
+
+#[test]
+fn check_reports_every_property_as_holding_for_the_real_machine() {
+    let (code, report) = check("check --retargets 3 --failures 1 --requests 1");
+    assert_eq!(code, 0, "{report}");
+    assert_eq!(report.matches(": holds").count(), 9, "{report}");
+    assert!(
+        report.contains("14 of 14 properties as expected"),
+        "{report}"
+    );
+}
+
+#[test]
+fn check_prints_a_readable_shortest_counterexample_for_a_mutant() {
+    let (code, report) = check("check --mutant no-staleness-check --retargets 3 --requests 1");
+    assert_eq!(code, 1);
+    let failing = report
+        .split("M2 stale build never published: FAILS, counterexample:\n")
+        .nth(1)
+        .expect("M2 fails with a trace");
+    // Shortest: start, cancel by retarget, then the cancelled build succeeds and is published.
+    let steps: Vec<&str> = failing
+        .lines()
+        .take_while(|l| l.starts_with("   "))
+        .collect();
+    assert_eq!(steps.len(), 3, "{report}");
+    assert!(steps[2].contains("succeeds -> publish #1"), "{report}");
+}
+
+#[test]
+fn unknown_options_and_mutants_are_usage_errors() {
+    assert!(matches!(
+        parse(&args("check --bogus")),
+        Err(CliError::Usage(_))
+    ));
+    assert!(matches!(
+        parse(&args("frobnicate")),
+        Err(CliError::Usage(_))
+    ));
+    assert!(matches!(
+        parse(&args("check --retargets x")),
+        Err(CliError::Usage(_))
+    ));
+    let cmd = parse(&args("check --mutant nope")).expect("parses");
+    assert!(matches!(
+        run(&cmd, &mut Vec::new()),
+        Err(CliError::Usage(_))
+    ));
+}
+
+#[test]
+fn configurations_past_the_build_id_masks_are_refused() {
+    assert!(matches!(
+        parse(&args("check --retargets 60 --failures 10")),
+        Err(CliError::Config(_))
+    ));
+}
+
+#[test]
+fn explorer_refuses_non_loopback_addresses() {
+    let cmd = parse(&args("explore --addr 0.0.0.0:3000")).expect("parses");
+    assert_eq!(cmd.verb, Verb::Explore);
+    assert!(matches!(
+        run(&cmd, &mut Vec::new()),
+        Err(CliError::NotLoopback(_))
+    ));
+}
