@@ -7,7 +7,8 @@
 //!
 //! Files are first chosen greedily until every feature the big corpus reaches is covered (for
 //! `machine_inputs`: every branch of `Machine::handle` and every mutant caught by each check
-//! alone; for `card_json`: every kind of document and resolution, every resolver mutant caught),
+//! alone; for `card_json`: every kind of document and resolution, every resolver mutant caught;
+//! for `control_ops`: admissions, retired bindings kept alive, stale builds, every mutant caught),
 //! which is what `tests/fuzz_corpus_replay.rs` demands of the seeds; the rest of the budget goes
 //! to the largest inputs. Files are copied under a hash of their content.
 
@@ -17,11 +18,15 @@ use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::{env, fs, process};
 
+use prefill_router::control::Control;
 use prefill_router::lifecycle::Machine;
 use prefill_router::testkit::branches::{Branch, BranchSet};
 use prefill_router::testkit::card_fuzz;
+use prefill_router::testkit::control_fuzz;
 use prefill_router::testkit::machine_fuzz::{self, run_script, Checks};
-use prefill_router::testkit::mutants::{Mutant, Mutation, CARD_MUTANTS};
+use prefill_router::testkit::mutants::{
+    ControlMutant, ControlMutation, Mutant, Mutation, CARD_MUTANTS,
+};
 
 fn usage() -> ! {
     eprintln!("usage: fuzz_seed_select <target> <from-dir> <to-dir> <count>");
@@ -87,6 +92,32 @@ fn features(target: &str, bytes: &[u8]) -> Vec<String> {
             for (name, mutant) in CARD_MUTANTS {
                 if card_fuzz::check_cards_with(&script, *mutant).is_err() {
                     out.push(format!("mutant {name} caught"));
+                }
+            }
+        }
+        "control_ops" => {
+            let Some(script) = control_fuzz::decode(bytes) else {
+                return out;
+            };
+            let Ok(s) = control_fuzz::run_control_script(&script, Control::new) else {
+                return out;
+            };
+            let kinds = [
+                ("admitted", s.admitted),
+                ("retired still alive", s.retired_still_alive),
+                ("discarded", s.discarded as usize),
+                ("epochs", s.epochs as usize),
+            ];
+            out.extend(
+                kinds
+                    .iter()
+                    .filter(|(_, n)| *n > 0)
+                    .map(|(k, _)| k.to_string()),
+            );
+            for mutation in ControlMutation::ALL {
+                let mutant = |p| ControlMutant::new(mutation, p);
+                if control_fuzz::run_control_script(&script, mutant).is_err() {
+                    out.push(format!("{mutation:?} caught"));
                 }
             }
         }

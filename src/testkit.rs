@@ -7,7 +7,8 @@
 //! - [`reference`]: a reference model of the lifecycle machine, written from the transition
 //!   rules of `docs/design.md`, and [`MachineView`], the observable state both expose;
 //! - [`ledger`]: the history invariants I1..I6 checked after every step;
-//! - [`machine_fuzz`], [`card_fuzz`]: the fuzz harnesses, plain functions over bytes;
+//! - [`machine_fuzz`], [`card_fuzz`], `control_fuzz`: the fuzz harnesses, plain functions over
+//!   bytes;
 //! - [`branches`]: which branches of `Machine::handle` a step exercised (coverage of a corpus);
 //! - [`mutants`]: deliberately broken machines that the checks must reject.
 //!
@@ -16,6 +17,9 @@
 
 pub mod branches;
 pub mod card_fuzz;
+// Under loom the core's cell and lock are loom types, usable only inside a loom model.
+#[cfg(not(prefill_loom))]
+pub mod control_fuzz;
 pub mod ledger;
 pub mod machine_fuzz;
 pub mod mutants;
@@ -41,6 +45,11 @@ pub const TARGETS: &[FuzzTarget] = &[
     FuzzTarget {
         name: "card_json",
         run: card_fuzz::card_json,
+    },
+    #[cfg(not(prefill_loom))]
+    FuzzTarget {
+        name: "control_ops",
+        run: control_fuzz::control_ops,
     },
 ];
 

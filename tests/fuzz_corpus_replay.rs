@@ -7,10 +7,14 @@ use std::fs;
 use std::panic;
 use std::path::{Path, PathBuf};
 
+use prefill_router::control::Control;
 use prefill_router::testkit::branches::{Branch, BranchSet};
 use prefill_router::testkit::card_fuzz::{self, check_cards, check_cards_with, CardStats};
+use prefill_router::testkit::control_fuzz::{self, run_control_script, ControlStats};
 use prefill_router::testkit::machine_fuzz::{self, run_script, Checks};
-use prefill_router::testkit::mutants::{Mutant, Mutation, CARD_MUTANTS};
+use prefill_router::testkit::mutants::{
+    ControlMutant, ControlMutation, Mutant, Mutation, CARD_MUTANTS,
+};
 use prefill_router::testkit::{target, TARGETS};
 
 fn fuzz_dir() -> PathBuf {
@@ -180,5 +184,35 @@ fn card_checks_reject_every_resolver_mutant_on_the_seed_corpus() {
             .iter()
             .any(|s| check_cards_with(s, *mutant).is_err());
         assert!(caught, "resolver mutant '{name}' passes the seed corpus");
+    }
+}
+
+#[test]
+fn control_corpus_exercises_admission_retired_bindings_and_stale_builds() {
+    let mut stats = ControlStats::default();
+    for (path, bytes) in corpus("control_ops") {
+        if let Some(script) = control_fuzz::decode(&bytes) {
+            let run = run_control_script(&script, Control::new);
+            stats.add(run.unwrap_or_else(|e| panic!("{}: {e}", path.display())));
+        }
+    }
+    eprintln!("{stats:?}");
+    assert!(stats.admitted > 0, "{stats:?}");
+    assert!(stats.retired_still_alive > 0, "{stats:?}");
+    assert!(stats.discarded > 0, "{stats:?}");
+    assert!(stats.epochs > 0, "{stats:?}");
+}
+
+#[test]
+fn control_checks_reject_every_control_mutant_on_the_seed_corpus() {
+    let scripts: Vec<_> = corpus("control_ops")
+        .into_iter()
+        .filter_map(|(_, bytes)| control_fuzz::decode(&bytes))
+        .collect();
+    for mutation in ControlMutation::ALL {
+        let caught = scripts
+            .iter()
+            .any(|s| run_control_script(s, |p| ControlMutant::new(mutation, p)).is_err());
+        assert!(caught, "{mutation:?} passes the seed corpus");
     }
 }

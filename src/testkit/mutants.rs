@@ -129,3 +129,105 @@ fn no_card_resolves_to_defaults(
     }
     resolve(cards, decode)
 }
+
+#[cfg(not(prefill_loom))]
+pub use control::{ControlMutant, ControlMutation};
+
+#[cfg(not(prefill_loom))]
+mod control {
+    use std::cell::RefCell;
+    use std::sync::Arc;
+
+    use crate::control::{Control, ControlStatus, Effect};
+    use crate::lifecycle::{BuildId, RetryPolicy};
+    use crate::route::Route;
+    use crate::testkit::control_fuzz::{ControlApi, TestBinding, TestSnapshot};
+
+    /// The ways a control mutant breaks the core.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum ControlMutation {
+        /// Readers load the snapshot from before the last call (a publish that lags the call).
+        StaleSnapshot,
+        /// Keeps a reference to every binding a request was routed on (retired ones leak).
+        LeaksBindings,
+        /// Loses the cancellation of a superseded build.
+        DropsCancel,
+    }
+
+    impl ControlMutation {
+        /// Every control mutation.
+        pub const ALL: [ControlMutation; 3] = [
+            ControlMutation::StaleSnapshot,
+            ControlMutation::LeaksBindings,
+            ControlMutation::DropsCancel,
+        ];
+    }
+
+    /// The real core, observed through a [`ControlMutation`].
+    pub struct ControlMutant {
+        inner: Control<u8, TestBinding>,
+        mutation: ControlMutation,
+        previous: RefCell<Option<Arc<TestSnapshot>>>,
+        leaked: RefCell<Vec<Arc<TestBinding>>>,
+    }
+
+    impl ControlMutant {
+        /// A fresh mutant core.
+        pub fn new(mutation: ControlMutation, policy: RetryPolicy) -> Self {
+            ControlMutant {
+                inner: Control::new(policy),
+                mutation,
+                previous: RefCell::new(None),
+                leaked: RefCell::new(Vec::new()),
+            }
+        }
+
+        fn call(
+            &self,
+            f: impl FnOnce(&Control<u8, TestBinding>) -> Vec<Effect<u8>>,
+        ) -> Vec<Effect<u8>> {
+            if self.mutation == ControlMutation::StaleSnapshot {
+                *self.previous.borrow_mut() = Some(ControlApi::snapshot(&self.inner));
+            }
+            let mut effects = f(&self.inner);
+            if self.mutation == ControlMutation::DropsCancel {
+                effects.retain(|e| !matches!(e, Effect::CancelBuild { .. }));
+            }
+            effects
+        }
+    }
+
+    impl ControlApi for ControlMutant {
+        fn set_target(&self, target: Option<u8>) -> Vec<Effect<u8>> {
+            self.call(|c| ControlApi::set_target(c, target))
+        }
+        fn build_succeeded(&self, build: BuildId, binding: TestBinding) -> Vec<Effect<u8>> {
+            self.call(|c| ControlApi::build_succeeded(c, build, binding))
+        }
+        fn build_failed(&self, build: BuildId, error: &str) -> Vec<Effect<u8>> {
+            self.call(|c| ControlApi::build_failed(c, build, error))
+        }
+        fn retry_elapsed(&self, after: BuildId) -> Vec<Effect<u8>> {
+            self.call(|c| ControlApi::retry_elapsed(c, after))
+        }
+        fn shutdown(&self) -> Vec<Effect<u8>> {
+            self.call(ControlApi::shutdown)
+        }
+        fn snapshot(&self) -> Arc<TestSnapshot> {
+            match &*self.previous.borrow() {
+                Some(stale) => Arc::clone(stale),
+                None => ControlApi::snapshot(&self.inner),
+            }
+        }
+        fn route(&self) -> Route<TestBinding> {
+            let route = ControlApi::route(&self.inner);
+            if let (ControlMutation::LeaksBindings, Some(b)) = (self.mutation, route.binding()) {
+                self.leaked.borrow_mut().push(Arc::clone(b));
+            }
+            route
+        }
+        fn status(&self) -> ControlStatus<u8> {
+            ControlApi::status(&self.inner)
+        }
+    }
+}
