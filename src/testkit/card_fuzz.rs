@@ -55,7 +55,8 @@ pub enum Junk {
 }
 
 impl Junk {
-    fn to_value(&self) -> Value {
+    /// The JSON value.
+    pub fn to_value(&self) -> Value {
         match self {
             Junk::Bool(b) => json!(b),
             Junk::Int(i) => json!(i),
@@ -347,6 +348,16 @@ impl RouterConfigSeed {
 }
 
 impl CardSeed {
+    /// The card document this seed builds, and the card it must parse to (`None` when it must
+    /// be rejected, or when its verdict is not predicted).
+    pub fn document(&self) -> (Value, Option<ModelCard>) {
+        let (value, predict) = self.build();
+        match predict {
+            Predict::Known(card) => (value, Some(card)),
+            Predict::Rejected | Predict::Unknown => (value, None),
+        }
+    }
+
     /// The JSON document and the card it must parse to.
     fn build(&self) -> (Value, Predict<ModelCard>) {
         let mut o = Map::new();
