@@ -8,7 +8,8 @@
 //! Files are first chosen greedily until every feature the big corpus reaches is covered (for
 //! `machine_inputs`: every branch of `Machine::handle` and every mutant caught by each check
 //! alone; for `card_json`: every kind of document and resolution, every resolver mutant caught;
-//! for `control_ops`: admissions, retired bindings kept alive, stale builds, every mutant caught),
+//! for `control_ops`: admissions, retired bindings kept alive, stale builds, every mutant caught;
+//! for `frame_decode` and `discovery_record`: every decoder or reader mutant caught),
 //! which is what `tests/fuzz_corpus_replay.rs` demands of the seeds; the rest of the budget goes
 //! to the largest inputs. Files are copied under a hash of their content.
 
@@ -20,13 +21,20 @@ use std::{env, fs, process};
 
 use prefill_router::control::Control;
 use prefill_router::lifecycle::Machine;
+use prefill_router::testkit::alloc_probe::CountingAllocator;
 use prefill_router::testkit::branches::{Branch, BranchSet};
 use prefill_router::testkit::card_fuzz;
 use prefill_router::testkit::control_fuzz;
+use prefill_router::testkit::frame_fuzz;
 use prefill_router::testkit::machine_fuzz::{self, run_script, Checks};
 use prefill_router::testkit::mutants::{
-    ControlMutant, ControlMutation, Mutant, Mutation, CARD_MUTANTS,
+    ControlMutant, ControlMutation, Mutant, Mutation, CARD_MUTANTS, FRAME_MUTANTS, RECORD_MUTANTS,
 };
+use prefill_router::testkit::record_fuzz;
+
+// The frame_decode harness measures peak allocation through this allocator.
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
 
 fn usage() -> ! {
     eprintln!("usage: fuzz_seed_select <target> <from-dir> <to-dir> <count>");
@@ -118,6 +126,24 @@ fn features(target: &str, bytes: &[u8]) -> Vec<String> {
                 let mutant = |p| ControlMutant::new(mutation, p);
                 if control_fuzz::run_control_script(&script, mutant).is_err() {
                     out.push(format!("{mutation:?} caught"));
+                }
+            }
+        }
+        "frame_decode" => {
+            if let Some(script) = frame_fuzz::decode(bytes) {
+                for (name, mutant) in FRAME_MUTANTS {
+                    if frame_fuzz::check_frame_script_with(&script, *mutant).is_err() {
+                        out.push(format!("mutant {name} caught"));
+                    }
+                }
+            }
+        }
+        "discovery_record" => {
+            if let Some(script) = record_fuzz::decode(bytes) {
+                for (name, mutant) in RECORD_MUTANTS {
+                    if record_fuzz::check_record_script(&script, *mutant).is_err() {
+                        out.push(format!("mutant {name} caught"));
+                    }
                 }
             }
         }

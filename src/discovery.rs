@@ -1,12 +1,47 @@
 //! Discovery: where workers register their instances and model cards, and where the frontend
 //! watches them.
 //!
-//! This file holds the vocabulary shared by every backend and by the request plane.
+//! This file holds the vocabulary shared by every backend and by the request plane. The record
+//! format ([`record_key`], [`encode_record`], [`decode_record`]) and the level-triggered diff
+//! behind every watch are pure and build without tokio. With the default feature `runtime`
+//! the module adds the `Discovery` trait and its backends: `MemoryDiscovery` (in-process),
+//! `FileDiscovery` (a shared directory, the embedded default) and, with feature `etcd`,
+//! `EtcdDiscovery`. See `docs/discovery.md`.
 
 use std::fmt;
 use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
+
+use crate::advert::ModelCard;
+
+mod error;
+// Without `runtime` nothing watches or registers: the helpers used only by backends idle.
+#[cfg_attr(not(feature = "runtime"), allow(dead_code))]
+mod known;
+#[cfg_attr(not(feature = "runtime"), allow(dead_code))]
+mod record;
+
+pub use error::{DiscoveryError, RecordError};
+pub use record::{decode_record, encode_record, record_key};
+
+#[cfg(feature = "runtime")]
+mod api;
+#[cfg(feature = "etcd")]
+mod etcd;
+#[cfg(feature = "runtime")]
+mod file;
+#[cfg(feature = "runtime")]
+mod memory;
+
+#[cfg(feature = "runtime")]
+pub use api::{Discovery, InstanceStream, NamespaceStream, Registration};
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdConfig, EtcdDiscovery};
+#[cfg(feature = "runtime")]
+pub use file::{FileConfig, FileDiscovery};
+#[cfg(feature = "runtime")]
+pub use memory::{MemoryConfig, MemoryDiscovery};
 
 /// A served endpoint: `namespace/component/endpoint`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -61,4 +96,13 @@ pub enum InstanceEvent {
     Added(Instance),
     /// The instance is gone (deregistered, or its lease expired).
     Removed(InstanceId),
+}
+
+/// A change anywhere in a namespace, as a namespace-wide watch reports it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NamespaceEvent {
+    /// The instance appeared, or its record changed: a new address or a new card (upsert).
+    Upserted(Instance, ModelCard),
+    /// The instance of this endpoint is gone (deregistered, expired, or its record unreadable).
+    Removed(EndpointId, InstanceId),
 }

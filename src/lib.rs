@@ -11,15 +11,28 @@
 //!   snapshots; loom-checked (`docs/concurrency.md`).
 //! - [`advert`]: pure resolution of the prefill workers' model cards into the hop's
 //!   configuration (router mode, KV tuning, block size, session affinity).
+//! - [`transport`] (feature `runtime`): the TCP request plane; a worker serves an `Engine`, a
+//!   frontend multiplexes streamed requests over one connection per instance.
+//! - [`push`] (feature `runtime`): the routable-instance view and the push routers (round
+//!   robin, random, direct, KV prefix-aware).
+//! - [`discovery`]: where workers register instances and model cards, and where frontends
+//!   list and watch them; backends in memory, in a shared directory (the embedded default) and
+//!   on etcd (feature `etcd`), all behind one trait and one conformance suite
+//!   (`docs/discovery.md`).
 //!
-//! See `docs/design.md` for the machine and `docs/properties.md` for what is proven and how.
+//! See `docs/design.md` for the machine, `docs/properties.md` for what is proven and how, and
+//! `docs/transport.md` for the request plane.
 
 pub mod advert;
 pub mod control;
 pub mod discovery;
 pub mod lifecycle;
+#[cfg(feature = "runtime")]
+pub mod push;
 pub mod route;
 mod sync;
+#[cfg(feature = "runtime")]
+pub mod transport;
 
 #[cfg(feature = "testkit")]
 #[doc(hidden)]

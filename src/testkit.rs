@@ -7,22 +7,27 @@
 //! - [`reference`]: a reference model of the lifecycle machine, written from the transition
 //!   rules of `docs/design.md`, and [`MachineView`], the observable state both expose;
 //! - [`ledger`]: the history invariants I1..I6 checked after every step;
-//! - [`machine_fuzz`], [`card_fuzz`], `control_fuzz`: the fuzz harnesses, plain functions over
-//!   bytes;
+//! - [`machine_fuzz`], [`card_fuzz`], `control_fuzz`, `frame_fuzz` (feature `runtime`),
+//!   [`record_fuzz`]: the fuzz harnesses, plain functions over bytes;
+//! - [`alloc_probe`]: peak-allocation measurement for the decoder's memory bound;
 //! - [`branches`]: which branches of `Machine::handle` a step exercised (coverage of a corpus);
-//! - [`mutants`]: deliberately broken machines that the checks must reject.
+//! - [`mutants`]: deliberately broken code under test that the checks must reject.
 //!
 //! [`TARGETS`] names every fuzz target with its harness: the fuzz crate's binaries and the replay
 //! test both look harnesses up there, so they cannot drift apart.
 
+pub mod alloc_probe;
 pub mod branches;
 pub mod card_fuzz;
 // Under loom the core's cell and lock are loom types, usable only inside a loom model.
 #[cfg(not(prefill_loom))]
 pub mod control_fuzz;
+#[cfg(feature = "runtime")]
+pub mod frame_fuzz;
 pub mod ledger;
 pub mod machine_fuzz;
 pub mod mutants;
+pub mod record_fuzz;
 pub mod reference;
 
 pub use reference::{MachineView, Reference};
@@ -50,6 +55,15 @@ pub const TARGETS: &[FuzzTarget] = &[
     FuzzTarget {
         name: "control_ops",
         run: control_fuzz::control_ops,
+    },
+    #[cfg(feature = "runtime")]
+    FuzzTarget {
+        name: "frame_decode",
+        run: frame_fuzz::frame_decode,
+    },
+    FuzzTarget {
+        name: "discovery_record",
+        run: record_fuzz::discovery_record,
     },
 ];
 

@@ -8,14 +8,25 @@ use std::panic;
 use std::path::{Path, PathBuf};
 
 use prefill_router::control::Control;
+use prefill_router::testkit::alloc_probe::{peak_bytes, CountingAllocator};
 use prefill_router::testkit::branches::{Branch, BranchSet};
 use prefill_router::testkit::card_fuzz::{self, check_cards, check_cards_with, CardStats};
 use prefill_router::testkit::control_fuzz::{self, run_control_script, ControlStats};
+#[cfg(feature = "runtime")]
+use prefill_router::testkit::frame_fuzz::{self, check_frame_script_with};
 use prefill_router::testkit::machine_fuzz::{self, run_script, Checks};
+#[cfg(feature = "runtime")]
+use prefill_router::testkit::mutants::FRAME_MUTANTS;
+use prefill_router::testkit::mutants::RECORD_MUTANTS;
 use prefill_router::testkit::mutants::{
     ControlMutant, ControlMutation, Mutant, Mutation, CARD_MUTANTS,
 };
+use prefill_router::testkit::record_fuzz::{self, check_record_script};
 use prefill_router::testkit::{target, TARGETS};
+
+// frame_decode measures the decoder's peak allocation through this allocator.
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
@@ -214,5 +225,64 @@ fn control_checks_reject_every_control_mutant_on_the_seed_corpus() {
             .iter()
             .any(|s| run_control_script(s, |p| ControlMutant::new(mutation, p)).is_err());
         assert!(caught, "{mutation:?} passes the seed corpus");
+    }
+}
+
+#[test]
+fn alloc_probe_sees_the_peak_of_a_known_allocation() {
+    let ((), peak) = peak_bytes(|| drop(std::hint::black_box(vec![0u8; 1 << 20])));
+    let peak = peak.expect("the counting allocator is installed in this test binary");
+    assert!((1 << 20..(1 << 20) + 4096).contains(&peak), "peak {peak}");
+}
+
+#[cfg(feature = "runtime")]
+#[test]
+fn frame_checks_reject_every_decoder_mutant_on_the_seed_corpus() {
+    let scripts: Vec<_> = corpus("frame_decode")
+        .into_iter()
+        .filter_map(|(_, bytes)| frame_fuzz::decode(&bytes))
+        .collect();
+    for (name, mutant) in FRAME_MUTANTS {
+        let caught = scripts
+            .iter()
+            .any(|s| check_frame_script_with(s, *mutant).is_err());
+        assert!(caught, "decoder mutant '{name}' passes the seed corpus");
+    }
+}
+
+/// The decoder's memory stays bounded on the corpus; prints the worst peak for
+/// docs/performance.md (the harness itself fails any input above the frame limit).
+#[cfg(feature = "runtime")]
+#[test]
+fn frame_decode_peak_allocation_stays_below_the_frame_limit_on_the_corpus() {
+    let mut worst = (0usize, 0usize);
+    for (path, bytes) in corpus("frame_decode") {
+        let (_, raw) = frame_fuzz::check_payload(&bytes)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        worst = worst.max((raw, bytes.len()));
+        if let Some(script) = frame_fuzz::decode(&bytes) {
+            let peak = frame_fuzz::check_frame_script(&script)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            worst = worst.max((peak, bytes.len()));
+        }
+    }
+    eprintln!("largest decode peak: {} bytes (input of {} bytes)", worst.0, worst.1);
+    assert!(worst.0 > 0, "the probe saw the decoder allocate");
+}
+
+#[test]
+fn record_checks_reject_every_reader_mutant_on_the_seed_corpus() {
+    let scripts: Vec<_> = corpus("discovery_record")
+        .into_iter()
+        .filter_map(|(_, bytes)| record_fuzz::decode(&bytes))
+        .collect();
+    for (name, mutant) in RECORD_MUTANTS {
+        let caught = scripts
+            .iter()
+            .any(|s| check_record_script(s, *mutant).is_err());
+        assert!(
+            caught,
+            "record reader mutant '{name}' passes the seed corpus"
+        );
     }
 }

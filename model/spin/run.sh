@@ -31,21 +31,32 @@ fi
 command -v spin >/dev/null || { apt-get install -y spin >/dev/null || { apt-get update >/dev/null && apt-get install -y spin >/dev/null; }; }
 command -v gcc >/dev/null || apt-get install -y gcc >/dev/null
 
+# CPU seconds (user+sys) when /usr/bin/time exists: steadier than wall time on a shared box.
+cpu_file=$(mktemp)
+trap 'rm -f "$cpu_file"' EXIT
+timer=""
+[ -x /usr/bin/time ] && timer="/usr/bin/time -o $cpu_file -f %U+%S"
+cpu_note() {
+  [ -n "$timer" ] && [ -s "$cpu_file" ] || return 0
+  local cpu; cpu=$(awk -F+ '{ print $1 + $2 }' "$cpu_file")
+  awk -v c="$cpu" -v n="$1" 'BEGIN { if (c > 0) printf " cpu=%.2fs (%.0f states/cpu-s)", c, n / c; else printf " cpu=%.2fs", c }'
+}
+
 sr_flags=(--retargets "$retargets" --failures "$failures" --requests "$requests" --targets "$targets")
 [ "$shutdown" = 1 ] || sr_flags+=(--no-shutdown)
 
 sr_unique=""
 if [ "$compare" = 1 ] && [ "$buggy" = 0 ]; then
   cargo build --release -q -p prefill-router-model
-  sr_out=$(./target/release/prefill-router-model check "${sr_flags[@]}" --threads "$threads" 2>/dev/null) || {
+  sr_out=$($timer ./target/release/prefill-router-model check "${sr_flags[@]}" --threads "$threads" 2>/dev/null) || {
     echo "$sr_out"; echo "stateright check failed" >&2; exit 1; }
   sr_line=$(echo "$sr_out" | grep '^done:')
   sr_unique=$(echo "$sr_line" | sed -E 's/.*unique=([0-9]+).*/\1/')
-  echo "stateright ($threads thread): ${sr_line#done: }"
+  echo "stateright ($threads thread): ${sr_line#done: }$(cpu_note "$sr_unique")"
 fi
 
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+trap 'rm -rf "$work" "$cpu_file"' EXIT
 cp model/spin/router.pml "$work/"
 defs=(-DTARGETS="$targets" -DRETARGETS="$retargets" -DFAILURES="$failures" -DNREQ="$requests" -DSHUTDOWN="$shutdown")
 [ "$buggy" = 0 ] || defs+=(-DBUGGY)
@@ -64,7 +75,9 @@ fi
 )
 start=$(date +%s.%N)
 set +e
-"$work/pan" -m1000000 -w"$PAN_W" > "$work/pan.out" 2>&1
+: > "$cpu_file"
+# From inside $work: pan writes its error trail (router.pml.trail) to the current directory.
+(cd "$work" && $timer ./pan -m1000000 -w"$PAN_W" > pan.out 2>&1)
 set -e
 end=$(date +%s.%N)
 stored=$(sed -nE 's/^ *([0-9.e+]+) states, stored.*/\1/p' "$work/pan.out")
@@ -75,6 +88,7 @@ printf 'spin: stored=%s errors=%s pan-elapsed=%ss wall=%.3fs (-w%s)' "$stored" "
 if [ -n "$elapsed" ] && awk -v e="$elapsed" 'BEGIN { exit !(e > 0) }'; then
   printf ' rate=%.0f states/s' "$(awk -v s="$stored" -v e="$elapsed" 'BEGIN { print s / e }')"
 fi
+cpu_note "${stored%%.*}"
 echo
 
 if [ "$buggy" = 1 ]; then

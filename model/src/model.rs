@@ -132,7 +132,9 @@ impl<S> RouterModel<S> {
 
 impl<S: Subject> RouterModel<S> {
     /// Applies one step and returns the next state with the machine's actions (the trace printer
-    /// replays paths through this too, so traces show exactly what the checker saw).
+    /// replays paths through this too, so traces show exactly what the checker saw). Steps are
+    /// meant to come from [`Model::actions`]; a request step that does not fit its request's
+    /// stage leaves the request unchanged rather than panicking.
     pub fn apply(&self, s: &State<S>, step: Step) -> (State<S>, Vec<Action<Target>>) {
         let mut n = s.clone();
         let mut actions = Vec::new();
@@ -142,12 +144,12 @@ impl<S: Subject> RouterModel<S> {
         let before = s.subject.lifecycle();
         match step {
             Step::SetTarget(t) => {
-                n.retargets_left -= 1;
+                n.retargets_left = n.retargets_left.saturating_sub(1);
                 n.desired = Some(t);
                 n.subject.feed(Input::SetTarget(t), &mut actions);
             }
             Step::Shutdown => {
-                n.retargets_left -= 1;
+                n.retargets_left = n.retargets_left.saturating_sub(1);
                 n.shut_down = true;
                 n.subject.feed(Input::Shutdown, &mut actions);
             }
@@ -157,7 +159,7 @@ impl<S: Subject> RouterModel<S> {
             }
             Step::BuildFails(id) => {
                 failed = take_build(&mut n.builds, id);
-                n.failures_left -= 1;
+                n.failures_left = n.failures_left.saturating_sub(1);
                 n.subject.feed(Input::BuildFailed(id), &mut actions);
             }
             Step::RetryFires(after) => {
@@ -165,17 +167,18 @@ impl<S: Subject> RouterModel<S> {
                 n.subject.feed(Input::RetryElapsed(after), &mut actions);
             }
             Step::Load(i) => {
-                let snap = s.snapshot();
-                n.requests[i] = Request::Loaded {
-                    binding: snap.binding,
-                    desired: s.desired.flatten(),
-                };
+                if s.requests.get(i) == Some(&Request::Idle) {
+                    n.requests[i] = Request::Loaded {
+                        binding: s.snapshot().binding,
+                        desired: s.desired.flatten(),
+                    };
+                }
             }
             Step::Dispatch(i) => {
-                if let Request::Loaded {
+                if let Some(Request::Loaded {
                     binding: Some(b),
                     desired,
-                } = s.requests[i]
+                }) = s.requests.get(i).copied()
                 {
                     if desired != Some(b.target) {
                         n.faults |= fault::STALE_DISPATCH;
@@ -186,16 +189,20 @@ impl<S: Subject> RouterModel<S> {
                     n.requests[i] = Request::Running(b);
                 }
             }
-            Step::Bypass(i) => n.requests[i] = Request::Done,
+            Step::Bypass(i) => {
+                if let Some(Request::Loaded { binding: None, .. }) = s.requests.get(i) {
+                    n.requests[i] = Request::Done;
+                }
+            }
             Step::Finish(i) => {
-                if let Request::Running(b) = s.requests[i] {
+                if let Some(Request::Running(b)) = s.requests.get(i).copied() {
                     if s.torn & bit(b.build) != 0 {
                         n.faults |= fault::REQUEST_LOST;
                     } else if s.retired & bit(b.build) != 0 {
                         n.seen |= seen::RETIRED_SERVED;
                     }
+                    n.requests[i] = Request::Done;
                 }
-                n.requests[i] = Request::Done;
             }
         }
         let from_retry = matches!(step, Step::RetryFires(_));

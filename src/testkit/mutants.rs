@@ -231,3 +231,82 @@ mod control {
         }
     }
 }
+
+/// Broken payload decoders, by name (judged by
+/// [`check_frame_script_with`](super::frame_fuzz::check_frame_script_with)).
+#[cfg(feature = "runtime")]
+pub const FRAME_MUTANTS: &[(&str, super::frame_fuzz::Decoder)] = &[
+    ("reserves a whole frame up front", frame::greedy),
+    ("drops the session key", frame::lossy),
+];
+
+#[cfg(feature = "runtime")]
+mod frame {
+    use crate::transport::{decode_frame, Frame, FrameError, DEFAULT_MAX_FRAME_LEN};
+
+    /// Reserves more than the frame limit before decoding (a decoder trusting a length field).
+    pub(super) fn greedy(payload: &[u8]) -> Result<Frame, FrameError> {
+        let reserve: Vec<u8> = Vec::with_capacity(DEFAULT_MAX_FRAME_LEN + 1);
+        let frame = decode_frame(payload);
+        drop(std::hint::black_box(reserve));
+        frame
+    }
+
+    /// Loses a field (a decoder out of step with the encoder).
+    pub(super) fn lossy(payload: &[u8]) -> Result<Frame, FrameError> {
+        decode_frame(payload).map(|frame| match frame {
+            Frame::Request {
+                id,
+                timeout_ms,
+                mut request,
+            } => {
+                request.session = None;
+                Frame::Request {
+                    id,
+                    timeout_ms,
+                    request,
+                }
+            }
+            other => other,
+        })
+    }
+}
+
+/// Broken record readers, by name (judged by
+/// [`check_record_script`](super::record_fuzz::check_record_script)).
+pub const RECORD_MUTANTS: &[(&str, super::record_fuzz::Reader)] = &[
+    ("accepts a record under any key", record::any_key),
+    (
+        "drops the advertised router config",
+        record::forgets_router_config,
+    ),
+];
+
+mod record {
+    use crate::advert::ModelCard;
+    use crate::discovery::{decode_record, Instance, RecordError};
+
+    /// Trusts the document over the key it was found under.
+    pub(super) fn any_key(key: &str, bytes: &[u8]) -> Result<(Instance, ModelCard), RecordError> {
+        match decode_record(key, bytes) {
+            Err(RecordError::KeyMismatch { expected, .. }) => decode_record(&expected, bytes),
+            other => other,
+        }
+    }
+
+    /// Loses the card's routing configuration.
+    pub(super) fn forgets_router_config(
+        key: &str,
+        bytes: &[u8],
+    ) -> Result<(Instance, ModelCard), RecordError> {
+        decode_record(key, bytes).map(|(instance, card)| {
+            (
+                instance,
+                ModelCard {
+                    router_config: None,
+                    ..card
+                },
+            )
+        })
+    }
+}

@@ -1,0 +1,458 @@
+//! Request plane and push routers: round trip through `PushRouter` vs a bare tokio echo with the
+//! same framing (req/s, p50/p99), KV selector hit rate vs round robin and random on a synthetic
+//! multi-turn workload, and selection cost with 64 workers.
+//!
+//! `cargo bench --bench push -- --warm-up-time 1 --measurement-time 3`
+//! The two tables print first; criterion then times the selection paths.
+
+use std::collections::{HashMap, VecDeque};
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use criterion::Criterion;
+use futures_util::{stream, SinkExt, StreamExt};
+use prefill_router::advert::KvRouterConfig;
+use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
+use prefill_router::push::{
+    block_hashes, KvSelector, PushConfig, PushMode, PushRouter, RoutableView,
+};
+use prefill_router::transport::{
+    decode_frame, encode_frame, serve, Engine, EngineStream, FinishReason, Frame, GenerateRequest,
+    GenerateResponse, ServerConfig,
+};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
+use tokio_util::sync::CancellationToken;
+
+/// One response carrying the prompt length, like a prefill with max_tokens 1.
+struct OneShot;
+
+impl Engine for OneShot {
+    fn generate(&self, request: GenerateRequest) -> EngineStream {
+        Box::pin(stream::iter([Ok(reply(&request))]))
+    }
+}
+
+fn reply(request: &GenerateRequest) -> GenerateResponse {
+    GenerateResponse {
+        token_ids: vec![request.token_ids.len() as u32],
+        finish: Some(FinishReason::Length),
+        prefill: None,
+    }
+}
+
+fn codec() -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder()
+        .length_field_type::<u32>()
+        .new_codec()
+}
+
+/// The baseline: a bare tokio server answering each request frame with one data frame.
+async fn bare_echo_server() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            sock.set_nodelay(true).expect("nodelay");
+            tokio::spawn(async move {
+                let mut framed = Framed::new(sock, codec());
+                while let Some(Ok(bytes)) = framed.next().await {
+                    let Ok(Frame::Request { id, request, .. }) = decode_frame(&bytes) else {
+                        break;
+                    };
+                    let out = encode_frame(&Frame::Data {
+                        id,
+                        response: reply(&request),
+                    });
+                    if framed.send(Bytes::from(out)).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+fn instance(id: InstanceId, address: SocketAddr) -> Instance {
+    Instance {
+        endpoint: EndpointId::new("bench", "prefill", "generate"),
+        instance_id: id,
+        address,
+    }
+}
+
+fn request() -> GenerateRequest {
+    // 64 tokens: a 256-byte-class payload, as in the reference measurements.
+    GenerateRequest::new((0..64).collect(), 1)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+fn round_trip_table(rt: &tokio::runtime::Runtime) {
+    let (router, echo_addr) = rt.block_on(async {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let worker = serve(listener, Arc::new(OneShot), ServerConfig::default()).expect("serve");
+        let addr = worker.local_addr();
+        std::mem::forget(worker); // lives for the whole bench process
+        let view = RoutableView::spawn(stream::pending(), None, CancellationToken::new());
+        view.apply(InstanceEvent::Added(instance(1, addr)));
+        let router = PushRouter::new(view, PushMode::RoundRobin, PushConfig::default());
+        (Arc::new(router), bare_echo_server().await)
+    });
+    let rounds = 6;
+    let per_round = 4000;
+    let (router_lat, router_time, echo_lat, echo_time) = rt.block_on(async {
+        let mut echo = Framed::new(
+            TcpStream::connect(echo_addr).await.expect("connect"),
+            codec(),
+        );
+        echo.get_ref().set_nodelay(true).expect("nodelay");
+        let (mut rl, mut el) = (Vec::new(), Vec::new());
+        let (mut rtime, mut etime) = (Duration::ZERO, Duration::ZERO);
+        for round in 0..=rounds {
+            // Round 0 warms up both paths (connection, allocator) and is discarded.
+            let started = Instant::now();
+            for _ in 0..per_round {
+                let t = Instant::now();
+                let mut s = router.generate(request()).await.expect("routed");
+                let r = s.next().await.expect("item").expect("ok");
+                black_box(r);
+                if round > 0 {
+                    rl.push(t.elapsed());
+                }
+            }
+            if round > 0 {
+                rtime += started.elapsed();
+            }
+            let started = Instant::now();
+            for id in 0..per_round {
+                let t = Instant::now();
+                let frame = Frame::Request {
+                    id,
+                    timeout_ms: Some(30_000),
+                    request: request(),
+                };
+                echo.send(Bytes::from(encode_frame(&frame)))
+                    .await
+                    .expect("send");
+                let bytes = echo.next().await.expect("frame").expect("ok");
+                black_box(decode_frame(&bytes).expect("frame"));
+                if round > 0 {
+                    el.push(t.elapsed());
+                }
+            }
+            if round > 0 {
+                etime += started.elapsed();
+            }
+        }
+        (rl, rtime, el, etime)
+    });
+    let show = |name: &str, mut lat: Vec<Duration>, time: Duration| {
+        lat.sort();
+        let rps = lat.len() as f64 / time.as_secs_f64();
+        let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
+        println!(
+            "| {name} | {rps:.0} | {:.1} | {:.1} |",
+            p50.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6
+        );
+        (rps, p50, p99)
+    };
+    println!(
+        "\n### Round trip, 1 request / 1 response, sequential, loopback ({} requests each)",
+        rounds * per_round
+    );
+    println!("| path | req/s | p50 µs | p99 µs |\n|---|---|---|---|");
+    let (rr, rp50, rp99) = show("PushRouter (RoundRobin, 1 worker)", router_lat, router_time);
+    let (er, ep50, ep99) = show("bare tokio echo, same framing", echo_lat, echo_time);
+    println!(
+        "\nthroughput ratio router/echo: {:.2}x; added latency p50 {:+.1} µs, p99 {:+.1} µs",
+        rr / er,
+        (rp50.as_secs_f64() - ep50.as_secs_f64()) * 1e6,
+        (rp99.as_secs_f64() - ep99.as_secs_f64()) * 1e6
+    );
+    concurrent_table(rt, &router, echo_addr);
+}
+
+/// 16 callers at once: through the router they share one multiplexed connection; the bare
+/// echo gets one connection per caller (it cannot multiplex).
+fn concurrent_table(rt: &tokio::runtime::Runtime, router: &Arc<PushRouter>, echo_addr: SocketAddr) {
+    const CALLERS: usize = 16;
+    const PER_CALLER: usize = 2000;
+    let (router_rate, echo_rate) = rt.block_on(async {
+        let router_rate = {
+            let started = Instant::now();
+            let calls: Vec<_> = (0..CALLERS)
+                .map(|_| {
+                    let router = Arc::clone(router);
+                    tokio::spawn(async move {
+                        for _ in 0..PER_CALLER {
+                            let mut s = router.generate(request()).await.expect("routed");
+                            black_box(s.next().await.expect("item").expect("ok"));
+                        }
+                    })
+                })
+                .collect();
+            for c in calls {
+                c.await.expect("caller");
+            }
+            (CALLERS * PER_CALLER) as f64 / started.elapsed().as_secs_f64()
+        };
+        let echo_rate = {
+            let mut conns = Vec::new();
+            for _ in 0..CALLERS {
+                let sock = TcpStream::connect(echo_addr).await.expect("connect");
+                sock.set_nodelay(true).expect("nodelay");
+                conns.push(Framed::new(sock, codec()));
+            }
+            let started = Instant::now();
+            let tasks: Vec<_> = conns
+                .into_iter()
+                .map(|mut echo| {
+                    tokio::spawn(async move {
+                        for id in 0..PER_CALLER as u64 {
+                            let frame = Frame::Request {
+                                id,
+                                timeout_ms: Some(30_000),
+                                request: request(),
+                            };
+                            echo.send(Bytes::from(encode_frame(&frame)))
+                                .await
+                                .expect("send");
+                            let bytes = echo.next().await.expect("frame").expect("ok");
+                            black_box(decode_frame(&bytes).expect("frame"));
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.expect("caller");
+            }
+            (CALLERS * PER_CALLER) as f64 / started.elapsed().as_secs_f64()
+        };
+        (router_rate, echo_rate)
+    });
+    println!("\n### {CALLERS} concurrent callers, {PER_CALLER} requests each");
+    println!("| path | req/s |\n|---|---|");
+    println!("| PushRouter, one multiplexed connection | {router_rate:.0} |");
+    println!("| bare tokio echo, one connection per caller | {echo_rate:.0} |");
+    println!("\nratio router/echo: {:.2}x", router_rate / echo_rate);
+}
+
+/// A worker's real cache in the simulation: LRU of block hashes, `capacity` blocks.
+struct SimCache {
+    capacity: usize,
+    tick: u64,
+    blocks: HashMap<u64, u64>,
+}
+
+impl SimCache {
+    /// Leading blocks already cached; then insert the whole prompt.
+    fn prefill(&mut self, hashes: &[u64]) -> usize {
+        let hit = hashes
+            .iter()
+            .take_while(|h| self.blocks.contains_key(h))
+            .count();
+        for h in hashes {
+            self.tick += 1;
+            self.blocks.insert(*h, self.tick);
+        }
+        if self.blocks.len() > self.capacity {
+            let mut by_age: Vec<(u64, u64)> = self.blocks.iter().map(|(h, t)| (*t, *h)).collect();
+            by_age.sort_unstable();
+            let excess = self.blocks.len() - self.capacity;
+            for (_, h) in by_age.into_iter().take(excess) {
+                self.blocks.remove(&h);
+            }
+        }
+        hit
+    }
+}
+
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Sessions of a multi-turn workload: each turn's prompt is the system prompt plus the whole
+/// history so far.
+fn workload(sessions: u32, turns: u32, systems: u32, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = XorShift(seed);
+    let mut history: Vec<Vec<u32>> = (0..sessions)
+        .map(|s| (0..256).map(|i| (s % systems) * 10_000 + i).collect())
+        .collect();
+    let mut remaining: Vec<u32> = vec![turns; sessions as usize];
+    let mut out = Vec::new();
+    let mut live: Vec<u32> = (0..sessions).collect();
+    while !live.is_empty() {
+        let k = (rng.next() % live.len() as u64) as usize;
+        let s = live[k] as usize;
+        // A user message, then the assistant's answer joins the history for the next turn.
+        history[s].extend((0..48).map(|_| 100_000 + (rng.next() % 30_000) as u32));
+        out.push(history[s].clone());
+        history[s].extend((0..48).map(|_| 200_000 + (rng.next() % 30_000) as u32));
+        remaining[s] -= 1;
+        if remaining[s] == 0 {
+            live.swap_remove(k);
+        }
+    }
+    out
+}
+
+#[derive(Clone, Copy)]
+enum Policy {
+    Kv,
+    RoundRobin,
+    Random,
+}
+
+fn simulate(
+    policy: Policy,
+    prompts: &[Vec<u32>],
+    workers: u64,
+    block: u32,
+    cache_blocks: usize,
+) -> (f64, f64) {
+    let mut caches: Vec<SimCache> = (0..workers)
+        .map(|_| SimCache {
+            capacity: cache_blocks,
+            tick: 0,
+            blocks: HashMap::new(),
+        })
+        .collect();
+    let mut kv = KvSelector::new(block, &KvRouterConfig::default(), 1 << 20);
+    let mut rng = XorShift(0x1234_5678);
+    // Load: the picks of the last `2 * workers` requests are still in flight.
+    let mut in_flight: VecDeque<u64> = VecDeque::new();
+    let mut served = vec![0u64; workers as usize];
+    let (mut hit, mut total) = (0usize, 0usize);
+    for (n, prompt) in prompts.iter().enumerate() {
+        let hashes = block_hashes(prompt, block);
+        let pick = match policy {
+            Policy::RoundRobin => n as u64 % workers,
+            Policy::Random => rng.next() % workers,
+            Policy::Kv => {
+                let cands: Vec<(InstanceId, u64)> = (0..workers)
+                    .map(|w| (w, in_flight.iter().filter(|&&x| x == w).count() as u64))
+                    .collect();
+                let (w, _) = kv.select(&hashes, &cands, rng.next()).expect("candidates");
+                kv.record(&hashes, w);
+                w
+            }
+        };
+        hit += caches[pick as usize].prefill(&hashes);
+        total += hashes.len();
+        served[pick as usize] += 1;
+        in_flight.push_back(pick);
+        if in_flight.len() > 2 * workers as usize {
+            in_flight.pop_front();
+        }
+    }
+    let max_share = *served.iter().max().unwrap_or(&0) as f64 / prompts.len() as f64;
+    (hit as f64 / total as f64, max_share)
+}
+
+fn hit_rate_table() {
+    let (workers, block, cache_blocks) = (8u64, 16u32, 2048usize);
+    let prompts = workload(400, 8, 8, 42);
+    println!(
+        "\n### KV selector prefix hit rate: {} requests (400 sessions x 8 turns, 8 shared 256-token system prompts), {workers} workers, block {block}, worker cache {cache_blocks} blocks",
+        prompts.len()
+    );
+    println!("| policy | prefix hit rate (cached blocks / prompt blocks) | busiest worker's share |\n|---|---|---|");
+    for (name, policy) in [
+        ("KV", Policy::Kv),
+        ("RoundRobin", Policy::RoundRobin),
+        ("Random", Policy::Random),
+    ] {
+        let (rate, share) = simulate(policy, &prompts, workers, block, cache_blocks);
+        println!(
+            "| {name} | {:.1} % | {:.1} % |",
+            rate * 100.0,
+            share * 100.0
+        );
+    }
+}
+
+fn selection(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let _guard = rt.enter();
+    let view = RoutableView::spawn(stream::pending(), None, CancellationToken::new());
+    for id in 0..64 {
+        let addr: SocketAddr = ([127, 0, 0, 1], 10_000 + id as u16).into();
+        view.apply(InstanceEvent::Added(instance(id, addr)));
+    }
+    let kv_mode = PushMode::Kv {
+        block_size: 16,
+        config: KvRouterConfig::default(),
+    };
+    let kv_router = PushRouter::new(view.clone(), kv_mode, PushConfig::default());
+    let rr_router = PushRouter::new(view.clone(), PushMode::RoundRobin, PushConfig::default());
+    // Warm the KV index with a realistic history.
+    let prompts = workload(400, 8, 8, 7);
+    for p in &prompts {
+        let _ = kv_router.select(&GenerateRequest::new(p.clone(), 1));
+    }
+    let requests: Vec<GenerateRequest> = workload(64, 4, 8, 99)
+        .into_iter()
+        .map(|p| GenerateRequest::new(p, 1))
+        .collect();
+    let mut group = c.benchmark_group("select_64_workers");
+    let mut i = 0;
+    group.bench_function("kv", |b| {
+        b.iter(|| {
+            i = (i + 1) % requests.len();
+            black_box(kv_router.select(&requests[i]).expect("pick"))
+        })
+    });
+    group.bench_function("round_robin", |b| {
+        b.iter(|| black_box(rr_router.select(&requests[0]).expect("pick")))
+    });
+    let mut selector = KvSelector::new(16, &KvRouterConfig::default(), 1 << 20);
+    for (n, p) in prompts.iter().enumerate() {
+        selector.record(&block_hashes(p, 16), n as u64 % 64);
+    }
+    let cands: Vec<(InstanceId, u64)> = (0..64).map(|w| (w, w % 3)).collect();
+    let hashed: Vec<Vec<u64>> = requests
+        .iter()
+        .map(|r| block_hashes(&r.token_ids, 16))
+        .collect();
+    group.bench_function("kv_selector_score_only", |b| {
+        b.iter(|| {
+            i = (i + 1) % hashed.len();
+            black_box(selector.select(&hashed[i], &cands, 0))
+        })
+    });
+    group.finish();
+    let mean_blocks = hashed.iter().map(Vec::len).sum::<usize>() as f64 / hashed.len() as f64;
+    println!("(selection requests average {mean_blocks:.0} blocks of 16 tokens)");
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    round_trip_table(&rt);
+    hit_rate_table();
+    let mut c = Criterion::default().configure_from_args();
+    selection(&mut c);
+    c.final_summary();
+}

@@ -1,0 +1,567 @@
+//! `EtcdDiscovery` (feature `etcd`): the distributed backend, on etcd leases and watches.
+//!
+//! - Records live under `<root><record key>` (default root `prefill-router/v1/instances/`),
+//!   each attached to the registering process's lease; etcd deletes them when the lease
+//!   expires, so a killed worker disappears within its TTL.
+//! - Keep-alive: a task renews the lease every `keepalive_interval` over etcd's keep-alive
+//!   stream, reopening the stream after an outage. If the lease expired meanwhile (the server
+//!   was down longer than the TTL), the task grants a new lease and re-puts the record, unless
+//!   a newer registration for the same instance owns the key. The same task revokes the
+//!   lease when the registration is deregistered or dropped.
+//! - Watch: list the prefix (revision R), then watch from R+1: no gap between the two. A
+//!   broken stream (server restart, network), a cancelled watch or a compacted revision make
+//!   the watch list again and watch from the new revision; the level-triggered diff of the new
+//!   listing against what the watcher knows emits exactly the missed changes.
+//! - Streams are half-closed and drained, never dropped open: see `close_keepalive`.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use tokio::sync::{mpsc, oneshot};
+
+use super::api::{
+    cards_of, instance_stream, instances_of, namespace_of, namespace_stream, Discovery,
+    InstanceStream, Lease, NamespaceStream, Registration, FEED_CAPACITY,
+};
+use super::known::RawEvent;
+use super::record::{encode_record, endpoint_prefix, namespace_prefix, record_key, validate};
+use super::{DiscoveryError, EndpointId, Instance, InstanceId};
+use crate::advert::ModelCard;
+
+/// How to reach etcd, where the records live, and lease timing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdConfig {
+    /// Client URLs, e.g. `http://127.0.0.1:2379`.
+    pub endpoints: Vec<String>,
+    /// Key prefix of every record (isolates deployments sharing one etcd).
+    pub root: String,
+    /// Lease TTL (whole seconds, at least 1; etcd may raise short TTLs).
+    pub ttl: Duration,
+    /// How often a registration renews its lease.
+    pub keepalive_interval: Duration,
+    /// Bound on connecting and on each unary request.
+    pub request_timeout: Duration,
+    /// Pause before retrying after etcd failed or went away.
+    pub retry_interval: Duration,
+}
+
+impl EtcdConfig {
+    /// Defaults: root `prefill-router/v1/instances/`, 10 s TTL (Dynamo's), keep-alive every
+    /// third of it, 5 s request timeout, 250 ms retry pause.
+    pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
+        let ttl = Duration::from_secs(10);
+        EtcdConfig {
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            root: "prefill-router/v1/instances/".to_owned(),
+            ttl,
+            keepalive_interval: ttl / 3,
+            request_timeout: Duration::from_secs(5),
+            retry_interval: Duration::from_millis(250),
+        }
+    }
+
+    /// The same with another TTL; keep-alive every third of it.
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self.keepalive_interval = ttl / 3;
+        self
+    }
+
+    /// The same under another key root.
+    pub fn with_root(mut self, root: impl Into<String>) -> Self {
+        self.root = root.into();
+        self
+    }
+
+    fn ttl_secs(&self) -> i64 {
+        i64::try_from(self.ttl.as_secs_f64().ceil() as u64)
+            .unwrap_or(i64::MAX)
+            .max(1)
+    }
+}
+
+/// Discovery on etcd. Clones share one client connection.
+#[derive(Clone)]
+pub struct EtcdDiscovery {
+    client: Client,
+    config: Arc<EtcdConfig>,
+}
+
+impl std::fmt::Debug for EtcdDiscovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdDiscovery")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn etcd_err(error: etcd_client::Error) -> DiscoveryError {
+    DiscoveryError::Etcd(error.to_string())
+}
+
+/// Run an etcd request under the configured timeout.
+async fn bounded<T>(
+    limit: Duration,
+    request: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, DiscoveryError> {
+    match tokio::time::timeout(limit, request).await {
+        Ok(result) => result.map_err(etcd_err),
+        Err(_) => Err(DiscoveryError::Etcd(format!(
+            "request timed out after {limit:?}"
+        ))),
+    }
+}
+
+impl EtcdDiscovery {
+    /// Connect to etcd.
+    pub async fn connect(config: EtcdConfig) -> Result<Self, DiscoveryError> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(config.request_timeout)
+            // HTTP/2 pings notice a silently dead server, so streams break and get reopened.
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        let client = bounded(
+            config.request_timeout,
+            Client::connect(config.endpoints.clone(), Some(options)),
+        )
+        .await?;
+        Ok(EtcdDiscovery {
+            client,
+            config: Arc::new(config),
+        })
+    }
+
+    /// The underlying etcd client (for tooling and tests).
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    async fn list(&self, key_prefix: &str) -> Result<Vec<(String, Vec<u8>)>, DiscoveryError> {
+        let mut client = self.client.clone();
+        let full = format!("{}{key_prefix}", self.config.root);
+        let resp = bounded(
+            self.config.request_timeout,
+            client.get(full, Some(GetOptions::new().with_prefix())),
+        )
+        .await?;
+        Ok(relative_kvs(&self.config.root, resp.kvs()))
+    }
+
+    fn feed(&self, key_prefix: &str) -> mpsc::Receiver<RawEvent> {
+        let (tx, rx) = mpsc::channel(FEED_CAPACITY);
+        let mut client = self.client.clone();
+        let config = Arc::clone(&self.config);
+        let full = format!("{}{key_prefix}", config.root);
+        tokio::spawn(async move {
+            loop {
+                if let Err(error) = watch_once(&mut client, &config, &full, &tx).await {
+                    if matches!(error, DiscoveryError::Closed) {
+                        return;
+                    }
+                    tracing::warn!(prefix = full, %error, "etcd watch interrupted; will resync");
+                }
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(config.retry_interval) => {}
+                }
+            }
+        });
+        rx
+    }
+}
+
+/// Keys relative to `root` with their values; keys outside it or not UTF-8 are skipped.
+fn relative_kvs(root: &str, kvs: &[etcd_client::KeyValue]) -> Vec<(String, Vec<u8>)> {
+    kvs.iter()
+        .filter_map(|kv| relative_key(root, kv.key()).map(|k| (k, kv.value().to_vec())))
+        .collect()
+}
+
+fn relative_key(root: &str, key: &[u8]) -> Option<String> {
+    match std::str::from_utf8(key)
+        .ok()
+        .and_then(|k| k.strip_prefix(root))
+    {
+        Some(rel) => Some(rel.to_owned()),
+        None => {
+            tracing::warn!(key = %String::from_utf8_lossy(key), "skipping foreign etcd key");
+            None
+        }
+    }
+}
+
+/// One list-then-watch cycle. Returns `Err(Closed)` when the consumer is gone, another error
+/// when the cycle must restart from a fresh listing.
+async fn watch_once(
+    client: &mut Client,
+    config: &EtcdConfig,
+    prefix: &str,
+    tx: &mpsc::Sender<RawEvent>,
+) -> Result<(), DiscoveryError> {
+    let resp = bounded(
+        config.request_timeout,
+        client.get(prefix, Some(GetOptions::new().with_prefix())),
+    )
+    .await?;
+    let revision = resp.header().map_or(0, |h| h.revision());
+    let listing = relative_kvs(&config.root, resp.kvs());
+    tx.send(RawEvent::Resync(listing))
+        .await
+        .map_err(|_| DiscoveryError::Closed)?;
+    let options = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(revision + 1);
+    let mut stream = bounded(config.request_timeout, client.watch(prefix, Some(options))).await?;
+    loop {
+        let message = tokio::select! {
+            _ = tx.closed() => {
+                // Half-close so etcd ends the call; dropping it open would reset the stream
+                // (see `close_keepalive`).
+                let (requests, mut responses) = stream.split();
+                drop(requests);
+                let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                    while let Ok(Some(_)) = responses.message().await {}
+                })
+                .await;
+                return Err(DiscoveryError::Closed);
+            }
+            message = stream.message() => message,
+        };
+        let resp = match message {
+            Ok(Some(resp)) => resp,
+            Ok(None) => return Err(DiscoveryError::Etcd("watch stream ended".into())),
+            Err(error) => return Err(etcd_err(error)),
+        };
+        if resp.canceled() || resp.compact_revision() > 0 {
+            return Err(DiscoveryError::Etcd(format!(
+                "watch cancelled (compacted at {}): {}",
+                resp.compact_revision(),
+                resp.cancel_reason()
+            )));
+        }
+        for event in resp.events() {
+            let Some(kv) = event.kv() else { continue };
+            let Some(key) = relative_key(&config.root, kv.key()) else {
+                continue;
+            };
+            let raw = match event.event_type() {
+                EventType::Put => RawEvent::Put(key, kv.value().to_vec()),
+                EventType::Delete => RawEvent::Delete(key),
+            };
+            tx.send(raw).await.map_err(|_| DiscoveryError::Closed)?;
+        }
+    }
+}
+
+/// What the keep-alive task needs to restore a record after its lease was lost.
+struct Owned {
+    key: String,
+    bytes: Vec<u8>,
+    lease: Arc<AtomicI64>,
+}
+
+/// How a registration ends its keep-alive task.
+enum Stop {
+    /// Revoke the lease (deleting the record); reply with the outcome if asked.
+    Revoke(Option<oneshot::Sender<Result<(), DiscoveryError>>>),
+    /// Leave the lease to expire, as a killed process would.
+    Abandon,
+}
+
+/// What one renewal found.
+enum Renewal {
+    Alive,
+    /// The server no longer knows the lease (it expired during an outage).
+    Lost,
+    /// The keep-alive stream broke: reopen it.
+    Broken,
+}
+
+async fn renew(
+    keeper: &mut etcd_client::LeaseKeeper,
+    stream: &mut etcd_client::LeaseKeepAliveStream,
+    limit: Duration,
+) -> Renewal {
+    if keeper.keep_alive().await.is_err() {
+        return Renewal::Broken;
+    }
+    match tokio::time::timeout(limit, stream.message()).await {
+        Ok(Ok(Some(resp))) if resp.ttl() > 0 => Renewal::Alive,
+        Ok(Ok(Some(_))) => Renewal::Lost,
+        _ => Renewal::Broken,
+    }
+}
+
+/// Close a keep-alive stream politely: half-close our side and let the server finish the
+/// call. Dropping an open stream would reset it, and h2 closes a connection that has reset
+/// 1024 streams (`too_many_internal_resets`), failing every call on it.
+async fn close_keepalive(
+    keeper: etcd_client::LeaseKeeper,
+    mut stream: etcd_client::LeaseKeepAliveStream,
+) {
+    drop(keeper);
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        while let Ok(Some(_)) = stream.message().await {}
+    })
+    .await;
+}
+
+/// Keep the lease alive until told to stop, surviving etcd outages; then revoke or abandon.
+async fn keep_alive(
+    mut client: Client,
+    config: Arc<EtcdConfig>,
+    owned: Owned,
+    mut stop: oneshot::Receiver<Stop>,
+) {
+    // A dropped sender means the registration is gone without a word: revoke.
+    let order = 'outer: loop {
+        let lease = owned.lease.load(Ordering::Acquire);
+        let opened = tokio::select! {
+            order = &mut stop => break order.unwrap_or(Stop::Revoke(None)),
+            opened = bounded(config.request_timeout, client.lease_keep_alive(lease)) => opened,
+        };
+        match opened {
+            Ok((mut keeper, mut stream)) => {
+                let ending = loop {
+                    let renewal = tokio::select! {
+                        order = &mut stop => break Some(order.unwrap_or(Stop::Revoke(None))),
+                        renewal = renew(&mut keeper, &mut stream, config.request_timeout) => renewal,
+                    };
+                    match renewal {
+                        Renewal::Alive => {}
+                        Renewal::Lost => {
+                            tracing::warn!(
+                                key = owned.key,
+                                lease,
+                                "etcd lease expired while alive; re-registering"
+                            );
+                            match restore(&mut client, &config, &owned, lease).await {
+                                Ok(true) => {}
+                                Ok(false) => {
+                                    tracing::debug!(
+                                        key = owned.key,
+                                        "registration superseded; keep-alive stops"
+                                    );
+                                    close_keepalive(keeper, stream).await;
+                                    return;
+                                }
+                                Err(error) => {
+                                    tracing::warn!(key = owned.key, %error, "cannot re-register");
+                                }
+                            }
+                            break None;
+                        }
+                        Renewal::Broken => {
+                            tracing::debug!(
+                                key = owned.key,
+                                "etcd keep-alive stream broke; reopening"
+                            );
+                            break None;
+                        }
+                    }
+                    tokio::select! {
+                        order = &mut stop => break Some(order.unwrap_or(Stop::Revoke(None))),
+                        _ = tokio::time::sleep(config.keepalive_interval) => {}
+                    }
+                };
+                close_keepalive(keeper, stream).await;
+                if let Some(order) = ending {
+                    break 'outer order;
+                }
+            }
+            Err(error) => tracing::debug!(key = owned.key, %error, "etcd keep-alive unavailable"),
+        }
+        tokio::select! {
+            order = &mut stop => break order.unwrap_or(Stop::Revoke(None)),
+            _ = tokio::time::sleep(config.retry_interval) => {}
+        }
+    };
+    if let Stop::Revoke(reply) = order {
+        let lease = owned.lease.load(Ordering::Acquire);
+        let result = bounded(config.request_timeout, client.lease_revoke(lease))
+            .await
+            .map(|_| ());
+        match reply {
+            Some(reply) => {
+                let _ = reply.send(result);
+            }
+            None => {
+                if let Err(error) = result {
+                    tracing::debug!(lease, %error, "etcd lease revoke failed; it will expire");
+                }
+            }
+        }
+    }
+}
+
+/// Grant a new lease and re-put the record; false if another registration owns the key.
+async fn restore(
+    client: &mut Client,
+    config: &EtcdConfig,
+    owned: &Owned,
+    old_lease: i64,
+) -> Result<bool, DiscoveryError> {
+    let current = bounded(config.request_timeout, client.get(owned.key.as_str(), None)).await?;
+    if let Some(kv) = current.kvs().first() {
+        if kv.lease() != old_lease {
+            return Ok(false);
+        }
+    }
+    let lease = bounded(
+        config.request_timeout,
+        client.lease_grant(config.ttl_secs(), None),
+    )
+    .await?
+    .id();
+    bounded(
+        config.request_timeout,
+        client.put(
+            owned.key.as_str(),
+            owned.bytes.clone(),
+            Some(PutOptions::new().with_lease(lease)),
+        ),
+    )
+    .await?;
+    owned.lease.store(lease, Ordering::Release);
+    Ok(true)
+}
+
+/// A registration's end of its keep-alive task, which does the revoking itself: no runtime
+/// handle is needed on drop, and the lease is revoked only once the keep-alive stopped (so it
+/// cannot re-grant behind the revoke).
+struct EtcdLease {
+    stop: Option<oneshot::Sender<Stop>>,
+    timeout: Duration,
+}
+
+impl EtcdLease {
+    fn order(&mut self, order: Stop) {
+        if let Some(stop) = self.stop.take() {
+            // The task is gone only if the runtime is: then the lease just expires.
+            let _ = stop.send(order);
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Lease for EtcdLease {
+    async fn revoke(mut self: Box<Self>) -> Result<(), DiscoveryError> {
+        let (reply, outcome) = oneshot::channel();
+        self.order(Stop::Revoke(Some(reply)));
+        match tokio::time::timeout(self.timeout * 2, outcome).await {
+            Ok(Ok(result)) => result,
+            // The task ended on its own: superseded by a newer registration, whose record
+            // is not ours to delete.
+            Ok(Err(_)) => Ok(()),
+            Err(_) => Err(DiscoveryError::Etcd("lease revoke timed out".into())),
+        }
+    }
+
+    fn abandon(mut self: Box<Self>) {
+        self.order(Stop::Abandon);
+    }
+
+    fn release(mut self: Box<Self>) {
+        self.order(Stop::Revoke(None));
+    }
+}
+
+#[async_trait::async_trait]
+impl Discovery for EtcdDiscovery {
+    async fn register(
+        &self,
+        instance: Instance,
+        card: ModelCard,
+    ) -> Result<Registration, DiscoveryError> {
+        validate(&instance)?;
+        let mut client = self.client.clone();
+        let config = &self.config;
+        let key = format!(
+            "{}{}",
+            config.root,
+            record_key(&instance.endpoint, instance.instance_id)
+        );
+        let bytes = encode_record(&instance, &card);
+        let lease = bounded(
+            config.request_timeout,
+            client.lease_grant(config.ttl_secs(), None),
+        )
+        .await?
+        .id();
+        let put = bounded(
+            config.request_timeout,
+            client.put(
+                key.as_str(),
+                bytes.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+        )
+        .await;
+        if let Err(error) = put {
+            // Best effort: the lease would expire on its own anyway.
+            let _ = bounded(config.request_timeout, client.lease_revoke(lease)).await;
+            return Err(error);
+        }
+        let (stop, stop_rx) = oneshot::channel();
+        tokio::spawn(keep_alive(
+            client,
+            Arc::clone(config),
+            Owned {
+                key,
+                bytes,
+                lease: Arc::new(AtomicI64::new(lease)),
+            },
+            stop_rx,
+        ));
+        Ok(Registration::new(
+            instance,
+            Box::new(EtcdLease {
+                stop: Some(stop),
+                timeout: config.request_timeout,
+            }),
+        ))
+    }
+
+    async fn list_instances(&self, endpoint: &EndpointId) -> Result<Vec<Instance>, DiscoveryError> {
+        Ok(instances_of(
+            endpoint,
+            self.list(&endpoint_prefix(endpoint)).await?,
+        ))
+    }
+
+    async fn list_cards(
+        &self,
+        endpoint: &EndpointId,
+    ) -> Result<Vec<(InstanceId, ModelCard)>, DiscoveryError> {
+        Ok(cards_of(
+            endpoint,
+            self.list(&endpoint_prefix(endpoint)).await?,
+        ))
+    }
+
+    async fn list_namespace(
+        &self,
+        namespace: &str,
+    ) -> Result<Vec<(Instance, ModelCard)>, DiscoveryError> {
+        Ok(namespace_of(
+            namespace,
+            self.list(&namespace_prefix(namespace)).await?,
+        ))
+    }
+
+    async fn watch(&self, endpoint: &EndpointId) -> Result<InstanceStream, DiscoveryError> {
+        Ok(instance_stream(
+            endpoint,
+            self.feed(&endpoint_prefix(endpoint)),
+        ))
+    }
+
+    async fn watch_namespace(&self, namespace: &str) -> Result<NamespaceStream, DiscoveryError> {
+        Ok(namespace_stream(
+            namespace,
+            self.feed(&namespace_prefix(namespace)),
+        ))
+    }
+}

@@ -1,0 +1,404 @@
+//! The push router.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures_core::Stream;
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::error::PushError;
+use super::kv::{block_hashes, mix, KvSelector, MixState};
+use super::view::{InstanceStatus, RoutableView};
+use crate::advert::{KvRouterConfig, PrefillConfig, RouterMode};
+use crate::discovery::{Instance, InstanceId};
+use crate::transport::{
+    ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
+};
+
+/// How the router picks an instance.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PushMode {
+    /// Rotate over the routable instances in id order.
+    RoundRobin,
+    /// Pick uniformly at random.
+    Random,
+    /// Always the named instance.
+    Direct(InstanceId),
+    /// Prefix-aware: prefer the worker that already prefilled the request's leading blocks.
+    Kv {
+        /// KV block size in tokens.
+        block_size: u32,
+        /// Weights and temperature.
+        config: KvRouterConfig,
+    },
+}
+
+impl PushMode {
+    /// The mode a resolved prefill configuration asks for. `RouterMode::Direct` needs a
+    /// target, given as `direct`; without one it falls back to round robin (callers then name
+    /// the worker per request with [`PushRouter::generate_direct`]).
+    pub fn from_prefill_config(config: &PrefillConfig, direct: Option<InstanceId>) -> Self {
+        match config.router_mode {
+            RouterMode::RoundRobin => PushMode::RoundRobin,
+            RouterMode::Random => PushMode::Random,
+            RouterMode::Direct => direct.map_or(PushMode::RoundRobin, PushMode::Direct),
+            RouterMode::KV => PushMode::Kv {
+                block_size: config.block_size,
+                config: config.kv_router_config.clone().unwrap_or_default(),
+            },
+        }
+    }
+}
+
+/// Router settings.
+#[derive(Clone, Debug)]
+pub struct PushConfig {
+    /// Deadline of each request, from the call to `generate` to the end of its stream.
+    pub request_timeout: Option<Duration>,
+    /// Per-connection client settings.
+    pub client: ClientConfig,
+    /// Block chains the KV selector remembers.
+    pub kv_capacity: usize,
+    /// Seed of the `Random` mode and of KV sampling (deterministic runs in tests).
+    pub seed: u64,
+}
+
+impl Default for PushConfig {
+    fn default() -> Self {
+        PushConfig {
+            request_timeout: Some(Duration::from_secs(30)),
+            client: ClientConfig::default(),
+            kv_capacity: 1 << 20,
+            seed: 0x5eed,
+        }
+    }
+}
+
+type Loads = Arc<Mutex<HashMap<InstanceId, u64, MixState>>>;
+
+/// Routes requests to instances of a [`RoutableView`] over the request plane. Share it behind
+/// an `Arc`; all methods take `&self`.
+pub struct PushRouter {
+    view: RoutableView,
+    mode: PushMode,
+    config: PushConfig,
+    connections: Mutex<HashMap<InstanceId, Connection>>,
+    next: AtomicUsize,
+    rng: AtomicU64,
+    kv: Option<Mutex<KvSelector>>,
+    /// Requests in flight per instance (kept in KV mode only, where it is the load term).
+    loads: Loads,
+}
+
+impl std::fmt::Debug for PushRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PushRouter")
+            .field("mode", &self.mode)
+            .field("view", &self.view)
+            .finish()
+    }
+}
+
+impl PushRouter {
+    /// A router over `view` in `mode`.
+    pub fn new(view: RoutableView, mode: PushMode, config: PushConfig) -> Self {
+        let kv = match &mode {
+            PushMode::Kv {
+                block_size,
+                config: kv,
+            } => Some(Mutex::new(KvSelector::new(
+                *block_size,
+                kv,
+                config.kv_capacity,
+            ))),
+            _ => None,
+        };
+        PushRouter {
+            rng: AtomicU64::new(config.seed),
+            view,
+            mode,
+            config,
+            connections: Mutex::new(HashMap::new()),
+            next: AtomicUsize::new(0),
+            kv,
+            loads: Arc::default(),
+        }
+    }
+
+    /// The view this router picks from.
+    pub fn view(&self) -> &RoutableView {
+        &self.view
+    }
+
+    /// The router's mode.
+    pub fn mode(&self) -> &PushMode {
+        &self.mode
+    }
+
+    fn random(&self) -> u64 {
+        // splitmix64 over an atomic counter: lock-free and reproducible from the seed.
+        mix(self
+            .rng
+            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
+            .wrapping_add(0x9e37_79b9_7f4a_7c15))
+    }
+
+    /// Pick an instance for `request` per the mode, without sending anything. In KV mode the
+    /// pick is remembered (the request's blocks are attributed to the chosen worker).
+    pub fn select(&self, request: &GenerateRequest) -> Result<Arc<Instance>, PushError> {
+        self.select_with_overlap(request).map(|(i, _)| i)
+    }
+
+    fn select_with_overlap(
+        &self,
+        request: &GenerateRequest,
+    ) -> Result<(Arc<Instance>, Option<usize>), PushError> {
+        if let PushMode::Direct(id) = self.mode {
+            return self.direct_target(id).map(|i| (i, None));
+        }
+        let routable = self.view.routable();
+        if routable.is_empty() {
+            return Err(PushError::NoRoutableInstances);
+        }
+        match &self.mode {
+            PushMode::RoundRobin => {
+                let n = self.next.fetch_add(1, Ordering::Relaxed);
+                Ok((Arc::clone(&routable[n % routable.len()]), None))
+            }
+            PushMode::Random => {
+                #[allow(clippy::cast_possible_truncation)] // reduced modulo a usize
+                let n = (self.random() % routable.len() as u64) as usize;
+                Ok((Arc::clone(&routable[n]), None))
+            }
+            PushMode::Kv { block_size, .. } => {
+                let hashes = block_hashes(&request.token_ids, *block_size);
+                let candidates: Vec<(InstanceId, u64)> = {
+                    let loads = self.loads.lock();
+                    routable
+                        .iter()
+                        .map(|i| {
+                            let load = loads.get(&i.instance_id).copied().unwrap_or(0);
+                            (i.instance_id, load)
+                        })
+                        .collect()
+                };
+                let random = self.random();
+                let Some(kv) = &self.kv else {
+                    return Err(PushError::NoRoutableInstances);
+                };
+                let mut kv = kv.lock();
+                let (id, overlap) = kv
+                    .select(&hashes, &candidates, random)
+                    .ok_or(PushError::NoRoutableInstances)?;
+                kv.record(&hashes, id);
+                drop(kv);
+                let instance = routable
+                    .iter()
+                    .find(|i| i.instance_id == id)
+                    .cloned()
+                    .ok_or(PushError::NoRoutableInstances)?;
+                Ok((instance, Some(overlap)))
+            }
+            PushMode::Direct(_) => Err(PushError::NoRoutableInstances),
+        }
+    }
+
+    fn direct_target(&self, id: InstanceId) -> Result<Arc<Instance>, PushError> {
+        match self.view.status(id) {
+            InstanceStatus::Routable(instance) => Ok(instance),
+            InstanceStatus::Unknown => Err(PushError::InstanceGone(id)),
+            InstanceStatus::NotAdmitted | InstanceStatus::Inhibited => {
+                Err(PushError::DirectTargetNotRoutable(id))
+            }
+        }
+    }
+
+    /// Route `request` per the mode and stream its responses.
+    pub async fn generate(&self, request: GenerateRequest) -> Result<RoutedStream, PushError> {
+        let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
+        let (instance, overlap) = self.select_with_overlap(&request)?;
+        self.dispatch(instance, overlap, request, deadline).await
+    }
+
+    /// Send `request` to the named instance, whatever the mode.
+    pub async fn generate_direct(
+        &self,
+        instance: InstanceId,
+        request: GenerateRequest,
+    ) -> Result<RoutedStream, PushError> {
+        let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
+        let target = self.direct_target(instance)?;
+        self.dispatch(target, None, request, deadline).await
+    }
+
+    async fn dispatch(
+        &self,
+        instance: Arc<Instance>,
+        overlap: Option<usize>,
+        request: GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> Result<RoutedStream, PushError> {
+        let id = instance.instance_id;
+        let load = self.kv.is_some().then(|| LoadGuard::new(&self.loads, id));
+        let send = async {
+            let conn = self.connection(&instance).await?;
+            conn.generate(request, deadline).await
+        };
+        let sent = match deadline {
+            Some(d) => tokio::time::timeout_at(d, send)
+                .await
+                .unwrap_or(Err(TransportError::Timeout)),
+            None => send.await,
+        };
+        match sent {
+            Ok(inner) => Ok(RoutedStream {
+                instance: id,
+                overlap,
+                inner,
+                view: self.view.clone(),
+                _load: load,
+            }),
+            Err(e) => Err(classify(&self.view, id, e)),
+        }
+    }
+
+    /// The open connection to `instance`, or a new one.
+    async fn connection(&self, instance: &Instance) -> Result<Connection, TransportError> {
+        let id = instance.instance_id;
+        {
+            let conns = self.connections.lock();
+            if let Some(c) = conns.get(&id) {
+                if !c.is_closed() && c.peer_addr() == instance.address {
+                    return Ok(c.clone());
+                }
+            }
+        }
+        let fresh = Connection::connect(instance.address, self.config.client.clone()).await?;
+        let mut conns = self.connections.lock();
+        // Drop connections of instances that left discovery, so the pool stays bounded by the
+        // discovered set.
+        conns.retain(|k, c| !c.is_closed() && self.view.is_discovered(*k));
+        match conns.get(&id) {
+            // Another caller connected concurrently: share theirs, ours closes on drop.
+            Some(c) if !c.is_closed() && c.peer_addr() == instance.address => Ok(c.clone()),
+            _ => {
+                conns.insert(id, fresh.clone());
+                Ok(fresh)
+            }
+        }
+    }
+
+    /// Forget a departed worker in the KV index (callers may call it on `Removed` events; the
+    /// router also works without, since only routable workers are scored).
+    pub fn forget(&self, id: InstanceId) {
+        if let Some(kv) = &self.kv {
+            kv.lock().forget(id);
+        }
+        self.connections.lock().remove(&id);
+    }
+}
+
+/// Map a transport failure to a router error, inhibiting the instance when its connection
+/// failed (the instance-down signal).
+fn classify(view: &RoutableView, instance: InstanceId, error: TransportError) -> PushError {
+    match error {
+        TransportError::Timeout => PushError::Timeout { instance },
+        TransportError::Remote(_) | TransportError::RequestTooLarge { .. } => {
+            PushError::Transport {
+                instance,
+                source: error,
+            }
+        }
+        _ => {
+            view.inhibit(instance);
+            if view.is_discovered(instance) {
+                PushError::Transport {
+                    instance,
+                    source: error,
+                }
+            } else {
+                PushError::InstanceGone(instance)
+            }
+        }
+    }
+}
+
+/// Counts one request in flight on an instance until dropped.
+struct LoadGuard {
+    loads: Loads,
+    id: InstanceId,
+}
+
+impl LoadGuard {
+    fn new(loads: &Loads, id: InstanceId) -> Self {
+        *loads.lock().entry(id).or_insert(0) += 1;
+        LoadGuard {
+            loads: Arc::clone(loads),
+            id,
+        }
+    }
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        let mut loads = self.loads.lock();
+        if let Some(n) = loads.get_mut(&self.id) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                loads.remove(&self.id);
+            }
+        }
+    }
+}
+
+/// The responses of a routed request, and which instance serves it. Dropping it cancels the
+/// request at the worker.
+pub struct RoutedStream {
+    instance: InstanceId,
+    overlap: Option<usize>,
+    inner: ResponseStream,
+    view: RoutableView,
+    _load: Option<LoadGuard>,
+}
+
+impl std::fmt::Debug for RoutedStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoutedStream")
+            .field("instance", &self.instance)
+            .field("overlap", &self.overlap)
+            .finish()
+    }
+}
+
+impl RoutedStream {
+    /// The instance serving this request.
+    pub fn instance_id(&self) -> InstanceId {
+        self.instance
+    }
+
+    /// In KV mode, the leading blocks the selector expected the worker to have cached.
+    pub fn expected_overlap_blocks(&self) -> Option<usize> {
+        self.overlap
+    }
+}
+
+impl Stream for RoutedStream {
+    type Item = Result<GenerateResponse, PushError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_next(cx) {
+            Poll::Ready(Some(Err(e))) => {
+                Poll::Ready(Some(Err(classify(&this.view, this.instance, e))))
+            }
+            Poll::Ready(Some(Ok(r))) => Poll::Ready(Some(Ok(r))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}

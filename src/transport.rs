@@ -1,0 +1,23 @@
+//! The request plane: a worker serves an [`Engine`] on a TCP listener; a frontend opens one
+//! multiplexed connection per instance and streams responses back.
+//!
+//! Wire format (see `docs/transport.md`): each frame is a big-endian `u32` length followed by a
+//! postcard-encoded [`Frame`]; frames longer than the configured maximum close the connection.
+//! Requests carry a connection-local id; responses are routed back by that id, so one socket
+//! carries many concurrent requests. Dropping a response stream sends [`Frame::Cancel`], and the
+//! worker then drops its engine stream (generation stops).
+
+mod client;
+mod engine;
+mod error;
+mod server;
+mod wire;
+mod writer;
+
+pub use client::{ClientConfig, Connection, ResponseStream};
+pub use engine::{
+    Engine, EngineError, EngineStream, FinishReason, GenerateRequest, GenerateResponse, PrefillInfo,
+};
+pub use error::{FrameError, RemoteError, TransportError};
+pub use server::{serve, ServerConfig, ServerHandle};
+pub use wire::{decode_frame, encode_frame, Frame, DEFAULT_MAX_FRAME_LEN};

@@ -1,0 +1,102 @@
+//! What a worker serves: LLM-shaped requests in, a stream of responses out.
+
+use std::pin::Pin;
+
+use futures_core::Stream;
+use serde::{Deserialize, Serialize};
+
+use crate::discovery::InstanceId;
+
+/// One generation request (prefill, or prefill plus decode).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    /// The prompt, already tokenized.
+    pub token_ids: Vec<u32>,
+    /// How many tokens to generate; a disaggregated prefill hop sends 1.
+    pub max_tokens: u32,
+    /// A conversation or session key (for affinity and for the engine's own bookkeeping).
+    pub session: Option<String>,
+    /// Tokens that end generation early.
+    pub stop_token_ids: Vec<u32>,
+    /// The KV-cache location a decode worker should pull from, when this request is the decode
+    /// half of a handoff (the prefill response's [`PrefillInfo`]).
+    pub handoff: Option<PrefillInfo>,
+}
+
+impl GenerateRequest {
+    /// A request for `max_tokens` tokens after the prompt `token_ids`, with no session.
+    pub fn new(token_ids: Vec<u32>, max_tokens: u32) -> Self {
+        GenerateRequest {
+            token_ids,
+            max_tokens,
+            ..GenerateRequest::default()
+        }
+    }
+}
+
+/// What a prefill worker reports so decode can take over (the handoff).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefillInfo {
+    /// The worker that ran the prefill and now holds the KV blocks.
+    pub worker: InstanceId,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// How many leading prompt blocks were already cached on that worker (not recomputed).
+    pub cached_blocks: u32,
+    /// The KV block size the worker used, in tokens.
+    pub block_size: u32,
+}
+
+/// Why a stream ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FinishReason {
+    /// `max_tokens` reached.
+    Length,
+    /// A stop token was generated.
+    Stop,
+    /// The request was cancelled.
+    Cancelled,
+}
+
+/// One streamed piece of a response.
+///
+/// A response whose `finish` is set is the stream's last: the worker stops reading the engine
+/// stream after it, and the client ends the stream after delivering it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GenerateResponse {
+    /// Tokens generated since the previous response.
+    pub token_ids: Vec<u32>,
+    /// Set on the last response.
+    pub finish: Option<FinishReason>,
+    /// Set by a prefill worker (typically on its only response) for the decode handoff.
+    pub prefill: Option<PrefillInfo>,
+}
+
+/// An engine's failure, sent to the caller as a remote error.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("engine error: {message}")]
+pub struct EngineError {
+    /// Human-readable cause.
+    pub message: String,
+}
+
+impl EngineError {
+    /// An engine error with this message.
+    pub fn new(message: impl Into<String>) -> Self {
+        EngineError {
+            message: message.into(),
+        }
+    }
+}
+
+/// The stream an engine returns. Dropping it must stop generation.
+pub type EngineStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, EngineError>> + Send>>;
+
+/// A model engine, served by a worker with [`serve`](crate::transport::serve).
+///
+/// Object-safe so a worker can hold an `Arc<dyn Engine>`. The work happens while the returned
+/// stream is polled; the server drops the stream when the caller cancels or its deadline passes.
+pub trait Engine: Send + Sync + 'static {
+    /// Start generating for `request`.
+    fn generate(&self, request: GenerateRequest) -> EngineStream;
+}

@@ -1,0 +1,382 @@
+//! The worker side: serve an [`Engine`] on a TCP listener.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{FutureExt, StreamExt};
+use parking_lot::Mutex;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::codec::FramedRead;
+use tokio_util::sync::CancellationToken;
+
+use super::engine::{Engine, EngineError, EngineStream, GenerateRequest, GenerateResponse};
+use super::error::{FrameError, RemoteError};
+use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
+use super::writer::Writer;
+
+/// Worker-side limits.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Largest frame accepted or sent, in bytes (payload, without the 4-byte prefix).
+    pub max_frame_len: usize,
+    /// Requests in flight per connection; beyond it a request is refused with
+    /// [`RemoteError::Overloaded`].
+    pub max_in_flight: usize,
+    /// Open connections; beyond it new connections are closed at once.
+    pub max_connections: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            max_frame_len: DEFAULT_MAX_FRAME_LEN,
+            max_in_flight: 1024,
+            max_connections: 4096,
+        }
+    }
+}
+
+/// A running worker listener. Dropping it (or [`shutdown`](ServerHandle::shutdown)) stops
+/// accepting and closes every connection at once, without finishing streams: to clients it
+/// looks like the worker died.
+#[derive(Debug)]
+pub struct ServerHandle {
+    local_addr: SocketAddr,
+    shutdown: CancellationToken,
+    connections: Arc<AtomicUsize>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl ServerHandle {
+    /// The address the listener is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// How many client connections are open now.
+    pub fn open_connections(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Stop accepting and close all connections (pending streams end without a final frame).
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Shut down and wait until the accept loop has exited (the listener is closed).
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Serve `engine` on `listener` until the returned handle is shut down or dropped. Must be
+/// called within a tokio runtime.
+pub fn serve(
+    listener: TcpListener,
+    engine: Arc<dyn Engine>,
+    config: ServerConfig,
+) -> io::Result<ServerHandle> {
+    let local_addr = listener.local_addr()?;
+    let shutdown = CancellationToken::new();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let task = tokio::spawn(accept_loop(
+        listener,
+        engine,
+        config,
+        shutdown.clone(),
+        Arc::clone(&connections),
+    ));
+    Ok(ServerHandle {
+        local_addr,
+        shutdown,
+        connections,
+        task: Some(task),
+    })
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    engine: Arc<dyn Engine>,
+    config: ServerConfig,
+    shutdown: CancellationToken,
+    connections: Arc<AtomicUsize>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                if connections.load(Ordering::Relaxed) >= config.max_connections {
+                    tracing::warn!(%peer, "refusing connection: too many open");
+                    continue;
+                }
+                connections.fetch_add(1, Ordering::Relaxed);
+                let engine = Arc::clone(&engine);
+                let config = config.clone();
+                let token = shutdown.child_token();
+                let connections = Arc::clone(&connections);
+                tokio::spawn(async move {
+                    let _open = OpenConnection(connections);
+                    serve_connection(stream, peer, engine, config, token).await;
+                });
+            }
+            Err(e) => {
+                // Typically EMFILE: back off briefly instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+/// Counts an open connection until dropped (also when its task panics).
+struct OpenConnection(Arc<AtomicUsize>);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Start the engine; a panicking engine fails this request, not the connection.
+fn start(engine: &dyn Engine, request: GenerateRequest) -> EngineStream {
+    match std::panic::catch_unwind(AssertUnwindSafe(|| engine.generate(request))) {
+        Ok(stream) => stream,
+        Err(_) => {
+            tracing::error!("engine panicked starting a request");
+            Box::pin(futures_util::stream::iter([Err(EngineError::new(
+                "engine panicked",
+            ))]))
+        }
+    }
+}
+
+/// The engine stream's next item; a panic inside the engine becomes an error item (and the
+/// stream is not polled again, since an error is the last frame).
+async fn next_item(stream: &mut EngineStream) -> Option<Result<GenerateResponse, EngineError>> {
+    match AssertUnwindSafe(stream.next()).catch_unwind().await {
+        Ok(item) => item,
+        Err(_) => {
+            tracing::error!("engine panicked while generating");
+            Some(Err(EngineError::new("engine panicked")))
+        }
+    }
+}
+
+/// Why a server connection closed.
+enum Closed {
+    Eof,
+    Io(io::Error),
+    Frame(FrameError),
+    Shutdown,
+}
+
+async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    engine: Arc<dyn Engine>,
+    config: ServerConfig,
+    token: CancellationToken,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(%peer, error = %e, "set_nodelay failed");
+    }
+    let (rd, wr) = stream.into_split();
+    let max = config.max_frame_len;
+    let writer = Writer::new(wr, max, token.clone());
+    let active: Arc<Mutex<HashMap<u64, CancellationToken>>> = Arc::default();
+    let mut frames = FramedRead::new(rd, wire::codec(max));
+    let closed = loop {
+        let next = tokio::select! {
+            _ = token.cancelled() => break Closed::Shutdown,
+            next = frames.next() => next,
+        };
+        let bytes = match next {
+            None => break Closed::Eof,
+            Some(Err(e)) => match wire::classify_read_error(&e, max) {
+                Some(frame_error) => break Closed::Frame(frame_error),
+                None => break Closed::Io(e),
+            },
+            Some(Ok(bytes)) => bytes,
+        };
+        match wire::decode_frame(&bytes) {
+            Err(e) => break Closed::Frame(e),
+            Ok(Frame::Request {
+                id,
+                timeout_ms,
+                request,
+            }) => {
+                // Decide under the lock, act after it: the guard must not live across awaits.
+                let admit = {
+                    let table = active.lock();
+                    if table.contains_key(&id) {
+                        None
+                    } else {
+                        Some(table.len() < config.max_in_flight)
+                    }
+                };
+                match admit {
+                    None => {
+                        break Closed::Frame(FrameError::Unexpected {
+                            reason: format!("duplicate request id {id}"),
+                        })
+                    }
+                    Some(false) => {
+                        let frame = Frame::Error {
+                            id,
+                            error: RemoteError::Overloaded,
+                        };
+                        if !send(&writer, frame, max).await {
+                            break Closed::Shutdown;
+                        }
+                        continue;
+                    }
+                    Some(true) => {}
+                }
+                let mut stream = start(engine.as_ref(), request);
+                // Poll once here: an engine with its answer ready (a cached or one-token
+                // reply) is served from this task, without spawning one per request.
+                if let Some(item) = next_item(&mut stream).now_or_never() {
+                    let (frame, last) = to_frame(id, item);
+                    if !send(&writer, frame, max).await {
+                        break Closed::Shutdown;
+                    }
+                    if last {
+                        continue;
+                    }
+                }
+                let request_token = token.child_token();
+                active.lock().insert(id, request_token.clone());
+                tokio::spawn(run_request(
+                    id,
+                    stream,
+                    timeout_ms,
+                    writer.clone(),
+                    request_token,
+                    Arc::clone(&active),
+                    max,
+                ));
+            }
+            Ok(Frame::Cancel { id }) => {
+                // Unknown ids are normal: the request may have just finished.
+                if let Some(request_token) = active.lock().remove(&id) {
+                    request_token.cancel();
+                }
+            }
+            Ok(Frame::Data { .. } | Frame::End { .. } | Frame::Error { .. }) => {
+                break Closed::Frame(FrameError::Unexpected {
+                    reason: "client sent a worker frame".into(),
+                })
+            }
+        }
+    };
+    match closed {
+        Closed::Eof | Closed::Shutdown => tracing::debug!(%peer, "connection closed"),
+        Closed::Io(e) => tracing::debug!(%peer, error = %e, "connection lost"),
+        Closed::Frame(e) => {
+            tracing::warn!(%peer, error = %e, "closing connection: bad frame from client")
+        }
+    }
+    // Stops the writer and every request of this connection (their engine streams drop).
+    token.cancel();
+}
+
+/// Turn an engine item (or the end of its stream) into a frame; true if it is the last one.
+fn to_frame(id: u64, item: Option<Result<GenerateResponse, EngineError>>) -> (Frame, bool) {
+    match item {
+        None => (Frame::End { id }, true),
+        Some(Ok(response)) => {
+            let last = response.finish.is_some();
+            (Frame::Data { id, response }, last)
+        }
+        Some(Err(e)) => (
+            Frame::Error {
+                id,
+                error: RemoteError::Engine { message: e.message },
+            },
+            true,
+        ),
+    }
+}
+
+/// Drive one request's engine stream to the end, a cancel, the deadline, or connection close.
+async fn run_request(
+    id: u64,
+    mut stream: EngineStream,
+    timeout_ms: Option<u64>,
+    writer: Writer,
+    token: CancellationToken,
+    active: Arc<Mutex<HashMap<u64, CancellationToken>>>,
+    max: usize,
+) {
+    let deadline = tokio::time::sleep(timeout_ms.map_or(
+        Duration::from_secs(u64::from(u32::MAX)),
+        Duration::from_millis,
+    ));
+    tokio::pin!(deadline);
+    loop {
+        let item = tokio::select! {
+            biased;
+            _ = token.cancelled() => break,
+            _ = &mut deadline => {
+                let frame = Frame::Error { id, error: RemoteError::DeadlineExceeded };
+                send(&writer, frame, max).await;
+                break;
+            }
+            item = next_item(&mut stream) => item,
+        };
+        let (frame, last) = to_frame(id, item);
+        let sent = tokio::select! {
+            _ = token.cancelled() => false,
+            sent = send(&writer, frame, max) => sent,
+        };
+        if !sent || last {
+            break;
+        }
+    }
+    // Generation stops here (the engine stream is dropped) whatever ended the loop.
+    drop(stream);
+    active.lock().remove(&id);
+}
+
+/// Send a frame, replacing a response too large to frame by an error; false when the
+/// connection is finished.
+async fn send(writer: &Writer, frame: Frame, max: usize) -> bool {
+    let id = match &frame {
+        Frame::Request { id, .. }
+        | Frame::Cancel { id }
+        | Frame::Data { id, .. }
+        | Frame::End { id }
+        | Frame::Error { id, .. } => *id,
+    };
+    let bytes = match wire::encode_bounded(&frame, max) {
+        Some(bytes) => bytes,
+        None => {
+            let error = Frame::Error {
+                id,
+                error: RemoteError::ResponseTooLarge,
+            };
+            match wire::encode_bounded(&error, max) {
+                Some(bytes) => bytes,
+                None => return false,
+            }
+        }
+    };
+    writer.send(bytes).await
+}

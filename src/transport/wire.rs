@@ -1,0 +1,96 @@
+//! Frames and their (pure) encoding.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio_util::codec::{LengthDelimitedCodec, LengthDelimitedCodecError};
+
+use super::engine::{GenerateRequest, GenerateResponse};
+use super::error::{FrameError, RemoteError};
+
+/// Default maximum frame payload length: 16 MiB (a 4M-token prompt fits).
+pub const DEFAULT_MAX_FRAME_LEN: usize = 16 * 1024 * 1024;
+
+/// One message on the wire, in either direction. `id` is the request id, local to a connection
+/// and chosen by the client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Frame {
+    /// Client to worker: start a request.
+    Request {
+        /// Request id.
+        id: u64,
+        /// Budget the worker may spend, in milliseconds, counted from receipt.
+        timeout_ms: Option<u64>,
+        /// The request.
+        request: GenerateRequest,
+    },
+    /// Client to worker: the caller dropped its stream; stop generating.
+    Cancel {
+        /// Request id.
+        id: u64,
+    },
+    /// Worker to client: one response. A response with `finish` set is the last one.
+    Data {
+        /// Request id.
+        id: u64,
+        /// The response.
+        response: GenerateResponse,
+    },
+    /// Worker to client: the engine stream ended without a finishing response.
+    End {
+        /// Request id.
+        id: u64,
+    },
+    /// Worker to client: the request failed; no more frames for it.
+    Error {
+        /// Request id.
+        id: u64,
+        /// Why.
+        error: RemoteError,
+    },
+}
+
+/// Decode one frame payload (the bytes after the length prefix).
+///
+/// Pure and panic-free on any input; allocation is bounded by the payload length (serde caps
+/// pre-allocation from length prefixes, and every element consumes at least one input byte).
+/// Trailing bytes are rejected so that one payload is exactly one frame.
+pub fn decode_frame(payload: &[u8]) -> Result<Frame, FrameError> {
+    match postcard::take_from_bytes::<Frame>(payload) {
+        Ok((frame, [])) => Ok(frame),
+        Ok((_, rest)) => Err(FrameError::Malformed {
+            reason: format!("{} trailing bytes", rest.len()),
+        }),
+        Err(e) => Err(FrameError::Malformed {
+            reason: e.to_string(),
+        }),
+    }
+}
+
+/// Encode one frame payload (without the length prefix).
+pub fn encode_frame(frame: &Frame) -> Vec<u8> {
+    // Serializing these plain data types into a growable Vec cannot fail: postcard only errors
+    // on unsupported serde features (none used) or a full fixed buffer (not used here).
+    postcard::to_stdvec(frame).unwrap_or_default()
+}
+
+/// Encode a frame for sending, refusing payloads above `max`.
+pub(crate) fn encode_bounded(frame: &Frame, max: usize) -> Option<Bytes> {
+    let payload = encode_frame(frame);
+    (payload.len() <= max).then(|| Bytes::from(payload))
+}
+
+/// The length-delimited codec both sides use: `u32` big-endian length, then the payload.
+pub(crate) fn codec(max_frame_len: usize) -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder()
+        .length_field_type::<u32>()
+        .max_frame_length(max_frame_len)
+        .new_codec()
+}
+
+/// Classify an I/O error from the codec: an oversized length prefix is a frame error, anything
+/// else is a lost connection.
+pub(crate) fn classify_read_error(err: &std::io::Error, max: usize) -> Option<FrameError> {
+    err.get_ref()
+        .and_then(|inner| inner.downcast_ref::<LengthDelimitedCodecError>())
+        .map(|_| FrameError::Oversized { max })
+}
