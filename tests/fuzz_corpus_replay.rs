@@ -257,8 +257,8 @@ fn frame_checks_reject_every_decoder_mutant_on_the_seed_corpus() {
 fn frame_decode_peak_allocation_stays_below_the_frame_limit_on_the_corpus() {
     let mut worst = (0usize, 0usize);
     for (path, bytes) in corpus("frame_decode") {
-        let (_, raw) = frame_fuzz::check_payload(&bytes)
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let (_, raw) =
+            frame_fuzz::check_payload(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         worst = worst.max((raw, bytes.len()));
         if let Some(script) = frame_fuzz::decode(&bytes) {
             let peak = frame_fuzz::check_frame_script(&script)
@@ -266,7 +266,10 @@ fn frame_decode_peak_allocation_stays_below_the_frame_limit_on_the_corpus() {
             worst = worst.max((peak, bytes.len()));
         }
     }
-    eprintln!("largest decode peak: {} bytes (input of {} bytes)", worst.0, worst.1);
+    eprintln!(
+        "largest decode peak: {} bytes (input of {} bytes)",
+        worst.0, worst.1
+    );
     assert!(worst.0 > 0, "the probe saw the decoder allocate");
 }
 
