@@ -266,3 +266,13 @@ pub fn check_script(script: &MachineScript) {
         panic!("machine_inputs: {failure}\npolicy: {:?}", script.policy);
     }
 }
+
+/// Run one decoded script through a [mutant](super::mutants::Mutant) machine; panics when a
+/// check fails, which is the point: measures how fast the fuzzer finds a known bug.
+pub fn check_script_against_mutant(script: &MachineScript, mutation: super::mutants::Mutation) {
+    let mut branches = BranchSet::default();
+    let make = |policy| super::mutants::Mutant::new(mutation, policy);
+    if let Err(failure) = run_script(script, make, Checks::ALL, &mut branches) {
+        panic!("machine_inputs against {mutation:?}: {failure}");
+    }
+}

@@ -33,6 +33,11 @@ impl Mutation {
         Mutation::ForgetsCancel,
         Mutation::ActiveWhileBuilding,
     ];
+
+    /// The mutation named `name` (its `Debug` spelling), if any.
+    pub fn named(name: &str) -> Option<Mutation> {
+        Mutation::ALL.into_iter().find(|m| format!("{m:?}") == name)
+    }
 }
 
 /// The real machine, observed through a [`Mutation`].
