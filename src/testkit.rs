@@ -4,7 +4,7 @@
 //! cargo-fuzz targets (crate `fuzz/`) and the stable corpus replay (`tests/fuzz_corpus_replay.rs`)
 //! judge the machine by the same rules:
 //!
-//! - [`reference`]: a reference model of the lifecycle machine, written from the transition
+//! - [`reference`](mod@reference): a reference model of the lifecycle machine, written from the transition
 //!   rules of `docs/design.md`, and [`MachineView`], the observable state both expose;
 //! - [`ledger`]: the history invariants I1..I6 checked after every step;
 //! - [`machine_fuzz`], [`card_fuzz`], `control_fuzz`, `frame_fuzz` (feature `runtime`),
@@ -13,8 +13,9 @@
 //! - [`branches`]: which branches of `Machine::handle` a step exercised (coverage of a corpus);
 //! - [`mutants`]: deliberately broken code under test that the checks must reject.
 //!
-//! [`TARGETS`] names every fuzz target with its harness: the fuzz crate's binaries and the replay
-//! test both look harnesses up there, so they cannot drift apart.
+//! [`TARGETS`] names every fuzz target with its harness: the replay test runs every corpus and
+//! artifact file through the harness listed there (the very function the fuzz binary calls), and
+//! checks that every listed target has a fuzz binary and a seed corpus.
 
 pub mod alloc_probe;
 pub mod branches;
