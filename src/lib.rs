@@ -50,3 +50,7 @@ mod sync;
 pub mod topology;
 #[cfg(feature = "runtime")]
 pub mod transport;
+
+#[cfg(feature = "testkit")]
+#[doc(hidden)]
+pub mod testkit;

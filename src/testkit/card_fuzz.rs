@@ -1,0 +1,777 @@
+//! Fuzz target `card_json`: raw bytes and structure-aware JSON through [`parse_cards`] and
+//! [`resolve`].
+//!
+//! Checked on every input: nothing panics; every document is either a card or counted as
+//! skipped; a well-formed card document parses to exactly the card it was built from; resolution
+//! fails (with the typed [`AdvertError::NoReadableCard`]) iff no card is readable; the
+//! configuration obeys the rules that can be stated without re-implementing them (first card
+//! wins, block size fallback, active-block tracking off when advertised); resolution does not
+//! depend on the order of the cards after the first; the same card spelled differently (pretty
+//! or compact, another accepted mode name, defaults written out) parses identically, and any
+//! number of identical cards resolve as one; a parsed card serializes to a readable card.
+
+use std::time::Duration;
+
+use arbitrary::{Arbitrary, Unstructured};
+use serde_json::{json, Map, Value};
+
+use crate::advert::{
+    parse_cards, resolve, resolve_raw, AdvertError, DecodeDefaults, KvRouterConfig, ModelCard,
+    PrefillConfig, RouterConfig, RouterMode, RuntimeConfig,
+};
+
+/// Spellings of the router modes the card format accepts, with the mode each means.
+const MODE_NAMES: &[(&str, RouterMode)] = &[
+    ("RoundRobin", RouterMode::RoundRobin),
+    ("round_robin", RouterMode::RoundRobin),
+    ("round-robin", RouterMode::RoundRobin),
+    ("roundrobin", RouterMode::RoundRobin),
+    ("Random", RouterMode::Random),
+    ("random", RouterMode::Random),
+    ("KV", RouterMode::KV),
+    ("kv", RouterMode::KV),
+    ("Kv", RouterMode::KV),
+    ("Direct", RouterMode::Direct),
+    ("direct", RouterMode::Direct),
+];
+
+/// A JSON value of any shape, to put where a field's type is wrong or unknown.
+#[derive(Arbitrary, Clone, Debug)]
+pub enum Junk {
+    /// `true` / `false`.
+    Bool(bool),
+    /// An integer (possibly negative or beyond `u32`).
+    Int(i64),
+    /// A float, `n / 8` (exact in binary and in decimal).
+    Float(i16),
+    /// A string.
+    Str(String),
+    /// An array of junk.
+    Array(Vec<Junk>),
+    /// An object of junk.
+    Object(Vec<(String, Junk)>),
+    /// Arrays nested `n % 160` deep (either side of the parser's recursion limit of 128).
+    Deep(u8),
+}
+
+impl Junk {
+    /// The JSON value.
+    pub fn to_value(&self) -> Value {
+        match self {
+            Junk::Bool(b) => json!(b),
+            Junk::Int(i) => json!(i),
+            Junk::Float(n) => json!(f64::from(*n) / 8.0),
+            Junk::Str(s) => json!(s),
+            Junk::Array(items) => Value::Array(items.iter().map(Junk::to_value).collect()),
+            Junk::Object(fields) => Value::Object(
+                fields
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.to_value()))
+                    .collect(),
+            ),
+            // `json!([inner])` would re-serialize `inner` at every level (quadratic).
+            Junk::Deep(depth) => (0..*depth % 160).fold(Value::Array(Vec::new()), |inner, _| {
+                Value::Array(vec![inner])
+            }),
+        }
+    }
+}
+
+/// One field of a card document.
+#[derive(Arbitrary, Clone, Debug)]
+pub enum Field<T> {
+    /// Left out.
+    Absent,
+    /// A well-typed value.
+    Valid(T),
+    /// `null`.
+    Null,
+    /// A value of arbitrary, probably wrong, type.
+    Wrong(Junk),
+}
+
+/// A router mode as written in a card.
+#[derive(Arbitrary, Clone, Debug)]
+pub enum ModeName {
+    /// One of the accepted spellings.
+    Known(u8),
+    /// Any string (almost always rejected).
+    Other(String),
+}
+
+/// `kv_router_config` of a card.
+#[derive(Arbitrary, Clone, Debug)]
+pub struct KvSeed {
+    overlap_score_weight: Field<i16>,
+    router_temperature: Field<i16>,
+    use_kv_events: Field<bool>,
+    router_track_active_blocks: Field<bool>,
+}
+
+/// `router_config` of a card.
+#[derive(Arbitrary, Clone, Debug)]
+pub struct RouterConfigSeed {
+    router_mode: Field<ModeName>,
+    kv_router_config: Field<KvSeed>,
+    session_affinity_ttl_secs: Field<u64>,
+}
+
+/// A card document, field by field.
+#[derive(Arbitrary, Clone, Debug)]
+pub struct CardSeed {
+    name: Field<String>,
+    kv_cache_block_size: Field<u32>,
+    router_config: Field<RouterConfigSeed>,
+    enable_eagle: Field<bool>,
+    /// Unknown fields a newer worker might add (must be ignored).
+    extra: Vec<(String, Junk)>,
+}
+
+/// One document of a discovery listing.
+#[derive(Arbitrary, Clone, Debug)]
+pub enum DocSeed {
+    /// Arbitrary bytes.
+    Raw(Vec<u8>),
+    /// A card document built field by field.
+    Card(CardSeed),
+    /// A card document truncated to `keep` bytes, with the byte at `at` xored with `flip`.
+    Mangled {
+        /// The card.
+        card: CardSeed,
+        /// How many bytes to keep.
+        keep: u16,
+        /// Which byte to flip.
+        at: u16,
+        /// The xor mask.
+        flip: u8,
+    },
+    /// A byte-identical copy of an earlier document (identical cards from a generation's workers).
+    CopyOf(u8),
+    /// An earlier document built from a [`CardSeed`], spelled differently but meaning the same:
+    /// pretty-printed or not, the router mode under another accepted name, omitted defaults
+    /// written out. It must parse exactly as the original does.
+    Respelled {
+        /// Which earlier document (modulo the count so far).
+        of: u8,
+        /// Pretty-print.
+        pretty: bool,
+        /// Which accepted spelling of the same router mode.
+        alias: u8,
+        /// Write out omitted fields that have defaults.
+        explicit_defaults: bool,
+    },
+}
+
+/// What the decode side contributes.
+#[derive(Arbitrary, Clone, Debug)]
+pub struct DecodeSeed {
+    mode: u8,
+    kv: Option<(i16, i16, bool, bool)>,
+    block_size: u32,
+    ttl_secs: Option<u32>,
+}
+
+/// A whole `card_json` input.
+#[derive(Arbitrary, Clone, Debug)]
+pub struct CardScript {
+    /// The decode defaults.
+    pub decode: DecodeSeed,
+    /// The documents, in listing order.
+    pub docs: Vec<DocSeed>,
+}
+
+fn mode_at(index: u8) -> RouterMode {
+    MODE_NAMES[usize::from(index) % MODE_NAMES.len()].1
+}
+
+fn eighths(n: i16) -> f64 {
+    f64::from(n) / 8.0
+}
+
+/// What a document (or a part of one) must parse to, when that can be predicted.
+#[derive(Clone, Debug, PartialEq)]
+enum Predict<T> {
+    /// It parses to this value.
+    Known(T),
+    /// It is rejected.
+    Rejected,
+    /// Not predicted: a value of arbitrary type, serde's verdict is not modelled here.
+    Unknown,
+}
+
+impl<T> Predict<T> {
+    /// Both parts of one object: any rejected field rejects the object, whatever the others.
+    fn and<U>(self, other: Predict<U>) -> Predict<(T, U)> {
+        match (self, other) {
+            (Predict::Rejected, _) | (_, Predict::Rejected) => Predict::Rejected,
+            (Predict::Known(a), Predict::Known(b)) => Predict::Known((a, b)),
+            _ => Predict::Unknown,
+        }
+    }
+
+    fn map<U>(self, f: impl FnOnce(T) -> U) -> Predict<U> {
+        match self {
+            Predict::Known(v) => Predict::Known(f(v)),
+            Predict::Rejected => Predict::Rejected,
+            Predict::Unknown => Predict::Unknown,
+        }
+    }
+}
+
+/// Write `field` into `object` under `key` and predict the value serde reads for it: `absent`
+/// when left out, `null` for JSON `null`, whatever `valid` says for a well-typed value.
+fn put<S, T>(
+    object: &mut Map<String, Value>,
+    key: &str,
+    field: &Field<S>,
+    valid: impl FnOnce(&S) -> (Value, Predict<T>),
+    absent: Predict<T>,
+    null: Predict<T>,
+) -> Predict<T> {
+    let (value, predicted) = match field {
+        Field::Absent => return absent,
+        Field::Valid(v) => valid(v),
+        Field::Null => (Value::Null, null),
+        Field::Wrong(junk) => (junk.to_value(), Predict::Unknown),
+    };
+    object.insert(key.to_owned(), value);
+    predicted
+}
+
+fn float(n: &i16) -> (Value, Predict<f64>) {
+    (json!(eighths(*n)), Predict::Known(eighths(*n)))
+}
+
+fn boolean(b: &bool) -> (Value, Predict<bool>) {
+    (json!(b), Predict::Known(*b))
+}
+
+impl KvSeed {
+    fn build(&self) -> (Value, Predict<KvRouterConfig>) {
+        let d = KvRouterConfig::default();
+        let mut o = Map::new();
+        let weight = put(
+            &mut o,
+            "overlap_score_weight",
+            &self.overlap_score_weight,
+            float,
+            Predict::Known(d.overlap_score_weight),
+            Predict::Rejected,
+        );
+        let temperature = put(
+            &mut o,
+            "router_temperature",
+            &self.router_temperature,
+            float,
+            Predict::Known(d.router_temperature),
+            Predict::Rejected,
+        );
+        let events = put(
+            &mut o,
+            "use_kv_events",
+            &self.use_kv_events,
+            boolean,
+            Predict::Known(d.use_kv_events),
+            Predict::Rejected,
+        );
+        let track = put(
+            &mut o,
+            "router_track_active_blocks",
+            &self.router_track_active_blocks,
+            boolean,
+            Predict::Known(d.router_track_active_blocks),
+            Predict::Rejected,
+        );
+        let kv = weight
+            .and(temperature)
+            .and(events)
+            .and(track)
+            .map(|(((w, t), e), a)| KvRouterConfig {
+                overlap_score_weight: w,
+                router_temperature: t,
+                use_kv_events: e,
+                router_track_active_blocks: a,
+            });
+        (Value::Object(o), kv)
+    }
+}
+
+impl RouterConfigSeed {
+    fn build(&self) -> (Value, Predict<RouterConfig>) {
+        let mut o = Map::new();
+        let mode = put(
+            &mut o,
+            "router_mode",
+            &self.router_mode,
+            |m| match m {
+                ModeName::Known(i) => {
+                    let (name, mode) = MODE_NAMES[usize::from(*i) % MODE_NAMES.len()];
+                    (json!(name), Predict::Known(mode))
+                }
+                ModeName::Other(s) => (
+                    json!(s),
+                    MODE_NAMES
+                        .iter()
+                        .find(|(n, _)| n == s)
+                        .map_or(Predict::Rejected, |(_, m)| Predict::Known(*m)),
+                ),
+            },
+            Predict::Known(RouterMode::default()),
+            Predict::Rejected,
+        );
+        let kv = put(
+            &mut o,
+            "kv_router_config",
+            &self.kv_router_config,
+            KvSeed::build,
+            Predict::Known(KvRouterConfig::default()),
+            Predict::Rejected,
+        );
+        let ttl = put(
+            &mut o,
+            "session_affinity_ttl_secs",
+            &self.session_affinity_ttl_secs,
+            |n| (json!(n), Predict::Known(Some(*n))),
+            Predict::Known(None),
+            Predict::Known(None),
+        );
+        let rc = mode
+            .and(kv)
+            .and(ttl)
+            .map(|((router_mode, kv_router_config), ttl)| RouterConfig {
+                router_mode,
+                kv_router_config,
+                session_affinity_ttl_secs: ttl,
+            });
+        (Value::Object(o), rc)
+    }
+}
+
+impl CardSeed {
+    /// The card document this seed builds, and the card it must parse to (`None` when it must
+    /// be rejected, or when its verdict is not predicted).
+    pub fn document(&self) -> (Value, Option<ModelCard>) {
+        let (value, predict) = self.build();
+        match predict {
+            Predict::Known(card) => (value, Some(card)),
+            Predict::Rejected | Predict::Unknown => (value, None),
+        }
+    }
+
+    /// The JSON document and the card it must parse to.
+    fn build(&self) -> (Value, Predict<ModelCard>) {
+        let mut o = Map::new();
+        let name = put(
+            &mut o,
+            "name",
+            &self.name,
+            |s| (json!(s), Predict::Known(s.clone())),
+            Predict::Rejected,
+            Predict::Rejected,
+        );
+        let block = put(
+            &mut o,
+            "kv_cache_block_size",
+            &self.kv_cache_block_size,
+            |n| (json!(n), Predict::Known(*n)),
+            Predict::Known(0),
+            Predict::Rejected,
+        );
+        let rc = put(
+            &mut o,
+            "router_config",
+            &self.router_config,
+            |seed| {
+                let (value, rc) = seed.build();
+                (value, rc.map(Some))
+            },
+            Predict::Known(None),
+            Predict::Known(None),
+        );
+        let mut runtime = Map::new();
+        let eagle = put(
+            &mut runtime,
+            "enable_eagle",
+            &self.enable_eagle,
+            boolean,
+            Predict::Known(false),
+            Predict::Rejected,
+        );
+        o.insert("runtime_config".to_owned(), Value::Object(runtime));
+        for (key, junk) in &self.extra {
+            // Prefixed so that an extra key never collides with a card field.
+            o.insert(format!("x-{key}"), junk.to_value());
+        }
+        let card = name
+            .and(block)
+            .and(rc)
+            .and(eagle)
+            .map(|(((name, block), rc), eagle)| ModelCard {
+                name,
+                kv_cache_block_size: block,
+                router_config: rc,
+                runtime_config: RuntimeConfig {
+                    enable_eagle: eagle,
+                },
+            });
+        (Value::Object(o), card)
+    }
+}
+
+impl DecodeSeed {
+    fn defaults(&self) -> DecodeDefaults {
+        DecodeDefaults {
+            router_mode: mode_at(self.mode),
+            kv_router_config: self.kv.map(|(w, t, e, a)| KvRouterConfig {
+                overlap_score_weight: eighths(w),
+                router_temperature: eighths(t),
+                use_kv_events: e,
+                router_track_active_blocks: a,
+            }),
+            block_size: self.block_size,
+            session_affinity_ttl: self.ttl_secs.map(|s| Duration::from_secs(s.into())),
+        }
+    }
+}
+
+/// One document of a script.
+#[derive(Clone, Debug)]
+struct Doc {
+    bytes: Vec<u8>,
+    predict: Predict<ModelCard>,
+    /// The JSON value it was built from, when built from a [`CardSeed`].
+    value: Option<Value>,
+    /// The document it respells, if any.
+    respells: Option<usize>,
+}
+
+/// The same card, spelled differently (see [`DocSeed::Respelled`]).
+fn respell(value: &Value, pretty: bool, alias: u8, explicit_defaults: bool) -> Vec<u8> {
+    let mut value = value.clone();
+    if let Value::Object(card) = &mut value {
+        if let Some(Value::Object(rc)) = card.get_mut("router_config") {
+            if let Some(Value::String(name)) = rc.get_mut("router_mode") {
+                if let Some((_, mode)) = MODE_NAMES.iter().find(|(n, _)| n == name) {
+                    let same: Vec<&str> = MODE_NAMES
+                        .iter()
+                        .filter(|(_, m)| m == mode)
+                        .map(|(n, _)| *n)
+                        .collect();
+                    *name = same[usize::from(alias) % same.len()].to_owned();
+                }
+            }
+        }
+        if explicit_defaults {
+            card.entry("kv_cache_block_size").or_insert(json!(0));
+            if let Some(Value::Object(rt)) = card.get_mut("runtime_config") {
+                rt.entry("enable_eagle").or_insert(json!(false));
+            }
+        }
+    }
+    let bytes = if pretty {
+        serde_json::to_vec_pretty(&value)
+    } else {
+        serde_json::to_vec(&value)
+    };
+    bytes.unwrap_or_default()
+}
+
+/// At most this many documents per script: a discovery listing of a few dozen cards already
+/// exercises every rule, and long scripts of deep documents would slow the fuzzer down a
+/// hundredfold for nothing.
+pub const MAX_DOCS: usize = 48;
+
+/// The documents of a script, with the outcome predicted for each.
+fn documents(seeds: &[DocSeed]) -> Vec<Doc> {
+    let mut out: Vec<Doc> = Vec::with_capacity(seeds.len().min(MAX_DOCS));
+    for seed in seeds.iter().take(MAX_DOCS) {
+        let plain = |bytes: Vec<u8>, predict| Doc {
+            bytes,
+            predict,
+            value: None,
+            respells: None,
+        };
+        let next = match seed {
+            DocSeed::Raw(bytes) => plain(bytes.clone(), Predict::Unknown),
+            DocSeed::Card(card) => {
+                let (value, predict) = card.build();
+                Doc {
+                    bytes: serde_json::to_vec(&value).unwrap_or_default(),
+                    predict,
+                    value: Some(value),
+                    respells: None,
+                }
+            }
+            DocSeed::Mangled {
+                card,
+                keep,
+                at,
+                flip,
+            } => {
+                let (value, _) = card.build();
+                let mut bytes = serde_json::to_vec(&value).unwrap_or_default();
+                bytes.truncate(usize::from(*keep));
+                if let Some(b) = bytes.get_mut(usize::from(*at)) {
+                    *b ^= flip;
+                }
+                plain(bytes, Predict::Unknown)
+            }
+            DocSeed::CopyOf(i) if !out.is_empty() => out[usize::from(*i) % out.len()].clone(),
+            DocSeed::Respelled {
+                of,
+                pretty,
+                alias,
+                explicit_defaults,
+            } if !out.is_empty() => {
+                let index = usize::from(*of) % out.len();
+                let original = &out[index];
+                match &original.value {
+                    Some(value) => Doc {
+                        bytes: respell(value, *pretty, *alias, *explicit_defaults),
+                        predict: original.predict.clone(),
+                        value: None,
+                        respells: Some(index),
+                    },
+                    None => original.clone(),
+                }
+            }
+            DocSeed::CopyOf(_) | DocSeed::Respelled { .. } => plain(Vec::new(), Predict::Rejected),
+        };
+        out.push(next);
+    }
+    out
+}
+
+/// Resolve `cards` and check what holds for every resolution; returns the result.
+fn resolve_checked(
+    resolver: Resolver,
+    cards: &[ModelCard],
+    decode: &DecodeDefaults,
+) -> Result<Result<PrefillConfig, AdvertError>, String> {
+    let resolved = resolver(cards, decode);
+    let Some(first) = cards.first() else {
+        return match resolved {
+            Err(AdvertError::NoReadableCard) => Ok(resolved),
+            other => Err(format!("no card resolved to {other:?}")),
+        };
+    };
+    let cfg = resolved
+        .as_ref()
+        .map_err(|e| format!("{} cards failed to resolve: {e}", cards.len()))?;
+    let advertised = first.router_config.is_some();
+    let expected_block = match first.kv_cache_block_size {
+        0 => decode.block_size,
+        n => n,
+    };
+    if cfg.total_cards != cards.len()
+        || cfg.disagreeing_cards >= cards.len()
+        || cfg.advertised != advertised
+        || cfg.block_size != expected_block
+        || cfg.enable_eagle != first.runtime_config.enable_eagle
+        || (advertised
+            && cfg
+                .kv_router_config
+                .as_ref()
+                .is_none_or(|kv| kv.router_track_active_blocks))
+    {
+        return Err(format!("{cfg:?} breaks a rule for first card {first:?}"));
+    }
+    Ok(resolved)
+}
+
+/// A card resolution function: [`resolve`], or a mutant of it.
+pub type Resolver = fn(&[ModelCard], &DecodeDefaults) -> Result<PrefillConfig, AdvertError>;
+
+/// What one script exercised (to judge a corpus).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CardStats {
+    /// Documents built to parse to a predicted card, and did.
+    pub predicted_cards: usize,
+    /// Documents built to be rejected, and were.
+    pub predicted_rejections: usize,
+    /// Documents whose verdict was not predicted (raw bytes, junk-typed fields).
+    pub unpredicted: usize,
+    /// Resolutions of more than two cards (order independence checked).
+    pub multi_card_resolutions: usize,
+    /// Respelled documents that parsed as their originals did.
+    pub respellings: usize,
+    /// Card lists of several identical cards, resolved as one.
+    pub identical_lists: usize,
+    /// Card lists with no readable card.
+    pub empty_resolutions: usize,
+}
+
+impl CardStats {
+    /// Add another script's counts.
+    pub fn add(&mut self, o: CardStats) {
+        self.predicted_cards += o.predicted_cards;
+        self.predicted_rejections += o.predicted_rejections;
+        self.unpredicted += o.unpredicted;
+        self.multi_card_resolutions += o.multi_card_resolutions;
+        self.respellings += o.respellings;
+        self.identical_lists += o.identical_lists;
+        self.empty_resolutions += o.empty_resolutions;
+    }
+}
+
+/// Check one script against the real [`resolve`]; returns what broke.
+pub fn check_cards(script: &CardScript) -> Result<CardStats, String> {
+    check_cards_with(script, resolve)
+}
+
+/// Check one script against `resolver`; returns what the script exercised, or what broke.
+pub fn check_cards_with(script: &CardScript, resolver: Resolver) -> Result<CardStats, String> {
+    let mut stats = CardStats::default();
+    let decode = script.decode.defaults();
+    let docs = documents(&script.docs);
+    let parsed = parse_cards(docs.iter().map(|d| &d.bytes));
+    if parsed.cards.len() + parsed.skipped != docs.len() {
+        return Err(format!(
+            "{} documents gave {} cards and {} skipped",
+            docs.len(),
+            parsed.cards.len(),
+            parsed.skipped
+        ));
+    }
+    let mut readable = Vec::new();
+    let mut each = Vec::with_capacity(docs.len());
+    for (index, doc) in docs.iter().enumerate() {
+        let one = ModelCard::from_json(&doc.bytes);
+        if let Some(original) = doc.respells {
+            let same = match (&each[original], &one) {
+                (Ok(a), Ok(b)) => a == b,
+                (Err(_), Err(_)) => true,
+                _ => false,
+            };
+            if !same {
+                return Err(format!(
+                    "document {index} respells document {original} but reads {one:?}, not {:?}",
+                    each[original]
+                ));
+            }
+            stats.respellings += 1;
+        }
+        match (&doc.predict, &one) {
+            (Predict::Known(card), Ok(got)) if got != card => {
+                return Err(format!(
+                    "document {index} parsed to {got:?}, built from {card:?}"
+                ))
+            }
+            (Predict::Known(card), Err(e)) => {
+                return Err(format!(
+                    "document {index} built from {card:?} rejected: {e}"
+                ))
+            }
+            (Predict::Rejected, Ok(got)) => {
+                return Err(format!(
+                    "document {index} must be rejected, parsed to {got:?}"
+                ))
+            }
+            (Predict::Known(_), Ok(_)) => stats.predicted_cards += 1,
+            (Predict::Rejected, Err(_)) => stats.predicted_rejections += 1,
+            (Predict::Unknown, _) => stats.unpredicted += 1,
+        }
+        if let Ok(card) = &one {
+            readable.push(card.clone());
+        }
+        each.push(one);
+    }
+    if readable != parsed.cards {
+        return Err("parse_cards disagrees with parsing documents one by one".to_owned());
+    }
+
+    let resolved = resolve_checked(resolver, &parsed.cards, &decode)?;
+    let raw = resolve_raw(docs.iter().map(|d| &d.bytes), &decode);
+    if raw != resolved {
+        return Err(format!(
+            "resolve_raw gave {raw:?}, resolve gave {resolved:?}"
+        ));
+    }
+
+    // Order independence: the cards after the first only count disagreements.
+    let cards = &parsed.cards;
+    if cards.is_empty() {
+        stats.empty_resolutions += 1;
+    }
+    if cards.len() > 2 {
+        stats.multi_card_resolutions += 1;
+        let mut reordered = cards.clone();
+        reordered[1..].reverse();
+        let r = resolve_checked(resolver, &reordered, &decode)?;
+        if r != resolved {
+            return Err(format!(
+                "reversing cards[1..] changed {resolved:?} into {r:?}"
+            ));
+        }
+        reordered[1..].rotate_left(1);
+        let r = resolve_checked(resolver, &reordered, &decode)?;
+        if r != resolved {
+            return Err(format!(
+                "rotating cards[1..] changed {resolved:?} into {r:?}"
+            ));
+        }
+    }
+    // Identical cards (however spelled) resolve as one card would, none disagreeing.
+    if cards.len() > 1 && cards.iter().all(|c| *c == cards[0]) {
+        stats.identical_lists += 1;
+        let one = resolve_checked(resolver, &cards[..1], &decode)?;
+        let same = match (&resolved, &one) {
+            (Ok(many), Ok(one)) => {
+                many.disagreeing_cards == 0
+                    && PrefillConfig {
+                        total_cards: 1,
+                        ..many.clone()
+                    } == *one
+            }
+            _ => false,
+        };
+        if !same {
+            return Err(format!(
+                "{} identical cards resolved to {resolved:?}, one to {one:?}",
+                cards.len()
+            ));
+        }
+    }
+
+    // What the library writes, it can read back.
+    for card in cards {
+        let again = ModelCard::from_json(&card.to_json())
+            .map_err(|e| format!("{card:?} serialized to an unreadable card: {e}"))?;
+        if again.name != card.name
+            || again.kv_cache_block_size != card.kv_cache_block_size
+            || again.router_config.is_some() != card.router_config.is_some()
+            || again.runtime_config != card.runtime_config
+        {
+            return Err(format!("{card:?} read back as {again:?}"));
+        }
+    }
+    Ok(stats)
+}
+
+/// Decode raw fuzz bytes the way libfuzzer-sys does for a typed target.
+pub fn decode(bytes: &[u8]) -> Option<CardScript> {
+    CardScript::arbitrary_take_rest(Unstructured::new(bytes)).ok()
+}
+
+/// The `card_json` harness: the raw bytes as one document, then the decoded script; panics when
+/// a check fails.
+pub fn card_json(bytes: &[u8]) {
+    // The bytes themselves are a document too: the fuzzer mutates them as JSON text directly.
+    let raw = CardScript {
+        decode: DecodeSeed {
+            mode: 0,
+            kv: None,
+            block_size: 16,
+            ttl_secs: None,
+        },
+        docs: vec![DocSeed::Raw(bytes.to_vec())],
+    };
+    if let Err(e) = check_cards(&raw) {
+        panic!("card_json (raw bytes): {e}");
+    }
+    if let Some(script) = decode(bytes) {
+        if let Err(e) = check_cards(&script) {
+            panic!("card_json: {e}\nscript: {script:?}");
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! Self-checks of the testkit: the pieces other checks rely on.
+
+use std::time::Duration;
+
+use super::branches::{Branch, BranchSet};
+use super::machine_fuzz::{
+    run_script, Checks, IdPick, MachineScript, PolicySeed, Step, TargetPick,
+};
+use super::mutants::{Mutant, Mutation};
+use super::reference::{documented_delay, MachineView};
+use crate::lifecycle::{BuildId, Machine, RetryPolicy};
+
+#[test]
+fn branch_list_matches_the_enum_order() {
+    // BranchSet indexes counters by discriminant; ALL must list them in that order.
+    for (i, b) in Branch::ALL.iter().enumerate() {
+        assert_eq!(*b as usize, i, "{b:?}");
+    }
+}
+
+#[test]
+fn documented_delay_doubles_exactly_and_caps() {
+    let p = RetryPolicy {
+        initial: Duration::from_millis(100),
+        max: Duration::from_millis(800),
+    };
+    let got: Vec<_> = (1..=5)
+        .map(|a| documented_delay(p, a).as_millis())
+        .collect();
+    assert_eq!(got, vec![100, 200, 400, 800, 800]);
+    let huge = RetryPolicy {
+        initial: Duration::from_nanos(1),
+        max: Duration::MAX,
+    };
+    assert_eq!(documented_delay(huge, 40), Duration::from_nanos(1 << 39));
+    assert_eq!(documented_delay(huge, u32::MAX), Duration::MAX);
+}
+
+/// The harness caps every generated policy at 2^30 times its first delay; within that range the
+/// machine's backoff must equal the documented formula for any attempt (beyond it, it does not:
+/// see `PolicySeed::policy`).
+#[test]
+fn generated_policies_stay_where_the_machine_follows_its_documented_backoff() {
+    let seeds = [
+        PolicySeed::Default,
+        PolicySeed::Fixed { delay_ms: 0 },
+        PolicySeed::Fixed { delay_ms: u16::MAX },
+        PolicySeed::Backoff {
+            initial_ms: 1,
+            doublings: 30,
+        },
+        PolicySeed::Backoff {
+            initial_ms: u16::MAX,
+            doublings: 255,
+        },
+        PolicySeed::Backoff {
+            initial_ms: 7,
+            doublings: 61,
+        },
+    ];
+    for seed in seeds {
+        let p = seed.policy();
+        for attempt in 1..=200 {
+            assert_eq!(
+                p.delay(attempt),
+                documented_delay(p, attempt),
+                "{seed:?} attempt {attempt}"
+            );
+        }
+    }
+}
+
+#[test]
+fn id_picks_resolve_relative_to_the_state() {
+    let mut m = Machine::new(RetryPolicy::default());
+    let _ = m.handle(crate::lifecycle::Input::SetTarget(Some(2u8)));
+    let _ = m.handle(crate::lifecycle::Input::SetTarget(Some(3u8)));
+    let view = MachineView::of(&m);
+    assert_eq!(view.in_flight, Some((BuildId(2), 3)));
+    let resolve = |pick| match Step::Succeed(pick).resolve(&view) {
+        crate::lifecycle::Input::BuildSucceeded(b) => b.0,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(resolve(IdPick::InFlight), 2);
+    assert_eq!(resolve(IdPick::Latest), 2);
+    assert_eq!(resolve(IdPick::Older(0)), 1);
+    assert_eq!(resolve(IdPick::Older(9)), 0);
+    assert_eq!(resolve(IdPick::Unknown(0)), 3);
+    assert_eq!(resolve(IdPick::RetryArmed), 2);
+    assert_eq!(
+        Step::SetTarget(Some(TargetPick::Other(9))).resolve(&view),
+        crate::lifecycle::Input::SetTarget(Some(1))
+    );
+}
+
+/// A hand-written script through every mutant: each check alone must reject each mutant.
+#[test]
+fn a_short_story_catches_every_mutant_with_each_check_alone() {
+    use IdPick::*;
+    let script = MachineScript {
+        policy: PolicySeed::Default,
+        steps: vec![
+            Step::SetTarget(Some(TargetPick::Other(1))),
+            Step::Succeed(Older(0)), // stale (#0): discarded
+            Step::Succeed(InFlight), // published
+            Step::SetTarget(Some(TargetPick::Other(2))), // retires #1, starts #2
+            Step::SetTarget(Some(TargetPick::Other(3))), // cancels #2, starts #3
+            Step::Succeed(InFlight),
+            Step::Shutdown,
+        ],
+    };
+    let mut branches = BranchSet::default();
+    run_script(&script, Machine::new, Checks::ALL, &mut branches).expect("the real machine passes");
+    for mutation in Mutation::ALL {
+        for (reference, invariants) in [(true, false), (false, true)] {
+            let checks = Checks {
+                reference,
+                invariants,
+            };
+            let result = run_script(
+                &script,
+                |p| Mutant::new(mutation, p),
+                checks,
+                &mut BranchSet::default(),
+            );
+            assert!(result.is_err(), "{mutation:?} passes with {checks:?}");
+        }
+    }
+}
