@@ -108,12 +108,21 @@ impl RetryPolicy {
     /// The delay before retry number `attempt` (1-based): `min(initial * 2^(attempt-1), max)`.
     pub fn delay(&self, attempt: u32) -> Duration {
         let shift = attempt.saturating_sub(1);
-        // 2^shift overflows u32 past 31; saturate instead of wrapping.
-        let factor = 1u32.checked_shl(shift).unwrap_or(u32::MAX);
-        self.initial
-            .checked_mul(factor)
-            .unwrap_or(Duration::MAX)
-            .min(self.max)
+        let initial = self.initial.as_nanos();
+        let cap = self.max.as_nanos();
+        // initial * 2^shift in u128 nanoseconds; past the cap (or u128) it is the cap.
+        let nanos = if initial == 0 {
+            0
+        } else if shift >= initial.leading_zeros() {
+            cap
+        } else {
+            (initial << shift).min(cap)
+        };
+        // nanos <= max.as_nanos(), so it converts back without loss.
+        Duration::new(
+            (nanos / 1_000_000_000) as u64,
+            (nanos % 1_000_000_000) as u32,
+        )
     }
 }
 

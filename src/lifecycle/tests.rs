@@ -641,3 +641,16 @@ fn display_renders_traces() {
     assert_eq!(a.to_string(), "retry after #3 in 2s (attempt 2)");
     assert_eq!(Lifecycle::Active.to_string(), "active");
 }
+
+#[test]
+fn rule6_delay_keeps_doubling_past_32_attempts() {
+    // Found by the machine_inputs fuzz target: the factor used to saturate at 2^32 - 1.
+    let p = RetryPolicy {
+        initial: Duration::from_nanos(1),
+        max: Duration::from_secs(1000),
+    };
+    assert_eq!(p.delay(33), Duration::from_nanos(1 << 32));
+    assert_eq!(p.delay(34), Duration::from_nanos(1 << 33));
+    assert_eq!(p.delay(200), Duration::from_secs(1000));
+    assert_eq!(RetryPolicy::fixed(Duration::ZERO).delay(5), Duration::ZERO);
+}

@@ -29,11 +29,11 @@ pub enum PolicySeed {
         /// The flat delay, in milliseconds.
         delay_ms: u16,
     },
-    /// Doubling from `initial_ms` up to `initial_ms * 2^(doublings % 31)`.
+    /// Doubling from `initial_ms` up to `initial_ms * 2^(doublings % 48)`.
     Backoff {
         /// The first delay, in milliseconds.
         initial_ms: u16,
-        /// How many doublings reach the cap, folded below 31.
+        /// How many doublings reach the cap, folded below 48.
         doublings: u8,
     },
 }
@@ -41,9 +41,9 @@ pub enum PolicySeed {
 impl PolicySeed {
     /// The policy this seed stands for.
     ///
-    /// Why the cap is at most 2^30 times the first delay: `RetryPolicy::delay` saturates its
-    /// doubling factor at `u32::MAX`, so past attempt 32 it stops doubling below a larger cap
-    /// and departs from its documented formula (reported, not fixed here: lifecycle is frozen).
+    /// Caps reach up to 2^47 times the first delay, so that backoff keeps doubling past
+    /// attempt 32 (where `RetryPolicy::delay` once saturated its factor: see the regression
+    /// test `rule6_delay_keeps_doubling_past_32_attempts`).
     pub fn policy(self) -> RetryPolicy {
         match self {
             PolicySeed::Default => RetryPolicy::default(),
@@ -55,9 +55,14 @@ impl PolicySeed {
                 doublings,
             } => {
                 let initial = Duration::from_millis(initial_ms.into());
+                let nanos = initial.as_nanos() << (doublings % 48);
                 RetryPolicy {
                     initial,
-                    max: initial * (1u32 << (doublings % 31)),
+                    // At most 65,535 ms * 2^47: far inside a Duration.
+                    max: Duration::new(
+                        (nanos / 1_000_000_000) as u64,
+                        (nanos % 1_000_000_000) as u32,
+                    ),
                 }
             }
         }
