@@ -15,6 +15,8 @@
 //!   frontend multiplexes streamed requests over one connection per instance.
 //! - [`push`] (feature `runtime`): the routable-instance view and the push routers (round
 //!   robin, random, direct, KV prefix-aware).
+//! - [`router`] (feature `runtime`): the tokio adapter, `PrefillRouter`, driving the control
+//!   core with real builds and timers, plus the request path and its fallback policy.
 //! - [`discovery`]: where workers register instances and model cards, and where frontends
 //!   list and watch them; backends in memory, in a shared directory (the embedded default) and
 //!   on etcd (feature `etcd`), all behind one trait and one conformance suite
@@ -30,6 +32,8 @@ pub mod lifecycle;
 #[cfg(feature = "runtime")]
 pub mod push;
 pub mod route;
+#[cfg(feature = "runtime")]
+pub mod router;
 mod sync;
 #[cfg(feature = "runtime")]
 pub mod transport;

@@ -1,0 +1,37 @@
+//! The tokio adapter: [`PrefillRouter`] drives the [`Control`](crate::control::Control) core
+//! with real builds, timers and a request path (feature `runtime`).
+//!
+//! - [`WorkerSetTarget`]: what the controller points the hop at (id = group and generation).
+//! - [`BindingFactory`]: builds a binding ([`Prefill`]) for a target; async, cancellable,
+//!   fallible, under a build timeout.
+//! - [`PrefillRouter`]: `set_target` (synchronous), `route`, `generate` (prefill with
+//!   `max_tokens` 1, then [`Decode`]), `status`, `subscribe`, `wait_active`, `shutdown`.
+//! - [`FallbackPolicy`]: what requests do while the hop is not Active.
+//! - [`metrics`]: Prometheus metrics read from the status at scrape time.
+//!
+//! The driver loop and its contract are described in `docs/router.md`.
+
+mod config;
+mod driver;
+mod error;
+mod factory;
+mod fallback;
+mod handle;
+pub mod metrics;
+mod shared;
+mod status;
+mod target;
+
+pub use config::PrefillRouterConfig;
+pub use error::{GenerateError, WaitError};
+pub use factory::{
+    BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
+    PrefillOutcome,
+};
+pub use fallback::{AfterWait, FallbackPolicy};
+pub use handle::PrefillRouter;
+pub use status::{RouterCounters, RouterStatus};
+pub use target::{WorkerSetTarget, WorkerSetTargetId};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,46 @@
+//! Router configuration.
+
+use std::time::Duration;
+
+use super::fallback::FallbackPolicy;
+use crate::lifecycle::RetryPolicy;
+
+/// Configuration of a [`PrefillRouter`](super::PrefillRouter).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrefillRouterConfig {
+    /// Backoff between failed builds (the machine's delay; jitter is added on top).
+    pub retry: RetryPolicy,
+    /// A build that has not finished after this long fails (and is retried). Default 30 s.
+    pub build_timeout: Duration,
+    /// Extra random delay added to each retry, as a fraction of the machine's delay: a retry
+    /// after delay `d` fires after a uniform time in `[d, d * (1 + retry_jitter)]`. Spreads the
+    /// retries of many frontends that failed together. Clamped to `[0, 1]`; default 0.1.
+    pub retry_jitter: f64,
+    /// What requests do while the hop is not Active.
+    pub fallback: FallbackPolicy,
+    /// The router's name in logs and metrics (e.g. the model name).
+    pub name: String,
+}
+
+impl Default for PrefillRouterConfig {
+    fn default() -> Self {
+        PrefillRouterConfig {
+            retry: RetryPolicy::default(),
+            build_timeout: Duration::from_secs(30),
+            retry_jitter: 0.1,
+            fallback: FallbackPolicy::default(),
+            name: "prefill".to_owned(),
+        }
+    }
+}
+
+impl PrefillRouterConfig {
+    /// The jitter fraction actually applied (NaN and negatives count as 0, more than 1 as 1).
+    pub(crate) fn jitter_fraction(&self) -> f64 {
+        if self.retry_jitter.is_nan() {
+            0.0
+        } else {
+            self.retry_jitter.clamp(0.0, 1.0)
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! The driver loop: turns the control core's effects into build tasks and one retry timer.
+//!
+//! It decides nothing. The machine (through [`Control`](crate::control::Control)) says what to
+//! build, what to cancel and when to retry; the driver only carries that out and reports
+//! results back. Effects reach it over one channel from several threads (`set_target`
+//! callers, build tasks), so two batches can arrive in the opposite order of the control calls
+//! that produced them. Build and retry ids are fresh and increasing, which makes reordering
+//! harmless with two floors:
+//! - a `StartBuild` whose id is not above every build id already seen (started or cancelled)
+//!   is stale: a later build exists, so this one was finished or cancelled in the machine
+//!   before it was even started here; it is skipped;
+//! - a `CancelBuild` for a build not started yet raises the floor, so the start is skipped;
+//! - the same two rules apply to `ScheduleRetry` / `CancelRetry` by the failed build's id.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::factory::{BindingFactory, BuildError};
+use super::shared::{Msg, Shared};
+use super::status::bump;
+use super::target::WorkerSetTarget;
+use crate::control::{Effect, Effects};
+use crate::lifecycle::BuildId;
+
+/// Builds started and not yet finished or cancelled: normally zero or one, briefly two while
+/// a cancellation is on its way.
+type Running = Vec<(BuildId, CancellationToken)>;
+
+pub(crate) struct Driver<F: BindingFactory> {
+    shared: Arc<Shared<F>>,
+    rx: mpsc::UnboundedReceiver<Msg>,
+    running: Running,
+    /// Highest build id started or cancelled.
+    build_floor: u64,
+    /// The armed retry: the failed build it follows and when it fires.
+    retry: Option<(BuildId, Instant)>,
+    /// Highest failed-build id scheduled or cancelled.
+    retry_floor: u64,
+    rng: SplitMix,
+}
+
+impl<F: BindingFactory> Driver<F> {
+    pub(crate) fn new(shared: Arc<Shared<F>>, rx: mpsc::UnboundedReceiver<Msg>) -> Self {
+        Driver {
+            shared,
+            rx,
+            running: Vec::new(),
+            build_floor: 0,
+            retry: None,
+            retry_floor: 0,
+            rng: SplitMix::from_entropy(),
+        }
+    }
+
+    /// Run until the router's root token is cancelled (shutdown or Drop).
+    pub(crate) async fn run(mut self) {
+        let cancel = self.shared.cancel.clone();
+        loop {
+            let deadline = self.retry.map(|(_, at)| at);
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => break,
+                msg = self.rx.recv() => match msg {
+                    Some(Msg::Effects(effects)) => self.carry_out(effects),
+                    Some(Msg::Finished(build, effects)) => {
+                        // Finished, not cancelled: its token must live on with its binding.
+                        self.running.retain(|(id, _)| *id != build);
+                        self.carry_out(effects);
+                    }
+                    // Shared holds the sender and we hold Shared: unreachable, but ending is
+                    // the only sensible answer.
+                    None => break,
+                },
+                _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
+                    if let Some((after, _)) = self.retry.take() {
+                        let effects = self.shared.control.retry_elapsed(after);
+                        self.shared.announce();
+                        self.carry_out(effects);
+                    }
+                }
+            }
+        }
+        // The root token cancels every build's child token already; drop ours explicitly so a
+        // reader of this code sees nothing is left behind.
+        for (_, token) in self.running.drain(..) {
+            token.cancel();
+        }
+        tracing::debug!(router = %self.shared.config.name, "prefill router driver ended");
+    }
+
+    fn carry_out(&mut self, effects: Effects<WorkerSetTarget>) {
+        for effect in effects {
+            match effect {
+                Effect::StartBuild { build, target } => {
+                    if build.0 <= self.build_floor {
+                        tracing::trace!(%build, "stale start skipped");
+                        continue;
+                    }
+                    self.build_floor = build.0;
+                    self.start(build, target);
+                }
+                Effect::CancelBuild { build } => {
+                    self.build_floor = self.build_floor.max(build.0);
+                    self.running.retain(|(id, token)| {
+                        if *id == build {
+                            token.cancel();
+                            false
+                        } else {
+                            true
+                        }
+                    });
+                }
+                Effect::ScheduleRetry {
+                    after,
+                    delay,
+                    attempt,
+                } => {
+                    if after.0 <= self.retry_floor {
+                        continue;
+                    }
+                    self.retry_floor = after.0;
+                    let delay =
+                        jittered(delay, self.shared.config.jitter_fraction(), &mut self.rng);
+                    tracing::debug!(%after, ?delay, attempt, "prefill build retry armed");
+                    self.retry = Some((after, Instant::now() + delay));
+                }
+                Effect::CancelRetry { after } => {
+                    self.retry_floor = self.retry_floor.max(after.0);
+                    if self.retry.is_some_and(|(id, _)| id == after) {
+                        self.retry = None;
+                    }
+                }
+            }
+        }
+    }
+
+    fn start(&mut self, build: BuildId, target: WorkerSetTarget) {
+        let token = self.shared.cancel.child_token();
+        bump(&self.shared.tally.builds_started);
+        let span = tracing::info_span!(
+            "prefill_build",
+            router = %self.shared.config.name,
+            %build,
+            target = %target.id,
+            endpoint = %target.endpoint,
+        );
+        let task = build_task(Arc::clone(&self.shared), build, target, token.clone());
+        self.shared.tracker.spawn(task.instrument(span));
+        self.running.push((build, token));
+    }
+}
+
+/// One build: the factory's future under the build timeout, reported back through `Control`.
+async fn build_task<F: BindingFactory>(
+    shared: Arc<Shared<F>>,
+    build: BuildId,
+    target: WorkerSetTarget,
+    token: CancellationToken,
+) {
+    let timeout = shared.config.build_timeout;
+    let future = shared.factory.build(target, token.clone());
+    let result = tokio::select! {
+        biased;
+        // Cancelled (superseded, or shutdown): drop the build future, report nothing; the
+        // machine already forgot this build.
+        _ = token.cancelled() => return,
+        result = tokio::time::timeout(timeout, future) => result,
+    };
+    let effects = match result {
+        Ok(Ok(binding)) => {
+            tracing::info!("prefill binding built");
+            shared.control.build_succeeded(build, binding)
+        }
+        Ok(Err(error)) => {
+            bump(&shared.tally.build_failures);
+            // No binding exists: end whatever the factory left running under this token.
+            token.cancel();
+            shared.control.build_failed(build, error)
+        }
+        Err(_elapsed) => {
+            bump(&shared.tally.build_failures);
+            bump(&shared.tally.build_timeouts);
+            token.cancel();
+            shared
+                .control
+                .build_failed(build, BuildError::TimedOut { after: timeout })
+        }
+    };
+    shared.dispatch(Msg::Finished(build, effects));
+}
+
+/// `delay` plus a uniform extra of up to `fraction * delay`.
+pub(crate) fn jittered(delay: Duration, fraction: f64, rng: &mut SplitMix) -> Duration {
+    if fraction <= 0.0 || delay.is_zero() {
+        return delay;
+    }
+    let extra = delay.as_secs_f64() * fraction * rng.unit();
+    // `extra` is finite and non-negative (fraction clamped to [0, 1], unit in [0, 1)); a delay
+    // so large that adding overflows keeps the machine's delay.
+    delay
+        .checked_add(Duration::try_from_secs_f64(extra).unwrap_or(Duration::ZERO))
+        .unwrap_or(delay)
+}
+
+/// A tiny PRNG for jitter (quality is irrelevant; independence between frontends is not).
+#[derive(Clone, Debug)]
+pub(crate) struct SplitMix(u64);
+
+impl SplitMix {
+    /// Seeded from the process's random hasher keys, so frontends do not jitter in lockstep.
+    pub(crate) fn from_entropy() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u64(0x9e37_79b9_7f4a_7c15);
+        SplitMix(hasher.finish())
+    }
+
+    #[cfg(test)]
+    pub(crate) fn seeded(seed: u64) -> Self {
+        SplitMix(seed)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}

@@ -1,0 +1,42 @@
+//! Errors of the request path and of waiting for activation.
+
+use std::time::Duration;
+
+use super::factory::{DecodeError, PrefillError};
+use crate::lifecycle::Lifecycle;
+use crate::route::BypassReason;
+
+/// Why [`PrefillRouter::generate`](super::PrefillRouter::generate) failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GenerateError {
+    /// The hop is not Active and the fallback policy rejects (nothing was sent).
+    #[error("prefill hop not activated ({reason}); request rejected by the fallback policy")]
+    NotActivated {
+        /// Why the hop was not Active when the request gave up.
+        reason: BypassReason,
+    },
+    /// The prefill failed; the request fails with it (decode is not tried).
+    #[error(transparent)]
+    Prefill(#[from] PrefillError),
+    /// The decode hop failed.
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+}
+
+/// Why [`PrefillRouter::wait_active`](super::PrefillRouter::wait_active) returned early.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WaitError {
+    /// The hop did not become Active in time.
+    #[error("prefill hop not active after {after:?} (lifecycle {lifecycle})")]
+    TimedOut {
+        /// The timeout that expired.
+        after: Duration,
+        /// The lifecycle at the deadline.
+        lifecycle: Lifecycle,
+    },
+    /// The router was shut down; it will never become Active.
+    #[error("prefill router shut down")]
+    ShutDown,
+}

@@ -1,0 +1,179 @@
+//! The seams to the real parts: what a binding does ([`Prefill`]), what the decode hop does
+//! ([`Decode`]), and how bindings are built ([`BindingFactory`]).
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures_core::Stream;
+use futures_util::future::BoxFuture;
+use futures_util::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+use super::target::WorkerSetTarget;
+use crate::discovery::InstanceId;
+use crate::push::PushError;
+use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
+
+/// What a prefill returned that decode needs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrefillOutcome {
+    /// The prefill worker that ran the prompt (and now holds its KV blocks).
+    pub worker: InstanceId,
+    /// Tokens the prefill step generated (usually the first token).
+    pub tokens: Vec<u32>,
+    /// Set if the prefill stream finished the request by itself (e.g. a stop token as the very
+    /// first token): then there is nothing left to decode.
+    pub finish: Option<FinishReason>,
+    /// Where decode pulls the KV cache from.
+    pub handoff: Option<PrefillInfo>,
+}
+
+impl PrefillOutcome {
+    /// Whether the prefill step already ended the request (a stop token; `Length` after the
+    /// one-token prefill is the normal case and still needs decode).
+    pub fn is_terminal(&self) -> bool {
+        matches!(self.finish, Some(FinishReason::Stop))
+    }
+
+    /// Drain a prefill response stream from `worker` into an outcome: tokens concatenated, the
+    /// last finish reason and the last handoff kept. An error item fails the prefill; a stream
+    /// that yields nothing is [`PrefillError::NoResponse`].
+    pub async fn collect<S, E>(worker: InstanceId, stream: S) -> Result<Self, PrefillError>
+    where
+        S: Stream<Item = Result<GenerateResponse, E>>,
+        E: Into<PrefillError>,
+    {
+        let mut stream = std::pin::pin!(stream);
+        let mut outcome = PrefillOutcome {
+            worker,
+            ..PrefillOutcome::default()
+        };
+        let mut any = false;
+        while let Some(item) = stream.next().await {
+            let response = item.map_err(Into::into)?;
+            any = true;
+            outcome.tokens.extend_from_slice(&response.token_ids);
+            if response.prefill.is_some() {
+                outcome.handoff = response.prefill;
+            }
+            if response.finish.is_some() {
+                outcome.finish = response.finish;
+                break;
+            }
+        }
+        if any {
+            Ok(outcome)
+        } else {
+            Err(PrefillError::NoResponse)
+        }
+    }
+}
+
+/// Why a prefill failed. Any prefill error fails its request (as upstream): decode is not
+/// tried behind the caller's back.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PrefillError {
+    /// The push router could not route or carry the prefill (includes an empty admission set:
+    /// [`PushError::NoRoutableInstances`]).
+    #[error("prefill routing failed: {0}")]
+    Push(#[from] PushError),
+    /// The prefill stream ended without any response.
+    #[error("prefill stream ended without a response")]
+    NoResponse,
+    /// Any other failure, described.
+    #[error("prefill failed: {message}")]
+    Failed {
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// Why the decode hop failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The decode push router could not route or carry the request.
+    #[error("decode routing failed: {0}")]
+    Push(#[from] PushError),
+    /// Any other failure, described.
+    #[error("decode failed: {message}")]
+    Failed {
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// Why a build produced no binding. A timeout counts as a failure (the machine retries).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// The factory failed.
+    #[error("prefill binding build failed: {message}")]
+    Failed {
+        /// What went wrong.
+        message: String,
+    },
+    /// The build did not finish within the configured build timeout.
+    #[error("prefill binding build timed out after {after:?}")]
+    TimedOut {
+        /// The timeout that expired.
+        after: Duration,
+    },
+}
+
+impl BuildError {
+    /// A failure with this message.
+    pub fn new(message: impl Into<String>) -> Self {
+        BuildError::Failed {
+            message: message.into(),
+        }
+    }
+}
+
+/// The decode responses handed back to the caller.
+pub type DecodeStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, DecodeError>> + Send>>;
+
+/// A binding: the router and clients one target's requests prefill through.
+///
+/// Retired bindings stay usable by the requests that hold them; once a retired binding's
+/// admission set empties, new prefills on it must fail promptly (a push router over an empty
+/// admission set answers [`PushError::NoRoutableInstances`] at once) rather than hang.
+pub trait Prefill: Send + Sync + 'static {
+    /// Prefill `request` (the router already set `max_tokens` to 1) and report what decode
+    /// needs.
+    fn prefill(
+        &self,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>>;
+}
+
+/// The decode hop (the decode pool's push router).
+pub trait Decode: Send + Sync {
+    /// Decode `request` (original `max_tokens`; `handoff` set from `prefill` when there was a
+    /// prefill). `prefill` is `None` when the request bypassed the prefill hop.
+    fn decode(
+        &self,
+        request: GenerateRequest,
+        prefill: Option<PrefillOutcome>,
+    ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>>;
+}
+
+/// Builds the binding for a target. Called by the driver, one build at a time per router.
+///
+/// `cancel` fires when the build is abandoned (superseded, cancelled, failed, timed out) or the
+/// router shuts down; the returned future is also dropped then. A successful build's token is
+/// *not* cancelled when the build completes: background tasks the binding needs (e.g. a
+/// routable view's discovery feed) may hang off a child of it, and the binding should cancel
+/// that child in its own `Drop`, so that retiring and dropping a binding ends its tasks.
+pub trait BindingFactory: Send + Sync + 'static {
+    /// The binding type.
+    type Binding: Prefill;
+
+    /// Build a binding for `target`.
+    fn build(
+        &self,
+        target: WorkerSetTarget,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'static, Result<Self::Binding, BuildError>>;
+}

@@ -1,0 +1,279 @@
+//! [`PrefillRouter`]: the handle a frontend embeds.
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::registry::Registry;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::config::PrefillRouterConfig;
+use super::driver::Driver;
+use super::error::{GenerateError, WaitError};
+use super::factory::{BindingFactory, Decode, DecodeStream, Prefill as _};
+use super::fallback::{Fallback, Final};
+use super::metrics::{RouterCollector, StatusSource};
+use super::shared::{Announced, Msg, Shared};
+use super::status::{bump, RouterStatus, Tally};
+use super::target::WorkerSetTarget;
+use crate::control::Control;
+use crate::lifecycle::Lifecycle;
+use crate::route::{BypassReason, Route, SnapshotGuard};
+use crate::transport::{GenerateRequest, GenerateResponse};
+
+/// The prefill hop of one model: routes each request's prefill while a controller retargets
+/// the hop, and falls back by policy while it is not Active.
+///
+/// The decisions are the proven [`lifecycle`](crate::lifecycle) machine's, applied by the
+/// [`Control`] core; this handle adds a driver task that builds bindings with the factory
+/// (with a build timeout) and arms retry timers (with jitter), and nothing else. See
+/// `docs/router.md`.
+///
+/// Dropping the router (or calling [`shutdown`](Self::shutdown)) ends every task it spawned.
+pub struct PrefillRouter<F: BindingFactory> {
+    shared: Arc<Shared<F>>,
+}
+
+impl<F: BindingFactory> PrefillRouter<F> {
+    /// A router building bindings with `factory`. Spawns the driver on the current tokio
+    /// runtime.
+    ///
+    /// # Panics
+    /// If called outside a tokio runtime (like `tokio::spawn`).
+    pub fn new(factory: F, config: PrefillRouterConfig) -> Self {
+        let (to_driver, rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            control: Control::new(config.retry),
+            factory,
+            config,
+            tally: Tally::default(),
+            to_driver,
+            announced: watch::Sender::new(Announced {
+                epoch: 0,
+                lifecycle: Lifecycle::Pending,
+            }),
+            lifecycle: watch::Sender::new(Lifecycle::Pending),
+            cancel: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+            shut_down: Default::default(),
+        });
+        let driver = Driver::new(Arc::clone(&shared), rx);
+        shared.tracker.spawn(driver.run());
+        PrefillRouter { shared }
+    }
+
+    /// The controller's decision: prefill on `target`, or on nothing (`None`).
+    ///
+    /// Synchronous and never awaits (callable from any thread, under the caller's own locks).
+    /// When it returns, every later [`route`](Self::route) sees the new decision: a clear or a
+    /// retarget is never observed late by a request that loads the route afterwards.
+    pub fn set_target(&self, target: Option<WorkerSetTarget>) {
+        let effects = self.shared.control.set_target(target);
+        self.shared.dispatch(Msg::Effects(effects));
+    }
+
+    /// The route for one request: prefill on this binding (holding the `Arc` keeps it usable
+    /// even if it is retired meanwhile), or bypass and why. One lock-free load.
+    #[inline]
+    pub fn route(&self) -> Route<F::Binding> {
+        self.shared.control.route()
+    }
+
+    /// The current snapshot, pinned (for decisions that need the target or epoch too). Do not
+    /// hold it across an `.await`.
+    #[inline]
+    pub fn load(&self) -> SnapshotGuard<WorkerSetTarget, F::Binding> {
+        self.shared.control.load()
+    }
+
+    /// Serve one request: when Active, prefill on the loaded binding with `max_tokens` 1 and
+    /// hand off to `decode` with the original request; otherwise apply the fallback policy.
+    ///
+    /// A prefill error fails the request ([`GenerateError::Prefill`]); decode is not tried.
+    pub async fn generate(
+        &self,
+        request: GenerateRequest,
+        decode: &dyn Decode,
+    ) -> Result<DecodeStream, GenerateError> {
+        let binding = match self.route() {
+            Route::Prefill(binding) => binding,
+            Route::Bypass(reason) => {
+                let decision = match self.shared.config.fallback.decide(reason) {
+                    Fallback::Wait(timeout, then) => {
+                        bump(&self.shared.tally.waited);
+                        match self.route_within(timeout).await {
+                            Route::Prefill(binding) => {
+                                return self.prefill_then_decode(binding, request, decode).await
+                            }
+                            Route::Bypass(reason) => then.apply(reason),
+                        }
+                    }
+                    Fallback::Now(decided) => decided,
+                };
+                return match decision {
+                    Final::Reject(reason) => {
+                        self.shared.tally.reject(reason);
+                        Err(GenerateError::NotActivated { reason })
+                    }
+                    Final::Bypass(reason) => {
+                        self.shared.tally.bypass(reason);
+                        Ok(decode.decode(request, None).await?)
+                    }
+                };
+            }
+        };
+        self.prefill_then_decode(binding, request, decode).await
+    }
+
+    async fn prefill_then_decode(
+        &self,
+        binding: Arc<F::Binding>,
+        request: GenerateRequest,
+        decode: &dyn Decode,
+    ) -> Result<DecodeStream, GenerateError> {
+        bump(&self.shared.tally.prefilled);
+        let prefill_request = GenerateRequest {
+            max_tokens: 1,
+            handoff: None,
+            ..request.clone()
+        };
+        let outcome = match binding.prefill(prefill_request).await {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                bump(&self.shared.tally.prefill_errors);
+                return Err(GenerateError::Prefill(error));
+            }
+        };
+        // The binding is not needed for decode: release it so a retired one can go.
+        drop(binding);
+        if outcome.is_terminal() {
+            let response = GenerateResponse {
+                token_ids: outcome.tokens,
+                finish: outcome.finish,
+                prefill: outcome.handoff,
+            };
+            return Ok(Box::pin(futures_util::stream::iter([Ok(response)])));
+        }
+        let decode_request = GenerateRequest {
+            handoff: outcome.handoff.clone(),
+            ..request
+        };
+        Ok(decode.decode(decode_request, Some(outcome)).await?)
+    }
+
+    /// The route once the hop is Active, or the last bypass when `timeout` passes (or at once
+    /// after shutdown).
+    async fn route_within(&self, timeout: Duration) -> Route<F::Binding> {
+        let deadline = Instant::now() + timeout;
+        let mut announced = self.shared.announced.subscribe();
+        loop {
+            // Mark the current announcement seen *before* loading the route: any change after
+            // the load is announced after it, so `changed` below cannot miss it.
+            announced.borrow_and_update();
+            let route = self.route();
+            match route.bypass() {
+                None => return route,
+                Some(reason) if Shared::<F>::is_final(reason) => return route,
+                Some(_) => {}
+            }
+            match tokio::time::timeout_at(deadline, announced.changed()).await {
+                Ok(Ok(())) => continue,
+                // The sender lives in `shared`, which we hold: cannot close; stop waiting.
+                Ok(Err(_)) | Err(_) => return self.route(),
+            }
+        }
+    }
+
+    /// Wait until the hop is Active, at most `timeout`.
+    pub async fn wait_active(&self, timeout: Duration) -> Result<(), WaitError> {
+        match self.route_within(timeout).await.bypass() {
+            None => Ok(()),
+            Some(BypassReason::ShutDown) => Err(WaitError::ShutDown),
+            Some(_) => Err(WaitError::TimedOut {
+                after: timeout,
+                lifecycle: self.load().lifecycle(),
+            }),
+        }
+    }
+
+    /// A consistent picture of the router (takes the control lock briefly).
+    pub fn status(&self) -> RouterStatus {
+        self.shared.status()
+    }
+
+    /// The published lifecycle, as a watch channel (the current value, then every change).
+    pub fn subscribe(&self) -> watch::Receiver<Lifecycle> {
+        self.shared.lifecycle.subscribe()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &PrefillRouterConfig {
+        &self.shared.config
+    }
+
+    /// Stop for good: cancel the build and the retry, retire the binding (requests holding it
+    /// finish on it), publish ShutDown, and end every task. Idempotent; Drop calls it.
+    pub fn shutdown(&self) {
+        if self.shared.shut_down.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let effects = self.shared.control.shutdown();
+        // The effects are cancellations only; the root token below covers them all, so they
+        // need no driver.
+        drop(effects);
+        self.shared.announce();
+        self.shared.cancel.cancel();
+        self.shared.tracker.close();
+        tracing::debug!(router = %self.shared.config.name, "prefill router shut down");
+    }
+
+    /// A future that completes once every task the router spawned has ended (after
+    /// [`shutdown`](Self::shutdown) or Drop). Does not keep the router alive.
+    pub fn terminated(&self) -> impl Future<Output = ()> + Send + 'static {
+        let tracker = self.shared.tracker.clone();
+        async move { tracker.wait().await }
+    }
+
+    /// Register this router's metrics (see [`metrics`](super::metrics)) in `registry`, under
+    /// the prefix `prefill_router` and the label `router` = the configured name.
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        let source: Arc<dyn StatusSource> = self.shared.clone();
+        let collector = RouterCollector {
+            source: Arc::downgrade(&source),
+        };
+        registry
+            .sub_registry_with_prefix("prefill_router")
+            .sub_registry_with_label(("router".into(), self.shared.config.name.clone().into()))
+            .register_collector(Box::new(collector));
+    }
+
+    /// How many tasks the router has alive (driver and builds); 0 once terminated.
+    pub fn tasks_alive(&self) -> usize {
+        self.shared.tracker.len()
+    }
+}
+
+impl<F: BindingFactory> Drop for PrefillRouter<F> {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl<F: BindingFactory> std::fmt::Debug for PrefillRouter<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillRouter")
+            .field("status", &self.status())
+            .finish()
+    }
+}
+
+/// Check at compile time that the request path's future can be spawned.
+#[allow(dead_code)]
+fn generate_is_send<F: BindingFactory>(router: &PrefillRouter<F>, decode: &dyn Decode) {
+    fn send<T: Send>(_: T) {}
+    send(router.generate(GenerateRequest::default(), decode));
+}

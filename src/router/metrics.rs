@@ -1,0 +1,192 @@
+//! Prometheus metrics, read from the router's status at scrape time.
+//!
+//! One collector per router, registered with
+//! [`PrefillRouter::register_metrics`](super::PrefillRouter::register_metrics). Nothing is
+//! recorded twice: the collector encodes [`RouterStatus`] (the control core's counters and the
+//! router's own atomics) on each scrape, so the metrics and `status()` can never disagree.
+//! Names (prefix `prefill_router_`, label `router` = the configured name):
+//!
+//! | metric | type | meaning |
+//! |---|---|---|
+//! | `lifecycle{state}` | gauge | 1 for the current state (`pending`, `active`, `unavailable`), 0 otherwise |
+//! | `activations_total` | counter | bindings published |
+//! | `builds_started_total` | counter | builds started |
+//! | `build_failures_total` | counter | failed builds, timeouts included |
+//! | `build_timeouts_total` | counter | builds that hit the build timeout |
+//! | `stale_builds_discarded_total` | counter | built bindings dropped because the target had moved on |
+//! | `consecutive_build_failures` | gauge | failures in a row for the desired target |
+//! | `retired_bindings_alive` | gauge | retired bindings still held by in-flight requests |
+//! | `prefilled_total` | counter | requests that prefilled on a binding |
+//! | `prefill_errors_total` | counter | prefills that failed their request |
+//! | `bypassed_total{reason}` | counter | requests sent to decode without prefill |
+//! | `rejected_total{reason}` | counter | requests rejected with `NotActivated` |
+//! | `waited_total` | counter | requests that waited for activation |
+
+use std::fmt;
+use std::sync::Weak;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+
+use super::status::{RouterStatus, REASONS};
+use crate::lifecycle::Lifecycle;
+
+/// Anything that can report a [`RouterStatus`] (the router's shared state).
+pub(crate) trait StatusSource: Send + Sync + 'static {
+    fn status(&self) -> RouterStatus;
+}
+
+/// The scrape-time collector of one router. Holds the router weakly: a registry outliving the
+/// router reports nothing for it rather than keeping it alive.
+pub(crate) struct RouterCollector {
+    pub(crate) source: Weak<dyn StatusSource>,
+}
+
+impl fmt::Debug for RouterCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RouterCollector")
+            .field("alive", &(self.source.strong_count() > 0))
+            .finish()
+    }
+}
+
+fn counter(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), fmt::Error> {
+    let metric = ConstCounter::new(value);
+    let e = encoder.encode_descriptor(name, help, None, metric.metric_type())?;
+    metric.encode(e)
+}
+
+fn gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: i64,
+) -> Result<(), fmt::Error> {
+    let metric = ConstGauge::new(value);
+    let e = encoder.encode_descriptor(name, help, None, metric.metric_type())?;
+    metric.encode(e)
+}
+
+fn per_reason(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: &std::collections::BTreeMap<crate::route::BypassReason, u64>,
+) -> Result<(), fmt::Error> {
+    let kind = ConstCounter::new(0u64).metric_type();
+    let mut family = encoder.encode_descriptor(name, help, None, kind)?;
+    for reason in REASONS {
+        let labels = [("reason", reason.as_str())];
+        let e = family.encode_family(&labels)?;
+        ConstCounter::new(values.get(&reason).copied().unwrap_or(0)).encode(e)?;
+    }
+    Ok(())
+}
+
+fn saturating_i64<T: TryInto<i64>>(v: T) -> i64 {
+    v.try_into().unwrap_or(i64::MAX)
+}
+
+impl Collector for RouterCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
+        let Some(source) = self.source.upgrade() else {
+            return Ok(());
+        };
+        let s = source.status();
+        let c = &s.counters;
+        {
+            let kind = ConstGauge::new(0i64).metric_type();
+            let mut family = encoder.encode_descriptor(
+                "lifecycle",
+                "Prefill hop lifecycle: 1 for the current state",
+                None,
+                kind,
+            )?;
+            for state in [
+                Lifecycle::Pending,
+                Lifecycle::Active,
+                Lifecycle::Unavailable,
+            ] {
+                let labels = [("state", state.to_string())];
+                let e = family.encode_family(&labels)?;
+                ConstGauge::new(i64::from(s.lifecycle == state)).encode(e)?;
+            }
+        }
+        let e = &mut encoder;
+        counter(
+            e,
+            "activations",
+            "Prefill bindings published",
+            c.activations,
+        )?;
+        counter(
+            e,
+            "builds_started",
+            "Prefill binding builds started",
+            c.builds_started,
+        )?;
+        counter(
+            e,
+            "build_failures",
+            "Prefill binding builds that failed (timeouts included)",
+            c.build_failures,
+        )?;
+        counter(
+            e,
+            "build_timeouts",
+            "Prefill binding builds that hit the build timeout",
+            c.build_timeouts,
+        )?;
+        counter(
+            e,
+            "stale_builds_discarded",
+            "Built bindings dropped because the target moved on",
+            c.stale_builds_discarded,
+        )?;
+        gauge(
+            e,
+            "consecutive_build_failures",
+            "Failed builds in a row for the desired target",
+            i64::from(s.consecutive_failures),
+        )?;
+        gauge(
+            e,
+            "retired_bindings_alive",
+            "Retired bindings still held by in-flight requests",
+            saturating_i64(c.retired_alive),
+        )?;
+        counter(
+            e,
+            "prefilled",
+            "Requests that prefilled on a binding",
+            c.prefilled,
+        )?;
+        counter(
+            e,
+            "prefill_errors",
+            "Prefills that failed their request",
+            c.prefill_errors,
+        )?;
+        per_reason(
+            e,
+            "bypassed",
+            "Requests sent to decode without prefill, by reason",
+            &c.bypassed,
+        )?;
+        per_reason(
+            e,
+            "rejected",
+            "Requests rejected because the hop was not active, by reason",
+            &c.rejected,
+        )?;
+        counter(e, "waited", "Requests that waited for activation", c.waited)?;
+        Ok(())
+    }
+}
