@@ -17,6 +17,8 @@
 //!   robin, random, direct, KV prefix-aware).
 //! - [`router`] (feature `runtime`): the tokio adapter, `PrefillRouter`, driving the control
 //!   core with real builds and timers, plus the request path and its fallback policy.
+//! - `sim` (feature `sim`): the deterministic simulator of the hop under seeded faults
+//!   (`docs/simulation.md`).
 //! - [`discovery`]: where workers register instances and model cards, and where frontends
 //!   list and watch them; backends in memory, in a shared directory (the embedded default) and
 //!   on etcd (feature `etcd`), all behind one trait and one conformance suite
@@ -34,6 +36,8 @@ pub mod push;
 pub mod route;
 #[cfg(feature = "runtime")]
 pub mod router;
+#[cfg(feature = "sim")]
+pub mod sim;
 mod sync;
 #[cfg(feature = "runtime")]
 pub mod transport;

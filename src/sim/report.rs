@@ -1,0 +1,159 @@
+//! What a run reports: its statistics, the violations found, and how to reproduce it.
+
+use std::fmt;
+use std::time::Duration;
+
+use super::config::{Mutant, SimConfig};
+use super::oracle::Violation;
+
+/// Counts of what happened in a run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SimStats {
+    /// Requests started.
+    pub requests: u64,
+    /// Requests that prefilled on a binding and then completed decode.
+    pub prefilled_ok: u64,
+    /// Requests that went to decode without prefill (fallback) and completed.
+    pub bypassed_ok: u64,
+    /// Requests rejected by the fallback policy (`NotActivated`).
+    pub rejected: u64,
+    /// Requests whose binding had no routable worker (empty admission set, workers down):
+    /// they fail fast.
+    pub unroutable: u64,
+    /// Requests whose prefill failed otherwise (worker crash, rejection, timeout).
+    pub prefill_failed: u64,
+    /// Requests whose decode failed mid-stream.
+    pub decode_failed: u64,
+    /// Prefill dispatches to a worker.
+    pub dispatches: u64,
+    /// `set_target` calls.
+    pub retargets: u64,
+    /// Builds the factory was asked for.
+    pub builds: u64,
+    /// Bindings the factory produced.
+    pub bindings_built: u64,
+    /// Builds that failed on purpose.
+    pub builds_failed: u64,
+    /// Builds that hang until the router's timeout or cancellation.
+    pub builds_hung: u64,
+    /// Discovery events lost (healed by the next resync).
+    pub events_lost: u64,
+    /// Discovery events delivered twice.
+    pub events_duplicated: u64,
+    /// Worker crashes.
+    pub crashes: u64,
+}
+
+/// The outcome of one simulated run.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct SimReport {
+    /// The run's configuration.
+    pub config: SimConfig,
+    /// What happened.
+    pub stats: SimStats,
+    /// Broken properties, in the order found; empty for a passing run.
+    pub violations: Vec<Violation>,
+    /// Simulated time the run covered.
+    pub simulated: Duration,
+    /// A hash of the observed history: two runs of one seed must agree on it.
+    pub digest: u64,
+}
+
+impl SimReport {
+    /// Whether every oracle held.
+    pub fn passed(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    /// Whether some violation of this kind (see [`Violation::kind`]) was found.
+    pub fn found(&self, kind: &str) -> bool {
+        self.violations.iter().any(|v| v.kind() == kind)
+    }
+
+    /// The one-line command that replays this run.
+    pub fn repro_command(&self) -> String {
+        repro_command(&self.config)
+    }
+}
+
+/// The one-line command that replays `config`.
+pub fn repro_command(config: &SimConfig) -> String {
+    let mutant = match config.mutant {
+        None => String::new(),
+        Some(m) => format!(" --mutant {}", mutant_name(m)),
+    };
+    format!(
+        "cargo run --release --features sim -- simulate --seed {} --steps {}{mutant}",
+        config.seed, config.steps
+    )
+}
+
+/// The command-line name of a mutant.
+pub fn mutant_name(mutant: Mutant) -> &'static str {
+    match mutant {
+        Mutant::IgnoreAdmission => "ignore-admission",
+        Mutant::LeakBindings => "leak-bindings",
+        Mutant::NoPrefillTimeout => "no-prefill-timeout",
+    }
+}
+
+/// The mutant a command-line name denotes.
+pub fn parse_mutant(name: &str) -> Option<Mutant> {
+    [
+        Mutant::IgnoreAdmission,
+        Mutant::LeakBindings,
+        Mutant::NoPrefillTimeout,
+    ]
+    .into_iter()
+    .find(|m| mutant_name(*m) == name)
+}
+
+impl fmt::Display for SimReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.stats;
+        writeln!(
+            f,
+            "seed {} steps {}: {} ({:?} simulated, digest {:016x})",
+            self.config.seed,
+            self.config.steps,
+            if self.passed() { "PASS" } else { "FAIL" },
+            self.simulated,
+            self.digest
+        )?;
+        writeln!(
+            f,
+            "  requests {} (prefilled {}, bypassed {}, rejected {}, unroutable {}, prefill failed \
+             {}, decode failed {}), dispatches {}",
+            s.requests,
+            s.prefilled_ok,
+            s.bypassed_ok,
+            s.rejected,
+            s.unroutable,
+            s.prefill_failed,
+            s.decode_failed,
+            s.dispatches
+        )?;
+        writeln!(
+            f,
+            "  retargets {}, builds {} (bindings {}, failed {}, hung {}), crashes {}, discovery \
+             events lost {} duplicated {}",
+            s.retargets,
+            s.builds,
+            s.bindings_built,
+            s.builds_failed,
+            s.builds_hung,
+            s.crashes,
+            s.events_lost,
+            s.events_duplicated
+        )?;
+        for v in &self.violations {
+            writeln!(f, "  VIOLATION [{}] {v}", v.kind())?;
+        }
+        if !self.passed() {
+            writeln!(f, "  reproduce: {}", self.repro_command())?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,421 @@
+//! The runner: builds the world on a paused current-thread runtime, plays the seeded
+//! scenario, stops the faults, checks convergence and release, and reports.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::binding::{SimDecode, SimFactory};
+use super::config::{timing, SimConfig};
+use super::controller::Controller;
+use super::feed;
+use super::oracle::Violation;
+use super::report::SimReport;
+use super::rng::SimRng;
+use super::world::World;
+use crate::lifecycle::{Lifecycle, RetryPolicy};
+use crate::router::{
+    AfterWait, FallbackPolicy, GenerateError, PrefillRouter, PrefillRouterConfig,
+};
+use crate::push::PushError;
+use crate::router::PrefillError;
+use crate::transport::GenerateRequest;
+
+type Router = PrefillRouter<SimFactory>;
+
+/// Run one simulation to the end on its own paused, single-threaded tokio runtime.
+///
+/// Deterministic: the same configuration gives the same history (same
+/// [`digest`](SimReport::digest)) on every run. Must not be called from within a tokio
+/// runtime (it blocks on its own).
+///
+/// # Errors
+/// Only if the tokio runtime cannot be built (an OS resource failure); oracle violations are
+/// reported in the returned [`SimReport`].
+pub fn simulate(config: &SimConfig) -> std::io::Result<SimReport> {
+    let mut builder = tokio::runtime::Builder::new_current_thread();
+    builder.enable_time().start_paused(true);
+    // tokio randomizes a few internal choices (the order in which one channel's waiters
+    // wake); with `--cfg tokio_unstable` the runtime's RNG is seeded too. Without it the
+    // simulator's decisions still replay (they are keyed, not sequenced), see
+    // `docs/simulation.md`.
+    #[cfg(tokio_unstable)]
+    builder.rng_seed(tokio::runtime::RngSeed::from_bytes(&config.seed.to_le_bytes()));
+    let runtime = builder.build()?;
+    Ok(runtime.block_on(run(config.clone())))
+}
+
+/// How a request ended (the deadline oracle has already judged hangs).
+#[derive(Debug)]
+enum Outcome {
+    Completed { prefilled: bool },
+    Rejected,
+    /// The binding had no routable worker (empty admission, all down): failed fast.
+    Unroutable,
+    PrefillFailed(String),
+    DecodeFailed(String),
+    Hung,
+}
+
+struct Run {
+    world: Arc<World>,
+    router: Arc<Router>,
+    decode: Arc<SimDecode>,
+    controller: Arc<Controller>,
+    scenario: SimRng,
+    wait_budget: Duration,
+    next_request: u64,
+    requests: Vec<JoinHandle<()>>,
+}
+
+async fn run(config: SimConfig) -> SimReport {
+    let start = Instant::now();
+    let mut rng = SimRng::new(config.seed);
+    let workers = rng.between(2, 5);
+    let world = World::new(config.seed, rng.fork(), workers);
+    let mut scenario = rng.fork();
+    let fallback = draw_fallback(&mut scenario);
+    let wait_budget = match fallback {
+        FallbackPolicy::WaitUpTo { timeout, .. } => timeout,
+        _ => Duration::ZERO,
+    };
+    let router_config = PrefillRouterConfig {
+        retry: RetryPolicy {
+            initial: timing::RETRY_INITIAL,
+            max: timing::RETRY_MAX,
+        },
+        build_timeout: timing::BUILD_TIMEOUT,
+        // The router's jitter RNG is seeded from process entropy; a run must replay from its
+        // seed, so the simulator runs without jitter.
+        retry_jitter: 0.0,
+        fallback,
+        name: format!("sim-{}", config.seed),
+    };
+    let router = Arc::new(PrefillRouter::new(
+        SimFactory::new(Arc::clone(&world), config.mutant),
+        router_config,
+    ));
+    let controller = Controller::new(Arc::clone(&world), Arc::clone(&router));
+    let mut sim = Run {
+        decode: Arc::new(SimDecode::new(Arc::clone(&world))),
+        world: Arc::clone(&world),
+        router: Arc::clone(&router),
+        controller: Arc::clone(&controller),
+        scenario,
+        wait_budget,
+        next_request: 0,
+        requests: Vec::new(),
+    };
+
+    let resync_stop = CancellationToken::new();
+    let resync = tokio::spawn(resync_loop(
+        Arc::clone(&world),
+        Arc::clone(&controller),
+        resync_stop.clone(),
+    ));
+
+    if sim.scenario.percent(85) {
+        controller.new_generation();
+    }
+    for _ in 0..config.steps {
+        sim.step().await;
+        let pause = sim.scenario.below(10);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        sim.check_bindings();
+        sim.requests.retain(|r| !r.is_finished());
+    }
+
+    // Faults stop. Deliveries already scheduled may still land (late and stale) for one
+    // maximal delay; after that a resync makes the controller's and the views' belief true.
+    world.with(|s| s.faults = false);
+    tokio::time::sleep(Duration::from_millis(timing::FEED_DELAY_MAX_MS + 1)).await;
+    let ids: Vec<u64> = world.with(|s| s.workers.keys().copied().collect());
+    for id in ids {
+        world.set_worker(id, true);
+    }
+    controller.resync();
+    feed::resync_instances(&world);
+    sim.converge().await;
+    sim.healthy_request().await;
+
+    // Every request ends by its own deadline; the bound here only guards the runner.
+    for handle in std::mem::take(&mut sim.requests) {
+        if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(10), handle).await {
+            if e.is_panic() {
+                world.violate(Violation::RequestPanicked { request: u64::MAX });
+            }
+        }
+    }
+    sim.check_bindings();
+
+    router.shutdown();
+    if tokio::time::timeout(Duration::from_secs(1), router.terminated())
+        .await
+        .is_err()
+    {
+        world.violate(Violation::TasksLeftAfterShutdown {
+            alive: router.tasks_alive(),
+        });
+    }
+    resync_stop.cancel();
+    let _ = resync.await;
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    // After shutdown and the last request, no binding may survive.
+    world.check_bindings(None, None);
+
+    let simulated = start.elapsed();
+    let digest = world.digest();
+    let (stats, violations) = world.with(|s| (s.stats.clone(), std::mem::take(&mut s.violations)));
+    drop(sim);
+    drop(controller);
+    drop(router);
+    SimReport {
+        config,
+        stats,
+        violations,
+        simulated,
+        digest,
+    }
+}
+
+fn draw_fallback(rng: &mut SimRng) -> FallbackPolicy {
+    let then = if rng.percent(50) {
+        AfterWait::Decode
+    } else {
+        AfterWait::Reject
+    };
+    match rng.below(10) {
+        0..=4 => FallbackPolicy::Decode,
+        5..=6 => FallbackPolicy::Reject,
+        _ => FallbackPolicy::WaitUpTo {
+            timeout: Duration::from_millis(rng.between(1, timing::WAIT_MAX_MS)),
+            then,
+        },
+    }
+}
+
+async fn resync_loop(world: Arc<World>, controller: Arc<Controller>, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(timing::RESYNC_PERIOD) => {
+                controller.resync();
+                feed::resync_instances(&world);
+            }
+        }
+    }
+}
+
+impl Run {
+    /// One scenario step.
+    async fn step(&mut self) {
+        match self.scenario.below(100) {
+            0..=39 => {
+                for _ in 0..self.scenario.between(1, 6) {
+                    self.spawn_request();
+                }
+            }
+            40..=61 => {
+                let ms = self.scenario.between(5, 80);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            62..=69 => self.controller.readmit(),
+            70..=74 => self.controller.new_generation(),
+            75..=77 => self.controller.clear(),
+            78..=81 => self.controller.restore(),
+            82..=85 => {
+                // A burst of retargets while requests are in flight.
+                for _ in 0..self.scenario.between(2, 5) {
+                    match self.scenario.below(3) {
+                        0 => self.controller.new_generation(),
+                        1 => self.controller.clear(),
+                        _ => self.controller.restore(),
+                    }
+                    self.spawn_request();
+                    let ms = self.scenario.below(3);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+            }
+            86..=91 => {
+                let up: Vec<u64> = self.world.with(|s| {
+                    s.workers.iter().filter(|(_, u)| **u).map(|(id, _)| *id).collect()
+                });
+                if !up.is_empty() {
+                    let id = up[self.scenario.below(up.len() as u64) as usize];
+                    self.world.with(|s| s.stats.crashes += 1);
+                    self.world.crash(id);
+                }
+            }
+            _ => {
+                let down: Vec<u64> = self.world.with(|s| {
+                    s.workers.iter().filter(|(_, u)| !**u).map(|(id, _)| *id).collect()
+                });
+                if !down.is_empty() {
+                    let id = down[self.scenario.below(down.len() as u64) as usize];
+                    self.world.set_worker(id, true);
+                }
+            }
+        }
+    }
+
+    fn request(&mut self) -> (u64, GenerateRequest, Duration) {
+        let id = self.next_request;
+        self.next_request += 1;
+        let len = self.scenario.between(4, 96);
+        let base = self.scenario.below(4) as u32 * 1000;
+        let tokens: Vec<u32> = (0..len as u32).map(|t| base + t).collect();
+        let max_tokens = self.scenario.between(1, u64::from(timing::MAX_TOKENS)) as u32;
+        let request = GenerateRequest {
+            token_ids: tokens,
+            max_tokens,
+            session: Some(format!("req-{id}")),
+            ..GenerateRequest::default()
+        };
+        let deadline = self.wait_budget
+            + timing::PREFILL_TIMEOUT
+            + Duration::from_millis(u64::from(max_tokens) * timing::TOKEN_MAX_MS)
+            + timing::DEADLINE_SLACK;
+        (id, request, deadline)
+    }
+
+    fn spawn_request(&mut self) {
+        let (id, request, deadline) = self.request();
+        self.world.with(|s| s.stats.requests += 1);
+        let world = Arc::clone(&self.world);
+        let router = Arc::clone(&self.router);
+        let decode = Arc::clone(&self.decode);
+        self.requests.push(tokio::spawn(async move {
+            let outcome = serve(&world, &router, &decode, id, request, deadline).await;
+            world.trace(&[20, id, outcome_code(&outcome)]);
+            world.with(|s| match outcome {
+                Outcome::Completed { prefilled: true } => s.stats.prefilled_ok += 1,
+                Outcome::Completed { prefilled: false } => s.stats.bypassed_ok += 1,
+                Outcome::Rejected => s.stats.rejected += 1,
+                Outcome::Unroutable => s.stats.unroutable += 1,
+                Outcome::PrefillFailed(_) => s.stats.prefill_failed += 1,
+                Outcome::DecodeFailed(_) => s.stats.decode_failed += 1,
+                Outcome::Hung => {}
+            });
+        }));
+    }
+
+    fn check_bindings(&self) {
+        let current = self.router.load().binding().map(|b| b.serial());
+        let held = self.router.status().held;
+        self.world.check_bindings(current, held.as_ref());
+    }
+
+    /// Oracle: after the faults stop, the router reaches the topology's target.
+    async fn converge(&self) {
+        let expected = self.controller.truth_target();
+        let deadline = Instant::now() + timing::CONVERGE_WITHIN;
+        loop {
+            let status = self.router.status();
+            let done = match &expected {
+                Some(id) => {
+                    status.lifecycle == Lifecycle::Active && status.held.as_ref() == Some(id)
+                }
+                None => status.lifecycle == Lifecycle::Unavailable,
+            };
+            if done {
+                return;
+            }
+            if Instant::now() >= deadline {
+                self.world.violate(Violation::NotConverged {
+                    expected,
+                    lifecycle: status.lifecycle,
+                    held: status.held,
+                });
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Oracle: once converged with admitted workers up and no faults, a request prefills and
+    /// completes.
+    async fn healthy_request(&mut self) {
+        if self.controller.truth_target().is_none() || self.controller.truth_admitted().is_empty()
+        {
+            return;
+        }
+        let (id, request, deadline) = self.request();
+        self.world.with(|s| s.stats.requests += 1);
+        let outcome = serve(
+            &self.world,
+            &self.router,
+            &self.decode,
+            id,
+            request,
+            deadline,
+        )
+        .await;
+        if !matches!(outcome, Outcome::Completed { prefilled: true }) {
+            self.world.violate(Violation::HealthyRequestFailed {
+                outcome: format!("{outcome:?}"),
+            });
+        }
+    }
+}
+
+/// One request through the real request path, under the deadline oracle.
+async fn serve(
+    world: &World,
+    router: &Router,
+    decode: &SimDecode,
+    id: u64,
+    request: GenerateRequest,
+    deadline: Duration,
+) -> Outcome {
+    let work = async {
+        match router.generate(request, decode).await {
+            Ok(mut stream) => {
+                while let Some(item) = stream.next().await {
+                    if let Err(e) = item {
+                        return Outcome::DecodeFailed(e.to_string());
+                    }
+                }
+                let prefilled = world.with(|s| s.prefilled.remove(&id));
+                Outcome::Completed { prefilled }
+            }
+            Err(GenerateError::NotActivated { .. }) => Outcome::Rejected,
+            Err(GenerateError::Prefill(PrefillError::Push(PushError::NoRoutableInstances))) => {
+                Outcome::Unroutable
+            }
+            Err(GenerateError::Prefill(e)) => Outcome::PrefillFailed(e.to_string()),
+            Err(e) => Outcome::DecodeFailed(e.to_string()),
+        }
+    };
+    let outcome = match tokio::time::timeout(deadline, work).await {
+        Ok(outcome) => outcome,
+        Err(_) => {
+            world.violate(Violation::RequestHung {
+                request: id,
+                deadline,
+            });
+            Outcome::Hung
+        }
+    };
+    world.with(|s| s.prefilled.remove(&id));
+    if let Outcome::PrefillFailed(why) | Outcome::DecodeFailed(why) = &outcome {
+        tracing::debug!(request = id, %why, "simulated request failed");
+    }
+    outcome
+}
+
+fn outcome_code(outcome: &Outcome) -> u64 {
+    match outcome {
+        Outcome::Completed { prefilled: true } => 1,
+        Outcome::Completed { prefilled: false } => 2,
+        Outcome::Rejected => 3,
+        Outcome::PrefillFailed(_) => 4,
+        Outcome::DecodeFailed(_) => 5,
+        Outcome::Hung => 6,
+        Outcome::Unroutable => 7,
+    }
+}

@@ -1,0 +1,118 @@
+//! The deterministic simulator: many seeds pass every oracle, each planted defect is caught,
+//! and a seed replays the same history.
+#![cfg(feature = "sim")]
+
+use prefill_router::sim::{simulate, Mutant, SimConfig, SimReport};
+
+/// Steps per seed in the quick suite.
+const STEPS: u32 = 120;
+
+fn run(config: SimConfig) -> SimReport {
+    simulate(&config).expect("tokio runtime")
+}
+
+fn assert_seeds_pass(seeds: std::ops::Range<u64>, steps: u32) {
+    let mut failures = Vec::new();
+    let mut requests = 0;
+    for seed in seeds.clone() {
+        let report = run(SimConfig::new(seed, steps));
+        requests += report.stats.requests;
+        if !report.passed() {
+            eprintln!("{report}");
+            failures.push(report.repro_command());
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} seeds failed; reproduce with:\n{}",
+        failures.len(),
+        seeds.end - seeds.start,
+        failures.join("\n")
+    );
+    assert!(requests > 0);
+}
+
+#[test]
+fn three_hundred_seeds_hold_every_oracle() {
+    assert_seeds_pass(0..300, STEPS);
+}
+
+/// Thousands of seeds, longer runs: `cargo test --release --features sim --test sim -- --ignored`.
+#[test]
+#[ignore = "long run (minutes); run explicitly"]
+fn five_thousand_long_seeds_hold_every_oracle() {
+    assert_seeds_pass(10_000..15_000, 600);
+}
+
+#[test]
+fn a_seed_replays_the_same_history() {
+    for seed in [1, 17, 4242] {
+        let a = run(SimConfig::new(seed, STEPS));
+        let b = run(SimConfig::new(seed, STEPS));
+        assert_eq!(a.digest, b.digest, "seed {seed} diverged");
+        assert_eq!(a.stats, b.stats, "seed {seed} diverged");
+    }
+    assert_ne!(
+        run(SimConfig::new(1, STEPS)).digest,
+        run(SimConfig::new(2, STEPS)).digest
+    );
+}
+
+#[test]
+fn the_scenarios_exercise_every_fault() {
+    let mut total = prefill_router::sim::SimStats::default();
+    for seed in 0..40 {
+        let s = run(SimConfig::new(seed, STEPS)).stats;
+        total.prefilled_ok += s.prefilled_ok;
+        total.bypassed_ok += s.bypassed_ok;
+        total.rejected += s.rejected;
+        total.prefill_failed += s.prefill_failed;
+        total.decode_failed += s.decode_failed;
+        total.builds_failed += s.builds_failed;
+        total.builds_hung += s.builds_hung;
+        total.events_lost += s.events_lost;
+        total.events_duplicated += s.events_duplicated;
+        total.crashes += s.crashes;
+    }
+    let counts = [
+        ("prefilled", total.prefilled_ok),
+        ("bypassed", total.bypassed_ok),
+        ("rejected", total.rejected),
+        ("prefill failed", total.prefill_failed),
+        ("decode failed", total.decode_failed),
+        ("builds failed", total.builds_failed),
+        ("builds hung", total.builds_hung),
+        ("events lost", total.events_lost),
+        ("events duplicated", total.events_duplicated),
+        ("crashes", total.crashes),
+    ];
+    for (what, n) in counts {
+        assert!(n > 0, "no {what} in 40 seeds: {total:?}");
+    }
+}
+
+/// A mutant must be reported by its oracle on some seed of a small fixed range (the runs are
+/// deterministic, so this cannot flake).
+fn assert_caught(mutant: Mutant, kind: &str) {
+    let caught = (0..30).find_map(|seed| {
+        let report = run(SimConfig::new(seed, STEPS).with_mutant(mutant));
+        report.found(kind).then_some(report)
+    });
+    let report = caught.unwrap_or_else(|| panic!("mutant {mutant:?} not caught as {kind}"));
+    assert!(report.repro_command().contains("--mutant"));
+}
+
+#[test]
+fn oracle_catches_a_binding_that_ignores_its_admission_set() {
+    assert_caught(Mutant::IgnoreAdmission, "dispatch_outside_admission");
+}
+
+#[test]
+fn oracle_catches_a_leaked_retired_binding() {
+    assert_caught(Mutant::LeakBindings, "binding_not_released");
+}
+
+#[test]
+fn oracle_catches_a_request_that_hangs_past_its_deadline() {
+    assert_caught(Mutant::NoPrefillTimeout, "request_hung");
+}
