@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::config::{Mutant, SimConfig};
 use super::oracle::Violation;
+use crate::router::FallbackPolicy;
 
 /// Counts of what happened in a run.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -57,14 +58,26 @@ pub struct SimReport {
     pub violations: Vec<Violation>,
     /// Simulated time the run covered.
     pub simulated: Duration,
-    /// A hash of the observed history: two runs of one seed must agree on it.
+    /// A hash of the observed history (events and their simulated times). Two runs of one
+    /// seed agree on it whenever [`exact_replay`](Self::exact_replay) holds.
     pub digest: u64,
+    /// The fallback policy the seed drew for the router.
+    pub fallback: FallbackPolicy,
 }
 
 impl SimReport {
     /// Whether every oracle held.
     pub fn passed(&self) -> bool {
         self.violations.is_empty()
+    }
+
+    /// Whether this run replays event for event from its seed. tokio wakes the waiters of
+    /// one watch channel in an order drawn from its own RNG, which only `--cfg tokio_unstable`
+    /// lets the simulator seed; the router's requests wait on such a channel only under
+    /// [`FallbackPolicy::WaitUpTo`]. Without exact replay the seed still fixes every fault
+    /// the simulator injects, and a failure usually reproduces; see `docs/simulation.md`.
+    pub fn exact_replay(&self) -> bool {
+        cfg!(tokio_unstable) || !matches!(self.fallback, FallbackPolicy::WaitUpTo { .. })
     }
 
     /// Whether some violation of this kind (see [`Violation::kind`]) was found.
@@ -115,12 +128,14 @@ impl fmt::Display for SimReport {
         let s = &self.stats;
         writeln!(
             f,
-            "seed {} steps {}: {} ({:?} simulated, digest {:016x})",
+            "seed {} steps {}: {} ({:?} simulated, fallback {:?}, digest {:016x}{})",
             self.config.seed,
             self.config.steps,
             if self.passed() { "PASS" } else { "FAIL" },
             self.simulated,
-            self.digest
+            self.fallback,
+            self.digest,
+            if self.exact_replay() { "" } else { ", replay not exact" }
         )?;
         writeln!(
             f,

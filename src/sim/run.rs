@@ -179,6 +179,7 @@ async fn run(config: SimConfig) -> SimReport {
         violations,
         simulated,
         digest,
+        fallback,
     }
 }
 
