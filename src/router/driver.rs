@@ -70,6 +70,10 @@ impl<F: BindingFactory> Driver<F> {
                     Some(Msg::Finished(build, effects)) => {
                         // Finished, not cancelled: its token must live on with its binding.
                         self.running.retain(|(id, _)| *id != build);
+                        #[cfg(test)]
+                        if let Some(lagging) = &self.shared.lagging_route {
+                            *lagging.lock() = self.shared.control.route();
+                        }
                         self.carry_out(effects);
                     }
                     // Shared holds the sender and we hold Shared: unreachable, but ending is

@@ -45,6 +45,18 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// # Panics
     /// If called outside a tokio runtime (like `tokio::spawn`).
     pub fn new(factory: F, config: PrefillRouterConfig) -> Self {
+        Self::build(factory, config, false)
+    }
+
+    /// A router whose request path reads a lagging copy of the route (test-only mutant).
+    #[cfg(test)]
+    pub(crate) fn with_lagging_route_mutant(factory: F, config: PrefillRouterConfig) -> Self {
+        Self::build(factory, config, true)
+    }
+
+    fn build(factory: F, config: PrefillRouterConfig, lagging: bool) -> Self {
+        #[cfg(not(test))]
+        let _ = lagging;
         let (to_driver, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             control: Control::new(config.retry),
@@ -60,6 +72,9 @@ impl<F: BindingFactory> PrefillRouter<F> {
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             shut_down: Default::default(),
+            #[cfg(test)]
+            lagging_route: lagging
+                .then(|| parking_lot::Mutex::new(Route::Bypass(BypassReason::NotYetTargeted))),
         });
         let driver = Driver::new(Arc::clone(&shared), rx);
         shared.tracker.spawn(driver.run());
@@ -80,6 +95,10 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// even if it is retired meanwhile), or bypass and why. One lock-free load.
     #[inline]
     pub fn route(&self) -> Route<F::Binding> {
+        #[cfg(test)]
+        if let Some(lagging) = &self.shared.lagging_route {
+            return lagging.lock().clone();
+        }
         self.shared.control.route()
     }
 

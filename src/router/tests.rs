@@ -1,5 +1,14 @@
 //! Tests of the adapter (fake factories and bindings; paused time where timing matters).
 
+mod drop_safety;
+mod fakes;
+mod fallback;
+mod lifecycle;
+mod metrics;
+mod race;
+mod retired;
+mod timing;
+
 mod jitter {
     use std::time::Duration;
 
