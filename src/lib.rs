@@ -17,6 +17,13 @@
 //!   robin, random, direct, KV prefix-aware).
 //! - [`router`] (feature `runtime`): the tokio adapter, `PrefillRouter`, driving the control
 //!   core with real builds and timers, plus the request path and its fallback policy.
+//! - [`binding`] (feature `runtime`): the default binding factory (card resolution, routable
+//!   view with admission, push router) and the decode hop over a push router.
+//! - [`topology`] (feature `runtime`): the topology watcher turning a namespace's discovery
+//!   records into the prefill router's target (one prefill set, one decode set, first-wins
+//!   admission, generations).
+//! - [`mock`] (feature `runtime`): mock prefill and decode engines with a bounded KV block
+//!   cache, for the demo, tests and benchmarks.
 //! - `sim` (feature `sim`): the deterministic simulator of the hop under seeded faults
 //!   (`docs/simulation.md`).
 //! - [`discovery`]: where workers register instances and model cards, and where frontends
@@ -28,9 +35,13 @@
 //! `docs/transport.md` for the request plane.
 
 pub mod advert;
+#[cfg(feature = "runtime")]
+pub mod binding;
 pub mod control;
 pub mod discovery;
 pub mod lifecycle;
+#[cfg(feature = "runtime")]
+pub mod mock;
 #[cfg(feature = "runtime")]
 pub mod push;
 pub mod route;
@@ -39,5 +50,7 @@ pub mod router;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod sync;
+#[cfg(feature = "runtime")]
+pub mod topology;
 #[cfg(feature = "runtime")]
 pub mod transport;
