@@ -22,14 +22,17 @@
 mod binding;
 mod config;
 mod controller;
+mod discovery;
 mod feed;
 mod oracle;
+mod pool;
 mod report;
 mod rng;
 mod run;
+mod sink;
 mod world;
 
-pub use config::{Mutant, SimConfig};
+pub use config::{Mutant, SimConfig, TargetSource};
 pub use oracle::Violation;
 pub use report::{mutant_name, parse_mutant, repro_command, SimReport, SimStats};
 pub use rng::SimRng;

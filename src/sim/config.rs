@@ -32,6 +32,18 @@ impl SimConfig {
     }
 }
 
+/// Where a run's prefill targets come from (drawn from the seed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TargetSource {
+    /// A seeded controller hears topology changes through a faulty feed and calls
+    /// `set_target` itself: retarget bursts, returns to old generations, admission sets
+    /// emptied before or after the clear.
+    Controller,
+    /// Workers register in the in-memory discovery store and the real topology watcher
+    /// derives the target from a faulty namespace watch (first-wins admission, generations).
+    Watcher,
+}
+
 /// A deliberate defect in the simulated parts, each one an oracle must flag.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]

@@ -14,11 +14,9 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use super::feed;
-use super::oracle::Violation;
 use super::world::{prefill_endpoint, World};
 use crate::advert::{ModelCard, RouterConfig, RouterMode};
 use crate::discovery::InstanceId;
-use crate::route::BypassReason;
 use crate::router::{PrefillRouter, WorkerSetTarget, WorkerSetTargetId};
 
 use super::binding::SimFactory;
@@ -296,28 +294,8 @@ impl Controller {
                     state.believed = Some(g);
                     target
                 };
-                self.set_target(target);
+                super::sink::set_target_checked(&self.world, &self.router, target);
             }
-        }
-    }
-
-    /// Call the router, then check that the decision is visible at once.
-    fn set_target(&self, target: Option<WorkerSetTarget>) {
-        let id = target.as_ref().map(|t| t.id.clone());
-        self.world.with(|s| {
-            s.stats.retargets += 1;
-            s.desired = id.clone();
-        });
-        self.world
-            .trace(&[14, id.as_ref().map_or(0, |i| i.generation)]);
-        // Not under any simulator lock: a retired binding may drop inside.
-        self.router.set_target(target);
-        let reported = self.router.status().desired;
-        let route = self.router.route();
-        let cleared_visible = id.is_some() || route.bypass() == Some(BypassReason::NoTarget);
-        if reported != id || !cleared_visible {
-            self.world
-                .violate(Violation::SetTargetNotVisible { set: id, reported });
         }
     }
 }

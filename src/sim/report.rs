@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use super::config::{Mutant, SimConfig};
+use super::config::{Mutant, SimConfig, TargetSource};
 use super::oracle::Violation;
 use crate::router::FallbackPolicy;
 
@@ -63,6 +63,8 @@ pub struct SimReport {
     pub digest: u64,
     /// The fallback policy the seed drew for the router.
     pub fallback: FallbackPolicy,
+    /// Where the seed's targets came from.
+    pub source: TargetSource,
 }
 
 impl SimReport {
@@ -128,11 +130,13 @@ impl fmt::Display for SimReport {
         let s = &self.stats;
         writeln!(
             f,
-            "seed {} steps {}: {} ({:?} simulated, fallback {:?}, digest {:016x}{})",
+            "seed {} steps {}: {} ({:?} simulated, targets from {:?}, fallback {:?}, digest \
+             {:016x}{})",
             self.config.seed,
             self.config.steps,
             if self.passed() { "PASS" } else { "FAIL" },
             self.simulated,
+            self.source,
             self.fallback,
             self.digest,
             if self.exact_replay() { "" } else { ", replay not exact" }

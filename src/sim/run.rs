@@ -10,14 +10,20 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::binding::{SimDecode, SimFactory};
-use super::config::{timing, SimConfig};
+use super::config::{timing, SimConfig, TargetSource};
 use super::controller::Controller;
+use super::discovery::FaultyDiscovery;
 use super::feed;
+use super::pool::{self, Pool};
+use super::sink::CheckedSink;
 use super::oracle::Violation;
 use super::report::SimReport;
 use super::rng::SimRng;
 use super::world::World;
+use crate::discovery::{Discovery, MemoryConfig, MemoryDiscovery};
 use crate::lifecycle::{Lifecycle, RetryPolicy};
+use crate::router::WorkerSetTargetId;
+use crate::topology::TopologyWatcher;
 use crate::router::{
     AfterWait, FallbackPolicy, GenerateError, PrefillRouter, PrefillRouterConfig,
 };
@@ -61,11 +67,20 @@ enum Outcome {
     Hung,
 }
 
+/// What moves the topology in this run.
+enum Topo {
+    Controller(Arc<Controller>),
+    Watcher {
+        pool: Arc<Pool>,
+        watcher: TopologyWatcher,
+    },
+}
+
 struct Run {
     world: Arc<World>,
     router: Arc<Router>,
     decode: Arc<SimDecode>,
-    controller: Arc<Controller>,
+    topo: Topo,
     scenario: SimRng,
     wait_budget: Duration,
     next_request: u64,
@@ -99,12 +114,42 @@ async fn run(config: SimConfig) -> SimReport {
         SimFactory::new(Arc::clone(&world), config.mutant),
         router_config,
     ));
+    let source = if scenario.percent(50) {
+        TargetSource::Controller
+    } else {
+        TargetSource::Watcher
+    };
     let controller = Controller::new(Arc::clone(&world), Arc::clone(&router));
+    let topo = match source {
+        TargetSource::Controller => Topo::Controller(Arc::clone(&controller)),
+        TargetSource::Watcher => {
+            let store = Arc::new(MemoryDiscovery::new(MemoryConfig::with_ttl(pool::TTL)));
+            let store_dyn: Arc<dyn Discovery> = store.clone();
+            let faulty: Arc<dyn Discovery> =
+                Arc::new(FaultyDiscovery::new(Arc::clone(&store), Arc::clone(&world)));
+            let sink = CheckedSink {
+                world: Arc::clone(&world),
+                router: Arc::clone(&router),
+            };
+            match TopologyWatcher::start(faulty, "sim", sink).await {
+                Ok(watcher) => Topo::Watcher {
+                    pool: Pool::new(Arc::clone(&world), store_dyn),
+                    watcher,
+                },
+                Err(error) => {
+                    // The in-memory store cannot fail to open a watch; fall back to the
+                    // controller rather than abort the run.
+                    tracing::warn!(%error, "cannot start the topology watcher");
+                    Topo::Controller(Arc::clone(&controller))
+                }
+            }
+        }
+    };
     let mut sim = Run {
         decode: Arc::new(SimDecode::new(Arc::clone(&world))),
         world: Arc::clone(&world),
         router: Arc::clone(&router),
-        controller: Arc::clone(&controller),
+        topo,
         scenario,
         wait_budget,
         next_request: 0,
@@ -114,12 +159,15 @@ async fn run(config: SimConfig) -> SimReport {
     let resync_stop = CancellationToken::new();
     let resync = tokio::spawn(resync_loop(
         Arc::clone(&world),
-        Arc::clone(&controller),
+        match &sim.topo {
+            Topo::Controller(c) => Some(Arc::clone(c)),
+            Topo::Watcher { .. } => None,
+        },
         resync_stop.clone(),
     ));
 
     if sim.scenario.percent(85) {
-        controller.new_generation();
+        sim.new_generation().await;
     }
     for _ in 0..config.steps {
         sim.step().await;
@@ -133,12 +181,7 @@ async fn run(config: SimConfig) -> SimReport {
     // maximal delay; after that a resync makes the controller's and the views' belief true.
     world.with(|s| s.faults = false);
     tokio::time::sleep(Duration::from_millis(timing::FEED_DELAY_MAX_MS + 1)).await;
-    let ids: Vec<u64> = world.with(|s| s.workers.keys().copied().collect());
-    for id in ids {
-        world.set_worker(id, true);
-    }
-    controller.resync();
-    feed::resync_instances(&world);
+    sim.heal().await;
     sim.converge().await;
     sim.healthy_request().await;
 
@@ -152,6 +195,10 @@ async fn run(config: SimConfig) -> SimReport {
     }
     sim.check_bindings();
 
+    if let Topo::Watcher { pool, watcher } = std::mem::replace(&mut sim.topo, Topo::Controller(Arc::clone(&controller))) {
+        watcher.stopped().await;
+        pool.clear_all();
+    }
     router.shutdown();
     if tokio::time::timeout(Duration::from_secs(1), router.terminated())
         .await
@@ -180,6 +227,7 @@ async fn run(config: SimConfig) -> SimReport {
         simulated,
         digest,
         fallback,
+        source,
     }
 }
 
@@ -199,13 +247,19 @@ fn draw_fallback(rng: &mut SimRng) -> FallbackPolicy {
     }
 }
 
-async fn resync_loop(world: Arc<World>, controller: Arc<Controller>, stop: CancellationToken) {
+async fn resync_loop(
+    world: Arc<World>,
+    controller: Option<Arc<Controller>>,
+    stop: CancellationToken,
+) {
     loop {
         tokio::select! {
             biased;
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(timing::RESYNC_PERIOD) => {
-                controller.resync();
+                if let Some(controller) = &controller {
+                    controller.resync();
+                }
                 feed::resync_instances(&world);
             }
         }
@@ -225,17 +279,17 @@ impl Run {
                 let ms = self.scenario.between(5, 80);
                 tokio::time::sleep(Duration::from_millis(ms)).await;
             }
-            62..=69 => self.controller.readmit(),
-            70..=74 => self.controller.new_generation(),
-            75..=77 => self.controller.clear(),
-            78..=81 => self.controller.restore(),
+            62..=69 => self.readmit().await,
+            70..=74 => self.new_generation().await,
+            75..=77 => self.clear(),
+            78..=81 => self.restore().await,
             82..=85 => {
                 // A burst of retargets while requests are in flight.
                 for _ in 0..self.scenario.between(2, 5) {
                     match self.scenario.below(3) {
-                        0 => self.controller.new_generation(),
-                        1 => self.controller.clear(),
-                        _ => self.controller.restore(),
+                        0 => self.new_generation().await,
+                        1 => self.clear(),
+                        _ => self.restore().await,
                     }
                     self.spawn_request();
                     let ms = self.scenario.below(3);
@@ -249,7 +303,13 @@ impl Run {
                 if !up.is_empty() {
                     let id = up[self.scenario.below(up.len() as u64) as usize];
                     self.world.with(|s| s.stats.crashes += 1);
-                    self.world.crash(id);
+                    match &self.topo {
+                        Topo::Controller(_) => self.world.crash(id),
+                        Topo::Watcher { pool, .. } => {
+                            let killed = self.scenario.percent(50);
+                            pool.crash(id, killed);
+                        }
+                    }
                 }
             }
             _ => {
@@ -258,9 +318,87 @@ impl Run {
                 });
                 if !down.is_empty() {
                     let id = down[self.scenario.below(down.len() as u64) as usize];
-                    self.world.set_worker(id, true);
+                    match &self.topo {
+                        Topo::Controller(_) => self.world.set_worker(id, true),
+                        Topo::Watcher { pool, .. } => pool.restart(id).await,
+                    }
                 }
             }
+        }
+    }
+
+    async fn new_generation(&mut self) {
+        match &self.topo {
+            Topo::Controller(c) => c.new_generation(),
+            Topo::Watcher { pool, .. } => pool.roll(&mut self.scenario).await,
+        }
+    }
+
+    fn clear(&mut self) {
+        match &self.topo {
+            Topo::Controller(c) => c.clear(),
+            Topo::Watcher { pool, .. } => pool.clear(self.scenario.percent(50)),
+        }
+    }
+
+    async fn restore(&mut self) {
+        match &self.topo {
+            Topo::Controller(c) => c.restore(),
+            Topo::Watcher { pool, .. } => pool.restore().await,
+        }
+    }
+
+    async fn readmit(&mut self) {
+        match &self.topo {
+            Topo::Controller(c) => c.readmit(),
+            Topo::Watcher { pool, .. } => pool.churn(&mut self.scenario).await,
+        }
+    }
+
+    /// Faults are off: every worker back up and registered, every belief resynced.
+    async fn heal(&mut self) {
+        let ids: Vec<u64> = self.world.with(|s| s.workers.keys().copied().collect());
+        match &self.topo {
+            Topo::Controller(c) => {
+                for id in ids {
+                    self.world.set_worker(id, true);
+                }
+                c.resync();
+            }
+            Topo::Watcher { pool, .. } => {
+                for id in ids {
+                    pool.restart(id).await;
+                }
+                pool.restore().await;
+            }
+        }
+        feed::resync_instances(&self.world);
+    }
+
+    /// The target the router must converge to; `None` while the watcher has not caught up.
+    fn expected_target(&self) -> Option<Option<WorkerSetTargetId>> {
+        match &self.topo {
+            Topo::Controller(c) => Some(c.truth_target()),
+            Topo::Watcher { watcher, .. } => {
+                // Healed: one prefill set and one decode set are registered, so the truth
+                // has a target; a watcher still showing none has not caught up yet.
+                let view = watcher.view();
+                let target = view.borrow().target.clone();
+                target.map(|(group, generation)| Some(WorkerSetTargetId { group, generation }))
+            }
+        }
+    }
+
+    /// The admission set a healthy request may use.
+    fn admitted_now(&self) -> std::collections::BTreeSet<u64> {
+        match &self.topo {
+            Topo::Controller(c) => c.truth_admitted(),
+            Topo::Watcher { .. } => self
+                .router
+                .load()
+                .target()
+                .map(|t| t.admitted.borrow().clone())
+                .unwrap_or_default(),
         }
     }
 
@@ -313,22 +451,23 @@ impl Run {
 
     /// Oracle: after the faults stop, the router reaches the topology's target.
     async fn converge(&self) {
-        let expected = self.controller.truth_target();
         let deadline = Instant::now() + timing::CONVERGE_WITHIN;
         loop {
+            let expected = self.expected_target();
             let status = self.router.status();
             let done = match &expected {
-                Some(id) => {
+                Some(Some(id)) => {
                     status.lifecycle == Lifecycle::Active && status.held.as_ref() == Some(id)
                 }
-                None => status.lifecycle == Lifecycle::Unavailable,
+                Some(None) => status.lifecycle == Lifecycle::Unavailable,
+                None => false,
             };
             if done {
                 return;
             }
             if Instant::now() >= deadline {
                 self.world.violate(Violation::NotConverged {
-                    expected,
+                    expected: expected.flatten(),
                     lifecycle: status.lifecycle,
                     held: status.held,
                 });
@@ -341,8 +480,7 @@ impl Run {
     /// Oracle: once converged with admitted workers up and no faults, a request prefills and
     /// completes.
     async fn healthy_request(&mut self) {
-        if self.controller.truth_target().is_none() || self.controller.truth_admitted().is_empty()
-        {
+        if self.router.load().target().is_none() || self.admitted_now().is_empty() {
             return;
         }
         let (id, request, deadline) = self.request();

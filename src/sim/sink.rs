@@ -1,0 +1,45 @@
+//! Where targets enter the router, with the oracle that a decision is visible the moment
+//! `set_target` returns.
+
+use std::sync::Arc;
+
+use super::binding::SimFactory;
+use super::oracle::Violation;
+use super::world::World;
+use crate::route::BypassReason;
+use crate::router::{PrefillRouter, WorkerSetTarget};
+use crate::topology::TargetSink;
+
+/// Record the decision (the dispatch oracles compare against it), call the router, then check
+/// that its status and route show the decision at once.
+pub(crate) fn set_target_checked(
+    world: &World,
+    router: &PrefillRouter<SimFactory>,
+    target: Option<WorkerSetTarget>,
+) {
+    let id = target.as_ref().map(|t| t.id.clone());
+    world.with(|s| {
+        s.stats.retargets += 1;
+        s.desired = id.clone();
+    });
+    world.trace(&[14, id.as_ref().map_or(0, |i| i.generation)]);
+    // Not under any simulator lock: a retired binding may drop inside.
+    router.set_target(target);
+    let reported = router.status().desired;
+    let cleared_visible = id.is_some() || router.route().bypass() == Some(BypassReason::NoTarget);
+    if reported != id || !cleared_visible {
+        world.violate(Violation::SetTargetNotVisible { set: id, reported });
+    }
+}
+
+/// The [`TargetSink`] the real topology watcher feeds.
+pub(crate) struct CheckedSink {
+    pub(crate) world: Arc<World>,
+    pub(crate) router: Arc<PrefillRouter<SimFactory>>,
+}
+
+impl TargetSink for CheckedSink {
+    fn set_target(&self, target: Option<WorkerSetTarget>) {
+        set_target_checked(&self.world, &self.router, target);
+    }
+}
