@@ -158,7 +158,11 @@ impl SimBinding {
         let view_cancel = cancel.child_token();
         // Fed by the simulated discovery (`World::attach_view`), not by a spawned watch: the
         // deliveries are the simulator's to delay, duplicate and lose.
-        let view = RoutableView::spawn(futures_util::stream::pending(), admission, view_cancel.clone());
+        let view = RoutableView::spawn(
+            futures_util::stream::pending(),
+            admission,
+            view_cancel.clone(),
+        );
         let probe = world.new_probe(target.id.clone(), cancel);
         let seed = world.keyed(&[STREAM_PUSH, probe.serial]).next_u64();
         let push = PushRouter::new(
@@ -318,7 +322,12 @@ impl Prefill for SimBinding {
 }
 
 fn outcome(worker: InstanceId, request: &GenerateRequest) -> PrefillOutcome {
-    let first = request.token_ids.last().copied().unwrap_or(0).wrapping_add(1);
+    let first = request
+        .token_ids
+        .last()
+        .copied()
+        .unwrap_or(0)
+        .wrapping_add(1);
     PrefillOutcome {
         worker,
         tokens: vec![first],
@@ -351,14 +360,15 @@ impl Decode for SimDecode {
     ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
         let tokens = request.max_tokens.min(timing::MAX_TOKENS);
         // Drawn now, in call order, so the RNG sequence does not depend on stream polling.
-        let mut rng = self.world.keyed(&[STREAM_DECODE, super::binding::request_id(&request)]);
+        let mut rng = self
+            .world
+            .keyed(&[STREAM_DECODE, super::binding::request_id(&request)]);
         let (gaps, crash_at): (Vec<u64>, Option<u32>) = self.world.with(|s| {
             let gaps = (0..tokens)
                 .map(|_| rng.between(0, timing::TOKEN_MAX_MS))
                 .collect();
-            let crash = (s.faults && rng.percent(3)).then(|| {
-                u32::try_from(rng.below(u64::from(tokens.max(1)))).unwrap_or(0)
-            });
+            let crash = (s.faults && rng.percent(3))
+                .then(|| u32::try_from(rng.below(u64::from(tokens.max(1)))).unwrap_or(0));
             (gaps, crash)
         });
         let stream = futures_util::stream::unfold(0u32, move |i| {

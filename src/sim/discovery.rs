@@ -127,7 +127,10 @@ async fn resync_from_listing(
     }
     // Removals for the simulated endpoints' possible instances that are not listed; a removal
     // of an unknown instance is a no-op for the watcher.
-    for endpoint in [super::world::prefill_endpoint(), super::pool::decode_endpoint()] {
+    for endpoint in [
+        super::world::prefill_endpoint(),
+        super::pool::decode_endpoint(),
+    ] {
         for id in 1..=super::pool::MAX_WORKERS {
             if !present.contains(&(endpoint.clone(), id))
                 && tx

@@ -28,15 +28,15 @@ pub(crate) fn plan(world: &World, key: &[u64]) -> Delivery {
     let mut rng = world.keyed(&key);
     world.with(|s| {
         if !s.faults {
-            return Delivery {
-                copies: vec![None],
-            };
+            return Delivery { copies: vec![None] };
         }
         if rng.percent(8) {
             s.stats.events_lost += 1;
             return Delivery { copies: Vec::new() };
         }
-        let first = Some(Duration::from_millis(rng.below(timing::FEED_DELAY_MAX_MS + 1)));
+        let first = Some(Duration::from_millis(
+            rng.below(timing::FEED_DELAY_MAX_MS + 1),
+        ));
         let copies = if rng.percent(8) {
             let second = Some(Duration::from_millis(
                 rng.below(timing::FEED_DELAY_MAX_MS + 1),

@@ -120,7 +120,10 @@ impl fmt::Display for Violation {
                 "request {request} prefilled on binding {binding} from an abandoned build"
             ),
             Violation::RequestHung { request, deadline } => {
-                write!(f, "request {request} still running after its deadline {deadline:?}")
+                write!(
+                    f,
+                    "request {request} still running after its deadline {deadline:?}"
+                )
             }
             Violation::RequestPanicked { request } => write!(f, "request {request} panicked"),
             Violation::BindingNotReleased {
@@ -146,7 +149,10 @@ impl fmt::Display for Violation {
                  (lifecycle {lifecycle}, held {held:?})"
             ),
             Violation::HealthyRequestFailed { outcome } => {
-                write!(f, "a request after convergence did not prefill and complete: {outcome}")
+                write!(
+                    f,
+                    "a request after convergence did not prefill and complete: {outcome}"
+                )
             }
             Violation::TasksLeftAfterShutdown { alive } => {
                 write!(f, "{alive} router tasks still running after shutdown")

@@ -129,7 +129,10 @@ impl Pool {
         let (card, mut ids) = {
             let mut state = self.state.lock();
             state.card += 1;
-            (state.card, state.prefill.keys().copied().collect::<Vec<_>>())
+            (
+                state.card,
+                state.prefill.keys().copied().collect::<Vec<_>>(),
+            )
         };
         for i in (1..ids.len()).rev() {
             let j = order.below(i as u64 + 1) as usize;

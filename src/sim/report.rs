@@ -139,7 +139,11 @@ impl fmt::Display for SimReport {
             self.source,
             self.fallback,
             self.digest,
-            if self.exact_replay() { "" } else { ", replay not exact" }
+            if self.exact_replay() {
+                ""
+            } else {
+                ", replay not exact"
+            }
         )?;
         writeln!(
             f,

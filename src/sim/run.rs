@@ -14,21 +14,19 @@ use super::config::{timing, SimConfig, TargetSource};
 use super::controller::Controller;
 use super::discovery::FaultyDiscovery;
 use super::feed;
-use super::pool::{self, Pool};
-use super::sink::CheckedSink;
 use super::oracle::Violation;
+use super::pool::{self, Pool};
 use super::report::SimReport;
 use super::rng::SimRng;
+use super::sink::CheckedSink;
 use super::world::World;
 use crate::discovery::{Discovery, MemoryConfig, MemoryDiscovery};
 use crate::lifecycle::{Lifecycle, RetryPolicy};
-use crate::router::WorkerSetTargetId;
-use crate::topology::TopologyWatcher;
-use crate::router::{
-    AfterWait, FallbackPolicy, GenerateError, PrefillRouter, PrefillRouterConfig,
-};
 use crate::push::PushError;
 use crate::router::PrefillError;
+use crate::router::WorkerSetTargetId;
+use crate::router::{AfterWait, FallbackPolicy, GenerateError, PrefillRouter, PrefillRouterConfig};
+use crate::topology::TopologyWatcher;
 use crate::transport::GenerateRequest;
 
 type Router = PrefillRouter<SimFactory>;
@@ -50,7 +48,9 @@ pub fn simulate(config: &SimConfig) -> std::io::Result<SimReport> {
     // simulator's decisions still replay (they are keyed, not sequenced), see
     // `docs/simulation.md`.
     #[cfg(tokio_unstable)]
-    builder.rng_seed(tokio::runtime::RngSeed::from_bytes(&config.seed.to_le_bytes()));
+    builder.rng_seed(tokio::runtime::RngSeed::from_bytes(
+        &config.seed.to_le_bytes(),
+    ));
     let runtime = builder.build()?;
     Ok(runtime.block_on(run(config.clone())))
 }
@@ -58,7 +58,9 @@ pub fn simulate(config: &SimConfig) -> std::io::Result<SimReport> {
 /// How a request ended (the deadline oracle has already judged hangs).
 #[derive(Debug)]
 enum Outcome {
-    Completed { prefilled: bool },
+    Completed {
+        prefilled: bool,
+    },
     Rejected,
     /// The binding had no routable worker (empty admission, all down): failed fast.
     Unroutable,
@@ -195,7 +197,9 @@ async fn run(config: SimConfig) -> SimReport {
     }
     sim.check_bindings();
 
-    if let Topo::Watcher { pool, watcher } = std::mem::replace(&mut sim.topo, Topo::Controller(Arc::clone(&controller))) {
+    if let Topo::Watcher { pool, watcher } =
+        std::mem::replace(&mut sim.topo, Topo::Controller(Arc::clone(&controller)))
+    {
         watcher.stopped().await;
         pool.clear_all();
     }
@@ -298,7 +302,11 @@ impl Run {
             }
             86..=91 => {
                 let up: Vec<u64> = self.world.with(|s| {
-                    s.workers.iter().filter(|(_, u)| **u).map(|(id, _)| *id).collect()
+                    s.workers
+                        .iter()
+                        .filter(|(_, u)| **u)
+                        .map(|(id, _)| *id)
+                        .collect()
                 });
                 if !up.is_empty() {
                     let id = up[self.scenario.below(up.len() as u64) as usize];
@@ -314,7 +322,11 @@ impl Run {
             }
             _ => {
                 let down: Vec<u64> = self.world.with(|s| {
-                    s.workers.iter().filter(|(_, u)| !**u).map(|(id, _)| *id).collect()
+                    s.workers
+                        .iter()
+                        .filter(|(_, u)| !**u)
+                        .map(|(id, _)| *id)
+                        .collect()
                 });
                 if !down.is_empty() {
                     let id = down[self.scenario.below(down.len() as u64) as usize];
