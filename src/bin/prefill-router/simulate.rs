@@ -3,7 +3,6 @@
 //! One seed, one run (or `--seeds N` consecutive seeds from `--seed`); prints each report and
 //! exits non-zero if any oracle was violated, each failure with its one-line reproduction.
 
-use std::io::Write;
 use std::process::ExitCode;
 
 use crate::cli::{CliError, Flags};
@@ -72,6 +71,8 @@ pub async fn run(options: SimulateOptions) -> ExitCode {
 
 #[cfg(feature = "sim")]
 fn run_blocking(options: &SimulateOptions) -> ExitCode {
+    use std::io::Write;
+
     use prefill_router::sim::{parse_mutant, simulate, SimConfig};
 
     let mutant = match options.mutant.as_deref().map(|m| (m, parse_mutant(m))) {
