@@ -69,8 +69,13 @@ fn a_seed_replays_the_same_history() {
 #[test]
 fn the_scenarios_exercise_every_fault() {
     let mut total = prefill_router::sim::SimStats::default();
+    let mut sources = std::collections::BTreeSet::new();
     for seed in 0..40 {
-        let s = run(SimConfig::new(seed, STEPS)).stats;
+        let report = run(SimConfig::new(seed, STEPS));
+        sources.insert(format!("{:?}", report.source));
+        let s = report.stats;
+        total.unroutable += s.unroutable;
+        total.retargets += s.retargets;
         total.prefilled_ok += s.prefilled_ok;
         total.bypassed_ok += s.bypassed_ok;
         total.rejected += s.rejected;
@@ -86,6 +91,8 @@ fn the_scenarios_exercise_every_fault() {
         ("prefilled", total.prefilled_ok),
         ("bypassed", total.bypassed_ok),
         ("rejected", total.rejected),
+        ("unroutable", total.unroutable),
+        ("retargets", total.retargets),
         ("prefill failed", total.prefill_failed),
         ("decode failed", total.decode_failed),
         ("builds failed", total.builds_failed),
@@ -97,6 +104,11 @@ fn the_scenarios_exercise_every_fault() {
     for (what, n) in counts {
         assert!(n > 0, "no {what} in 40 seeds: {total:?}");
     }
+    assert_eq!(
+        sources.len(),
+        2,
+        "both target sources must be exercised: {sources:?}"
+    );
 }
 
 /// A mutant must be reported by its oracle on some seed of a small fixed range (the runs are

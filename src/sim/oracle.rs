@@ -86,6 +86,12 @@ pub enum Violation {
         /// What happened instead.
         outcome: String,
     },
+    /// With no request in flight, the router still counted retired bindings as alive (its
+    /// `retired_alive` metric disagrees with the bindings' actual lifetimes).
+    RetiredAliveMiscounted {
+        /// What the router reported.
+        reported: usize,
+    },
     /// Tasks of the router were still running after shutdown.
     TasksLeftAfterShutdown {
         /// How many.
@@ -154,6 +160,10 @@ impl fmt::Display for Violation {
                     "a request after convergence did not prefill and complete: {outcome}"
                 )
             }
+            Violation::RetiredAliveMiscounted { reported } => write!(
+                f,
+                "no request in flight, yet the router reports {reported} retired bindings alive"
+            ),
             Violation::TasksLeftAfterShutdown { alive } => {
                 write!(f, "{alive} router tasks still running after shutdown")
             }
@@ -174,6 +184,7 @@ impl Violation {
             Violation::SetTargetNotVisible { .. } => "set_target_not_visible",
             Violation::NotConverged { .. } => "not_converged",
             Violation::HealthyRequestFailed { .. } => "healthy_request_failed",
+            Violation::RetiredAliveMiscounted { .. } => "retired_alive_miscounted",
             Violation::TasksLeftAfterShutdown { .. } => "tasks_left_after_shutdown",
         }
     }

@@ -196,6 +196,10 @@ async fn run(config: SimConfig) -> SimReport {
         }
     }
     sim.check_bindings();
+    let reported = router.status().counters.retired_alive;
+    if reported != 0 {
+        world.violate(Violation::RetiredAliveMiscounted { reported });
+    }
 
     if let Topo::Watcher { pool, watcher } =
         std::mem::replace(&mut sim.topo, Topo::Controller(Arc::clone(&controller)))
