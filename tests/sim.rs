@@ -70,9 +70,11 @@ fn a_seed_replays_the_same_history() {
 fn the_scenarios_exercise_every_fault() {
     let mut total = prefill_router::sim::SimStats::default();
     let mut sources = std::collections::BTreeSet::new();
+    let mut endings = std::collections::BTreeSet::new();
     for seed in 0..40 {
         let report = run(SimConfig::new(seed, STEPS));
         sources.insert(format!("{:?}", report.source));
+        endings.insert(report.shutdown_in_flight);
         let s = report.stats;
         total.unroutable += s.unroutable;
         total.retargets += s.retargets;

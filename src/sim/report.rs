@@ -65,6 +65,9 @@ pub struct SimReport {
     pub fallback: FallbackPolicy,
     /// Where the seed's targets came from.
     pub source: TargetSource,
+    /// Whether the run ended by shutting the router down with requests in flight and faults
+    /// on (instead of stopping the faults and checking convergence).
+    pub shutdown_in_flight: bool,
 }
 
 impl SimReport {
@@ -130,7 +133,7 @@ impl fmt::Display for SimReport {
         let s = &self.stats;
         writeln!(
             f,
-            "seed {} steps {}: {} ({:?} simulated, targets from {:?}, fallback {:?}, digest \
+            "seed {} steps {}: {} ({:?} simulated, targets from {:?}, fallback {:?}, {}, digest \
              {:016x}{})",
             self.config.seed,
             self.config.steps,
@@ -138,6 +141,11 @@ impl fmt::Display for SimReport {
             self.simulated,
             self.source,
             self.fallback,
+            if self.shutdown_in_flight {
+                "shutdown in flight"
+            } else {
+                "converge"
+            },
             self.digest,
             if self.exact_replay() {
                 ""

@@ -168,6 +168,7 @@ async fn run(config: SimConfig) -> SimReport {
         resync_stop.clone(),
     ));
 
+    let shutdown_in_flight = sim.scenario.percent(20);
     if sim.scenario.percent(85) {
         sim.new_generation().await;
     }
@@ -179,13 +180,25 @@ async fn run(config: SimConfig) -> SimReport {
         sim.requests.retain(|r| !r.is_finished());
     }
 
-    // Faults stop. Deliveries already scheduled may still land (late and stale) for one
-    // maximal delay; after that a resync makes the controller's and the views' belief true.
-    world.with(|s| s.faults = false);
-    tokio::time::sleep(Duration::from_millis(timing::FEED_DELAY_MAX_MS + 1)).await;
-    sim.heal().await;
-    sim.converge().await;
-    sim.healthy_request().await;
+    if shutdown_in_flight {
+        // Shutdown with requests in flight and faults still on: the held binding is retired
+        // under the requests holding it, waiters give up at once, later requests bypass or are
+        // rejected, and the topology keeps calling `set_target` on a router that ignores it.
+        world.trace(&[40]);
+        router.shutdown();
+        for _ in 0..sim.scenario.between(1, 4) {
+            sim.spawn_request();
+        }
+    } else {
+        // Faults stop. Deliveries already scheduled may still land (late and stale) for one
+        // maximal delay; after that a resync makes the controller's and the views' belief
+        // true.
+        world.with(|s| s.faults = false);
+        tokio::time::sleep(Duration::from_millis(timing::FEED_DELAY_MAX_MS + 1)).await;
+        sim.heal().await;
+        sim.converge().await;
+        sim.healthy_request().await;
+    }
 
     // Every request ends by its own deadline; the bound here only guards the runner.
     for handle in std::mem::take(&mut sim.requests) {
@@ -236,6 +249,7 @@ async fn run(config: SimConfig) -> SimReport {
         digest,
         fallback,
         source,
+        shutdown_in_flight,
     }
 }
 

@@ -25,10 +25,19 @@ pub(crate) fn set_target_checked(
     world.trace(&[14, id.as_ref().map_or(0, |i| i.generation)]);
     // Not under any simulator lock: a retired binding may drop inside.
     router.set_target(target);
-    let reported = router.status().desired;
-    let cleared_visible = id.is_some() || router.route().bypass() == Some(BypassReason::NoTarget);
-    if reported != id || !cleared_visible {
-        world.violate(Violation::SetTargetNotVisible { set: id, reported });
+    let status = router.status();
+    let route = router.route().bypass();
+    let visible = if status.shut_down {
+        // A shut-down router ignores targets for good.
+        route == Some(BypassReason::ShutDown)
+    } else {
+        status.desired == id && (id.is_some() || route == Some(BypassReason::NoTarget))
+    };
+    if !visible {
+        world.violate(Violation::SetTargetNotVisible {
+            set: id,
+            reported: status.desired,
+        });
     }
 }
 
