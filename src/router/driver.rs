@@ -12,8 +12,11 @@
 //! - a `CancelBuild` for a build not started yet raises the floor, so the start is skipped;
 //! - the same two rules apply to `ScheduleRetry` / `CancelRetry` by the failed build's id.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
+
+use futures_util::FutureExt;
 
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -131,7 +134,7 @@ impl<F: BindingFactory> Driver<F> {
                     let delay =
                         jittered(delay, self.shared.config.jitter_fraction(), &mut self.rng);
                     tracing::debug!(%after, ?delay, attempt, "prefill build retry armed");
-                    self.retry = Some((after, Instant::now() + delay));
+                    self.retry = Some((after, deadline_after(delay)));
                 }
                 Effect::CancelRetry { after } => {
                     self.retry_floor = self.retry_floor.max(after.0);
@@ -167,13 +170,22 @@ async fn build_task<F: BindingFactory>(
     token: CancellationToken,
 ) {
     let timeout = shared.config.build_timeout;
-    let future = shared.factory.build(target, token.clone());
-    let result = tokio::select! {
-        biased;
-        // Cancelled (superseded, or shutdown): drop the build future, report nothing; the
-        // machine already forgot this build.
-        _ = token.cancelled() => return,
-        result = tokio::time::timeout(timeout, future) => result,
+    // A panicking factory is a bug, but it must not leave the machine waiting forever for a
+    // result that never comes: a panic counts as a failed build (and is retried).
+    let future = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        shared.factory.build(target, token.clone())
+    }));
+    let result = match future {
+        Ok(future) => tokio::select! {
+            biased;
+            // Cancelled (superseded, or shutdown): drop the build future, report nothing; the
+            // machine already forgot this build.
+            _ = token.cancelled() => return,
+            result = tokio::time::timeout(timeout, AssertUnwindSafe(future).catch_unwind()) => {
+                result.map(|caught| caught.unwrap_or_else(|_| Err(panicked())))
+            }
+        },
+        Err(_) => Ok(Err(panicked())),
     };
     let effects = match result {
         Ok(Ok(binding)) => {
@@ -196,6 +208,18 @@ async fn build_task<F: BindingFactory>(
         }
     };
     shared.dispatch(Msg::Finished(build, effects));
+}
+
+fn panicked() -> BuildError {
+    BuildError::new("the binding factory panicked")
+}
+
+/// `now + delay`, saturating at a year away (`Instant + Duration` panics on overflow, and a
+/// configured policy may say `Duration::MAX`).
+pub(crate) fn deadline_after(delay: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(delay.min(FAR)).unwrap_or(now)
 }
 
 /// `delay` plus a uniform extra of up to `fraction * delay`.

@@ -7,12 +7,11 @@ use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::config::PrefillRouterConfig;
-use super::driver::Driver;
+use super::driver::{deadline_after, Driver};
 use super::error::{GenerateError, WaitError};
 use super::factory::{BindingFactory, Decode, DecodeStream, Prefill as _};
 use super::fallback::{Fallback, Final};
@@ -187,7 +186,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// The route once the hop is Active, or the last bypass when `timeout` passes (or at once
     /// after shutdown).
     async fn route_within(&self, timeout: Duration) -> Route<F::Binding> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let mut announced = self.shared.announced.subscribe();
         loop {
             // Mark the current announcement seen *before* loading the route: any change after
@@ -268,6 +267,13 @@ impl<F: BindingFactory> PrefillRouter<F> {
             .sub_registry_with_prefix("prefill_router")
             .sub_registry_with_label(("router".into(), self.shared.config.name.clone().into()))
             .register_collector(Box::new(collector));
+    }
+
+    /// Hand the driver a batch directly, bypassing `Control` (tests of the driver's handling
+    /// of reordered batches).
+    #[cfg(test)]
+    pub(crate) fn inject(&self, effects: crate::control::Effects<WorkerSetTarget>) {
+        let _ = self.shared.to_driver.send(Msg::Effects(effects));
     }
 
     /// How many tasks the router has alive (driver and builds); 0 once terminated.

@@ -106,6 +106,10 @@ pub(super) enum Step {
     Hang,
     /// Succeeds after this long.
     After(Duration),
+    /// `build` itself panics.
+    PanicInBuild,
+    /// The build future panics when polled.
+    PanicInFuture,
 }
 
 /// Everything the factory records, shared with the test.
@@ -163,6 +167,10 @@ impl BindingFactory for ScriptFactory {
             .lock()
             .push((target.id.clone(), Instant::now()));
         self.log.tokens.lock().push(cancel);
+        assert!(
+            !matches!(step, Step::PanicInBuild),
+            "scripted panic in build"
+        );
         let guard = LiveGuard::new(&self.log.builds_live);
         let bindings = Arc::clone(&self.log.bindings_live);
         Box::pin(async move {
@@ -180,6 +188,7 @@ impl BindingFactory for ScriptFactory {
                     tokio::time::sleep(delay).await;
                     Ok(binding())
                 }
+                Step::PanicInBuild | Step::PanicInFuture => panic!("scripted panic in a build"),
             }
         })
     }

@@ -145,3 +145,35 @@ async fn retarget_during_backoff_builds_at_once_without_waiting_for_the_timer() 
     tokio::time::sleep(Duration::from_secs(60)).await;
     assert_eq!(log.calls(), 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn panicking_factory_counts_as_a_failed_build_and_is_retried() {
+    let (factory, log) = ScriptFactory::new([Step::PanicInBuild, Step::PanicInFuture]);
+    let router = PrefillRouter::new(
+        factory,
+        config(RetryPolicy::fixed(Duration::from_secs(1)), 0.0),
+    );
+    router.set_target(Some(target(1)));
+    router.wait_active(Duration::from_secs(10)).await.unwrap();
+    let status = router.status();
+    assert_eq!(log.calls(), 3);
+    assert_eq!(status.counters.build_failures, 2);
+    assert_eq!(status.counters.activations, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn unbounded_delays_and_waits_do_not_overflow_the_clock() {
+    let (factory, log) = ScriptFactory::new([Step::Fail("boom")]);
+    let router = PrefillRouter::new(factory, config(RetryPolicy::fixed(Duration::MAX), 1.0));
+    router.set_target(Some(target(1)));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(router.status().retry_armed);
+    let waiter = router.wait_active(Duration::MAX);
+    let retarget = async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        router.set_target(Some(target(2)));
+    };
+    let (waited, ()) = tokio::join!(waiter, retarget);
+    assert_eq!(waited, Ok(()));
+    assert_eq!(log.calls(), 2);
+}
