@@ -18,4 +18,6 @@ mod decode;
 mod factory;
 
 pub use decode::DecodeRouter;
-pub use factory::{BindingStats, DefaultBindingFactory, FactoryConfig, PrefillBinding};
+pub use factory::{
+    BindingStats, DefaultBindingFactory, FactoryConfig, PrefillBinding, DISCOVERY_CATCH_UP,
+};

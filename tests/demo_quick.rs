@@ -11,6 +11,13 @@ fn demo_quick_exits_zero_with_every_request_accounted_for() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("demo starts");
+    // Read stdout on a thread so a full pipe can never stall the demo.
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut out = String::new();
+        let _ = std::io::Read::read_to_string(&mut stdout, &mut out);
+        out
+    });
     let deadline = Instant::now() + Duration::from_secs(120);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -22,8 +29,7 @@ fn demo_quick_exits_zero_with_every_request_accounted_for() {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+    let out = reader.join().unwrap();
     assert!(status.success(), "demo failed ({status}):\n{out}");
     assert!(out.contains("demo: OK"), "{out}");
     assert!(out.contains("lost requests: 0"), "{out}");

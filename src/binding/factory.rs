@@ -19,6 +19,10 @@ use crate::router::{
 };
 use crate::transport::GenerateRequest;
 
+/// How long a prefill waits for its view to show admitted instances it has not discovered
+/// yet before failing with [`crate::push::PushError::NoRoutableInstances`].
+pub const DISCOVERY_CATCH_UP: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Settings of the default factory.
 #[derive(Clone, Debug, Default)]
 pub struct FactoryConfig {
@@ -47,6 +51,9 @@ pub struct DefaultBindingFactory {
     discovery: Arc<dyn Discovery>,
     config: FactoryConfig,
     stats: Arc<BindingStats>,
+    /// Test-only mutant: build views without the admission set (the check must catch it).
+    #[cfg(test)]
+    mutant_ignore_admission: bool,
 }
 
 impl std::fmt::Debug for DefaultBindingFactory {
@@ -64,6 +71,8 @@ impl DefaultBindingFactory {
             discovery,
             config,
             stats: Arc::default(),
+            #[cfg(test)]
+            mutant_ignore_admission: false,
         }
     }
 
@@ -100,6 +109,17 @@ impl BindingFactory for DefaultBindingFactory {
 }
 
 impl DefaultBindingFactory {
+    /// The mutant of the admission check's test: a view that ignores the admission set.
+    #[cfg(test)]
+    fn ignores_admission(&self) -> bool {
+        self.mutant_ignore_admission
+    }
+
+    #[cfg(not(test))]
+    fn ignores_admission(&self) -> bool {
+        false
+    }
+
     async fn build_inner(
         &self,
         target: WorkerSetTarget,
@@ -117,7 +137,12 @@ impl DefaultBindingFactory {
             .await
             .map_err(|e| BuildError::new(format!("watching {}: {e}", target.endpoint)))?;
         let feed = cancel.child_token();
-        let view = RoutableView::spawn(events, Some(target.admitted.clone()), feed.clone());
+        let admission = if self.ignores_admission() {
+            None
+        } else {
+            Some(target.admitted.clone())
+        };
+        let view = RoutableView::spawn(events, admission, feed.clone());
         // 3. Activation must mean servable: wait for one admitted, routable instance. On an
         //    empty admission set this waits until the router's build timeout (a failure, so
         //    the machine retries), never forever.
@@ -197,6 +222,18 @@ impl Prefill for PrefillBinding {
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
         async move {
             let before = self.admitted.borrow().clone();
+            if !before.is_empty() && self.router.view().routable().is_empty() {
+                // Admitted instances this view's own discovery watch has not shown yet: the
+                // watcher (namespace watch) and the view (endpoint watch) read two streams with
+                // no common order, e.g. a returning pool re-activates the reused binding first.
+                // Wait briefly for the view to catch up; an empty admission set never waits.
+                let view = self.router.view();
+                let _ = tokio::time::timeout(
+                    DISCOVERY_CATCH_UP,
+                    view.wait_for(|routable| !routable.is_empty()),
+                )
+                .await;
+            }
             let stream = self.router.generate(request).await?;
             let worker = stream.instance_id();
             self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
@@ -207,5 +244,109 @@ impl Prefill for PrefillBinding {
             PrefillOutcome::collect(worker, stream).await
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::advert::{ModelCard, RouterConfig, RouterMode};
+    use crate::discovery::{Instance, MemoryConfig, MemoryDiscovery, Registration};
+    use crate::mock::{MockConfig, MockPrefill};
+    use crate::transport::{serve, ServerConfig, ServerHandle};
+    use std::time::Duration;
+
+    fn rr_card() -> ModelCard {
+        ModelCard {
+            kv_cache_block_size: 16,
+            router_config: Some(RouterConfig {
+                router_mode: RouterMode::RoundRobin,
+                ..RouterConfig::default()
+            }),
+            ..ModelCard::named("m")
+        }
+    }
+
+    async fn prefill_worker(
+        discovery: &Arc<dyn Discovery>,
+        endpoint: &EndpointId,
+        id: InstanceId,
+    ) -> (ServerHandle, Registration) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = serve(
+            listener,
+            MockPrefill::new(id, MockConfig::default()),
+            ServerConfig::default(),
+        )
+        .unwrap();
+        let instance = Instance {
+            endpoint: endpoint.clone(),
+            instance_id: id,
+            address: server.local_addr(),
+        };
+        let registration = discovery.register(instance, rr_card()).await.unwrap();
+        (server, registration)
+    }
+
+    /// Prefills through a binding built for admission {1} while workers 1 and 2 both serve;
+    /// returns the stats of the factory.
+    async fn prefill_with(mutant: bool) -> Arc<BindingStats> {
+        let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
+        let endpoint = EndpointId::new("t", "prefill", "generate");
+        let _w1 = prefill_worker(&discovery, &endpoint, 1).await;
+        let _w2 = prefill_worker(&discovery, &endpoint, 2).await;
+        let mut factory =
+            DefaultBindingFactory::new(Arc::clone(&discovery), FactoryConfig::default());
+        factory.mutant_ignore_admission = mutant;
+        let (_admit, admitted) = watch::channel(BTreeSet::from([1]));
+        let target = WorkerSetTarget::new(
+            WorkerSetTargetId::new("t/prefill/generate", 1),
+            endpoint,
+            Arc::new(rr_card()),
+            admitted,
+        );
+        let binding = tokio::time::timeout(
+            Duration::from_secs(10),
+            factory.build(target, CancellationToken::new()),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        // Both workers discovered, so a view that ignored admission would round-robin to 2.
+        tokio::time::timeout(Duration::from_secs(10), discovery_settled(&binding, mutant))
+            .await
+            .unwrap();
+        for i in 0..10u32 {
+            binding
+                .prefill(GenerateRequest::new(vec![i; 20], 1))
+                .await
+                .unwrap();
+        }
+        factory.stats()
+    }
+
+    async fn discovery_settled(binding: &PrefillBinding, mutant: bool) {
+        let expected = if mutant { 2 } else { 1 };
+        binding
+            .router()
+            .view()
+            .wait_for(|routable| routable.len() == expected)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn prefills_stay_inside_the_admission_set() {
+        let stats = prefill_with(false).await;
+        assert_eq!(stats.dispatched.load(Ordering::Relaxed), 10);
+        assert_eq!(stats.outside_admission.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn admission_check_catches_a_view_that_ignores_admission() {
+        let stats = prefill_with(true).await;
+        assert!(
+            stats.outside_admission.load(Ordering::Relaxed) > 0,
+            "the mutant routed to worker 2 and the check must count it"
+        );
     }
 }

@@ -53,6 +53,9 @@ pub struct TopologyWatcher {
 impl TopologyWatcher {
     /// Start watching `namespace` in `discovery`, feeding `sink`. Fails if the watch cannot be
     /// opened; later store outages are healed inside the discovery stream.
+    ///
+    /// The task owns `sink` (e.g. an `Arc<PrefillRouter<_>>`) until it stops: stop the watcher
+    /// before expecting the router's last reference to drop.
     pub async fn start<S: TargetSink>(
         discovery: Arc<dyn Discovery>,
         namespace: &str,
