@@ -15,8 +15,10 @@
 //!
 //! let report = simulate(&SimConfig::new(7, 50)).expect("runtime");
 //! assert!(report.passed(), "{report}");
-//! // Same seed, same history.
-//! assert_eq!(report.digest, simulate(&SimConfig::new(7, 50)).unwrap().digest);
+//! // Same seed, same history (exactly so unless tokio's own RNG is involved, see the docs).
+//! if report.exact_replay() {
+//!     assert_eq!(report.digest, simulate(&SimConfig::new(7, 50)).unwrap().digest);
+//! }
 //! ```
 
 mod binding;
