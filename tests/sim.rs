@@ -138,3 +138,8 @@ fn oracle_catches_a_leaked_retired_binding() {
 fn oracle_catches_a_request_that_hangs_past_its_deadline() {
     assert_caught(Mutant::NoPrefillTimeout, "request_hung");
 }
+
+#[test]
+fn oracle_catches_a_retarget_that_reaches_the_router_late() {
+    assert_caught(Mutant::DeferredSetTarget, "dispatch_on_replaced_target");
+}

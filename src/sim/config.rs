@@ -57,6 +57,10 @@ pub enum Mutant {
     /// The in-memory transport forgets its request deadline, so a hung worker hangs the request
     /// (oracle: request past its deadline).
     NoPrefillTimeout,
+    /// The controller's decision reaches the router a millisecond after `set_target` has
+    /// returned, as with a router whose retarget is asynchronous (oracle: dispatch on a
+    /// replaced target).
+    DeferredSetTarget,
 }
 
 /// Time constants of the simulated world (all simulated time: the clock is paused and jumps).

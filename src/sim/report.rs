@@ -114,6 +114,7 @@ pub fn mutant_name(mutant: Mutant) -> &'static str {
         Mutant::IgnoreAdmission => "ignore-admission",
         Mutant::LeakBindings => "leak-bindings",
         Mutant::NoPrefillTimeout => "no-prefill-timeout",
+        Mutant::DeferredSetTarget => "deferred-set-target",
     }
 }
 
@@ -123,6 +124,7 @@ pub fn parse_mutant(name: &str) -> Option<Mutant> {
         Mutant::IgnoreAdmission,
         Mutant::LeakBindings,
         Mutant::NoPrefillTimeout,
+        Mutant::DeferredSetTarget,
     ]
     .into_iter()
     .find(|m| mutant_name(*m) == name)

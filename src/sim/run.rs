@@ -93,7 +93,7 @@ async fn run(config: SimConfig) -> SimReport {
     let start = Instant::now();
     let mut rng = SimRng::new(config.seed);
     let workers = rng.between(2, 5);
-    let world = World::new(config.seed, rng.fork(), workers);
+    let world = World::new(config.seed, config.mutant, rng.fork(), workers);
     let mut scenario = rng.fork();
     let fallback = draw_fallback(&mut scenario);
     let wait_budget = match fallback {

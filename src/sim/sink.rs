@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::binding::SimFactory;
+use super::config::Mutant;
 use super::oracle::Violation;
 use super::world::World;
 use crate::route::BypassReason;
@@ -14,7 +15,7 @@ use crate::topology::TargetSink;
 /// that its status and route show the decision at once.
 pub(crate) fn set_target_checked(
     world: &World,
-    router: &PrefillRouter<SimFactory>,
+    router: &Arc<PrefillRouter<SimFactory>>,
     target: Option<WorkerSetTarget>,
 ) {
     let id = target.as_ref().map(|t| t.id.clone());
@@ -23,6 +24,14 @@ pub(crate) fn set_target_checked(
         s.desired = id.clone();
     });
     world.trace(&[14, id.as_ref().map_or(0, |i| i.generation)]);
+    if world.mutant == Some(Mutant::DeferredSetTarget) {
+        let router = Arc::clone(router);
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            router.set_target(target);
+        });
+        return;
+    }
     // Not under any simulator lock: a retired binding may drop inside.
     router.set_target(target);
     let status = router.status();

@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::config::Mutant;
 use super::oracle::Violation;
 use super::report::SimStats;
 use super::rng::SimRng;
@@ -102,14 +103,17 @@ pub(crate) struct WorldState {
 pub(crate) struct World {
     state: Mutex<WorldState>,
     seed: u64,
+    /// The planted defect, if any.
+    pub(crate) mutant: Option<Mutant>,
     /// Print every traced event to stderr (`PREFILL_SIM_TRACE=1`), to diff two runs.
     print_trace: bool,
 }
 
 impl World {
-    pub(crate) fn new(seed: u64, rng: SimRng, workers: u64) -> Arc<Self> {
+    pub(crate) fn new(seed: u64, mutant: Option<Mutant>, rng: SimRng, workers: u64) -> Arc<Self> {
         Arc::new(World {
             seed,
+            mutant,
             state: Mutex::new(WorldState {
                 rng,
                 faults: true,

@@ -19,7 +19,8 @@ checks the oracles listed in docs/simulation.md.
   --steps K     scenario steps per run (default 200)
   --seeds M     run M consecutive seeds (default 1)
   --mutant NAME plant a defect the oracles must catch:
-                ignore-admission | leak-bindings | no-prefill-timeout
+                ignore-admission | leak-bindings | no-prefill-timeout |
+                deferred-set-target
   --quiet       print failing runs and the summary only
 (needs the `sim` feature: cargo run --release --features sim -- simulate ...)";
 
