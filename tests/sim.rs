@@ -77,6 +77,8 @@ fn the_scenarios_exercise_every_fault() {
         endings.insert(report.shutdown_in_flight);
         let s = report.stats;
         total.unroutable += s.unroutable;
+        total.clears_after_admission_emptied += s.clears_after_admission_emptied;
+        total.clears_before_admission_emptied += s.clears_before_admission_emptied;
         total.retargets += s.retargets;
         total.prefilled_ok += s.prefilled_ok;
         total.bypassed_ok += s.bypassed_ok;
@@ -95,6 +97,14 @@ fn the_scenarios_exercise_every_fault() {
         ("rejected", total.rejected),
         ("unroutable", total.unroutable),
         ("retargets", total.retargets),
+        (
+            "clears after admission emptied",
+            total.clears_after_admission_emptied,
+        ),
+        (
+            "clears before admission emptied",
+            total.clears_before_admission_emptied,
+        ),
         ("prefill failed", total.prefill_failed),
         ("decode failed", total.decode_failed),
         ("builds failed", total.builds_failed),

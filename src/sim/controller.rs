@@ -284,7 +284,25 @@ impl Controller {
                         return;
                     }
                     let target = match g {
-                        None => None,
+                        None => {
+                            // Which W12 order this clear took: did the admission set of the
+                            // generation being cleared empty before the clear arrived?
+                            let emptied_first = match state.believed {
+                                Some(Some(current)) => state
+                                    .generations
+                                    .get(&current)
+                                    .is_some_and(|g| g.admitted.borrow().is_empty()),
+                                _ => false,
+                            };
+                            self.world.with(|s| {
+                                if emptied_first {
+                                    s.stats.clears_after_admission_emptied += 1;
+                                } else {
+                                    s.stats.clears_before_admission_emptied += 1;
+                                }
+                            });
+                            None
+                        }
                         Some(g) => match state.generations.get(&g) {
                             Some(generation) => Some(generation.target.clone()),
                             // Forgotten (too old): a stale report, ignore it.

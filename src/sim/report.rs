@@ -28,6 +28,12 @@ pub struct SimStats {
     pub decode_failed: u64,
     /// Prefill dispatches to a worker.
     pub dispatches: u64,
+    /// Clears the controller applied after the cleared generation's admission set had
+    /// already emptied (upstream W12, one order).
+    pub clears_after_admission_emptied: u64,
+    /// Clears applied while the cleared generation still admitted workers (W12, the other
+    /// order).
+    pub clears_before_admission_emptied: u64,
     /// `set_target` calls.
     pub retargets: u64,
     /// Builds the factory was asked for.
@@ -170,9 +176,11 @@ impl fmt::Display for SimReport {
         )?;
         writeln!(
             f,
-            "  retargets {}, builds {} (bindings {}, failed {}, hung {}), crashes {}, discovery \
-             events lost {} duplicated {}",
+            "  retargets {} (clears after / before admission emptied {} / {}), builds {} \
+             (bindings {}, failed {}, hung {}), crashes {}, discovery events lost {} duplicated {}",
             s.retargets,
+            s.clears_after_admission_emptied,
+            s.clears_before_admission_emptied,
             s.builds,
             s.bindings_built,
             s.builds_failed,
