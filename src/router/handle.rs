@@ -295,10 +295,3 @@ impl<F: BindingFactory> std::fmt::Debug for PrefillRouter<F> {
             .finish()
     }
 }
-
-/// Check at compile time that the request path's future can be spawned.
-#[allow(dead_code)]
-fn generate_is_send<F: BindingFactory>(router: &PrefillRouter<F>, decode: &dyn Decode) {
-    fn send<T: Send>(_: T) {}
-    send(router.generate(GenerateRequest::default(), decode));
-}

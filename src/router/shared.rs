@@ -75,6 +75,7 @@ impl<F: BindingFactory> Shared<F> {
     /// older state than the cell (reading first and sending after could store a stale value
     /// last).
     pub(crate) fn announce(&self) {
+        let mut transition = None;
         self.announced.send_if_modified(|last| {
             let snapshot = self.control.load();
             if snapshot.epoch() <= last.epoch {
@@ -88,11 +89,18 @@ impl<F: BindingFactory> Shared<F> {
             drop(snapshot);
             self.lifecycle.send_if_modified(|l| {
                 let changed = *l != lifecycle;
+                if changed {
+                    transition = Some((*l, lifecycle));
+                }
                 *l = lifecycle;
                 changed
             });
             true
         });
+        // Logged outside the watch lock.
+        if let Some((from, to)) = transition {
+            tracing::info!(router = %self.config.name, %from, %to, "prefill hop lifecycle changed");
+        }
     }
 
     /// Whether a bypass reason means nothing will ever become Active again.

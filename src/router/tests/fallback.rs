@@ -191,3 +191,15 @@ async fn prefill_error_fails_the_request_and_decode_is_not_tried() {
     let c = router.status().counters;
     assert_eq!((c.prefilled, c.prefill_errors), (1, 1));
 }
+
+#[tokio::test]
+async fn generate_future_is_send_so_servers_can_spawn_it() {
+    fn assert_send<T: Send>(value: T) -> T {
+        value
+    }
+    let (factory, _log) = ScriptFactory::instant();
+    let router = router(factory, FallbackPolicy::Decode);
+    let decode = FakeDecode::default();
+    let future = assert_send(router.generate(request(), &decode));
+    assert!(future.await.is_ok());
+}
