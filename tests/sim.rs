@@ -131,7 +131,17 @@ fn assert_caught(mutant: Mutant, kind: &str) {
         report.found(kind).then_some(report)
     });
     let report = caught.unwrap_or_else(|| panic!("mutant {mutant:?} not caught as {kind}"));
-    assert!(report.repro_command().contains("--mutant"));
+    // A failing run names its reproduction in one line of its report.
+    let repro = report.repro_command();
+    assert_eq!(
+        repro,
+        format!(
+            "cargo run --release --features sim -- simulate --seed {} --steps {STEPS} --mutant {}",
+            report.config.seed,
+            prefill_router::sim::mutant_name(mutant)
+        )
+    );
+    assert!(format!("{report}").contains(&format!("reproduce: {repro}\n")));
 }
 
 #[test]
