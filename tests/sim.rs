@@ -77,6 +77,8 @@ fn the_scenarios_exercise_every_fault() {
         endings.insert(report.shutdown_in_flight);
         let s = report.stats;
         total.unroutable += s.unroutable;
+        total.prefill_calls += s.prefill_calls;
+        total.bypass_calls += s.bypass_calls;
         total.clears_after_admission_emptied += s.clears_after_admission_emptied;
         total.clears_before_admission_emptied += s.clears_before_admission_emptied;
         total.retargets += s.retargets;
@@ -97,6 +99,8 @@ fn the_scenarios_exercise_every_fault() {
         ("rejected", total.rejected),
         ("unroutable", total.unroutable),
         ("retargets", total.retargets),
+        ("prefill calls", total.prefill_calls),
+        ("bypass calls", total.bypass_calls),
         (
             "clears after admission emptied",
             total.clears_after_admission_emptied,

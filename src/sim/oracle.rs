@@ -92,6 +92,15 @@ pub enum Violation {
         /// What the router reported.
         reported: usize,
     },
+    /// A request counter of the router disagrees with what the requests saw.
+    CountersDisagree {
+        /// The router's counter (`RouterCounters` field).
+        counter: &'static str,
+        /// Its value.
+        reported: u64,
+        /// What the simulated requests observed.
+        observed: u64,
+    },
     /// Tasks of the router were still running after shutdown.
     TasksLeftAfterShutdown {
         /// How many.
@@ -164,6 +173,14 @@ impl fmt::Display for Violation {
                 f,
                 "no request in flight, yet the router reports {reported} retired bindings alive"
             ),
+            Violation::CountersDisagree {
+                counter,
+                reported,
+                observed,
+            } => write!(
+                f,
+                "router counter {counter} = {reported}, but the requests observed {observed}"
+            ),
             Violation::TasksLeftAfterShutdown { alive } => {
                 write!(f, "{alive} router tasks still running after shutdown")
             }
@@ -185,6 +202,7 @@ impl Violation {
             Violation::NotConverged { .. } => "not_converged",
             Violation::HealthyRequestFailed { .. } => "healthy_request_failed",
             Violation::RetiredAliveMiscounted { .. } => "retired_alive_miscounted",
+            Violation::CountersDisagree { .. } => "counters_disagree",
             Violation::TasksLeftAfterShutdown { .. } => "tasks_left_after_shutdown",
         }
     }

@@ -26,6 +26,10 @@ pub struct SimStats {
     pub prefill_failed: u64,
     /// Requests whose decode failed mid-stream.
     pub decode_failed: u64,
+    /// Requests the router handed to a binding's `prefill` (whatever happened next).
+    pub prefill_calls: u64,
+    /// Requests the router sent to decode without prefill (whatever decode did).
+    pub bypass_calls: u64,
     /// Prefill dispatches to a worker.
     pub dispatches: u64,
     /// Clears the controller applied after the cleared generation's admission set had

@@ -213,6 +213,7 @@ async fn run(config: SimConfig) -> SimReport {
     if reported != 0 {
         world.violate(Violation::RetiredAliveMiscounted { reported });
     }
+    check_counters(&world, &router);
 
     if let Topo::Watcher { pool, watcher } =
         std::mem::replace(&mut sim.topo, Topo::Controller(Arc::clone(&controller)))
@@ -461,15 +462,6 @@ impl Run {
         self.requests.push(tokio::spawn(async move {
             let outcome = serve(&world, &router, &decode, id, request, deadline).await;
             world.trace(&[20, id, outcome_code(&outcome)]);
-            world.with(|s| match outcome {
-                Outcome::Completed { prefilled: true } => s.stats.prefilled_ok += 1,
-                Outcome::Completed { prefilled: false } => s.stats.bypassed_ok += 1,
-                Outcome::Rejected => s.stats.rejected += 1,
-                Outcome::Unroutable => s.stats.unroutable += 1,
-                Outcome::PrefillFailed(_) => s.stats.prefill_failed += 1,
-                Outcome::DecodeFailed(_) => s.stats.decode_failed += 1,
-                Outcome::Hung => {}
-            });
         }));
     }
 
@@ -549,7 +541,7 @@ async fn serve(
                         return Outcome::DecodeFailed(e.to_string());
                     }
                 }
-                let prefilled = world.with(|s| s.prefilled.remove(&id));
+                let prefilled = world.with(|s| s.prefilled.contains(&id));
                 Outcome::Completed { prefilled }
             }
             Err(GenerateError::NotActivated { .. }) => Outcome::Rejected,
@@ -570,11 +562,70 @@ async fn serve(
             Outcome::Hung
         }
     };
-    world.with(|s| s.prefilled.remove(&id));
+    world.with(|s| {
+        // The accounting the router's counters must agree with (see `check_counters`).
+        let prefilled = s.prefilled.remove(&id);
+        let stats = &mut s.stats;
+        stats.prefill_calls += u64::from(prefilled);
+        match &outcome {
+            Outcome::Completed { prefilled: true } => stats.prefilled_ok += 1,
+            Outcome::Completed { prefilled: false } => stats.bypassed_ok += 1,
+            Outcome::Rejected => stats.rejected += 1,
+            Outcome::Unroutable => stats.unroutable += 1,
+            Outcome::PrefillFailed(_) => stats.prefill_failed += 1,
+            Outcome::DecodeFailed(_) => stats.decode_failed += 1,
+            Outcome::Hung => {}
+        }
+        if !prefilled
+            && matches!(
+                outcome,
+                Outcome::Completed { .. } | Outcome::DecodeFailed(_)
+            )
+        {
+            stats.bypass_calls += 1;
+        }
+    });
     if let Outcome::PrefillFailed(why) | Outcome::DecodeFailed(why) = &outcome {
         tracing::debug!(request = id, %why, "simulated request failed");
     }
     outcome
+}
+
+/// Oracle: with every request ended, the router's request counters agree with what the
+/// requests saw (each request counted once, under the path it took).
+fn check_counters(world: &World, router: &Router) {
+    let (stats, hung) = world.with(|s| {
+        let hung = s.violations.iter().any(|v| v.kind() == "request_hung");
+        (s.stats.clone(), hung)
+    });
+    if hung {
+        // A request cut off by its deadline may have been counted before it hung.
+        return;
+    }
+    let counters = router.status().counters;
+    let pairs = [
+        ("prefilled", counters.prefilled, stats.prefill_calls),
+        (
+            "prefill_errors",
+            counters.prefill_errors,
+            stats.prefill_failed + stats.unroutable,
+        ),
+        (
+            "bypassed",
+            counters.bypassed.values().sum(),
+            stats.bypass_calls,
+        ),
+        ("rejected", counters.rejected.values().sum(), stats.rejected),
+    ];
+    for (counter, reported, observed) in pairs {
+        if reported != observed {
+            world.violate(Violation::CountersDisagree {
+                counter,
+                reported,
+                observed,
+            });
+        }
+    }
 }
 
 fn outcome_code(outcome: &Outcome) -> u64 {
