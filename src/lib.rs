@@ -24,6 +24,8 @@
 //!   admission, generations).
 //! - [`mock`] (feature `runtime`): mock prefill and decode engines with a bounded KV block
 //!   cache, for the demo, tests and benchmarks.
+//! - `sim` (feature `sim`): the deterministic simulator of the hop under seeded faults
+//!   (`docs/simulation.md`).
 //! - [`discovery`]: where workers register instances and model cards, and where frontends
 //!   list and watch them; backends in memory, in a shared directory (the embedded default) and
 //!   on etcd (feature `etcd`), all behind one trait and one conformance suite
@@ -45,6 +47,8 @@ pub mod push;
 pub mod route;
 #[cfg(feature = "runtime")]
 pub mod router;
+#[cfg(feature = "sim")]
+pub mod sim;
 mod sync;
 #[cfg(feature = "runtime")]
 pub mod topology;

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use crate::demo;
+use crate::{demo, simulate};
 
 /// Top-level usage.
 pub const USAGE: &str = "\
@@ -10,6 +10,7 @@ usage: prefill-router <command> [options]
 
 commands:
   demo     run the prefill-router story on loopback workers (see `prefill-router demo --help`)
+  simulate run the deterministic simulator (see `prefill-router simulate --help`)
   help     show this text";
 
 /// Why parsing stopped.
@@ -24,6 +25,8 @@ pub enum CliError {
 pub enum Command {
     /// `prefill-router demo`.
     Demo(demo::DemoOptions),
+    /// `prefill-router simulate`.
+    Simulate(simulate::SimulateOptions),
 }
 
 impl Command {
@@ -34,6 +37,7 @@ impl Command {
         };
         match name.as_str() {
             "demo" => demo::DemoOptions::parse(rest).map(Command::Demo),
+            "simulate" => simulate::SimulateOptions::parse(rest).map(Command::Simulate),
             "help" | "--help" | "-h" => Err(CliError::Help(USAGE.to_owned())),
             other => Err(CliError::Usage(format!("unknown command `{other}`"))),
         }
@@ -43,6 +47,7 @@ impl Command {
     pub async fn run(self) -> ExitCode {
         match self {
             Command::Demo(options) => demo::run(options).await,
+            Command::Simulate(options) => simulate::run(options).await,
         }
     }
 }

@@ -3,6 +3,7 @@
 //! Subcommands (see `prefill-router help`):
 //! - `demo`: a prefill pool appears, rolls to a new generation, loses a worker, vanishes and
 //!   returns while traffic flows; then RoundRobin vs KV prefill routing on the same traffic.
+//! - `simulate`: the deterministic simulator (feature `sim`), `--seed N --steps K`.
 //!
 //! Adding a subcommand: a module with `USAGE`, an options struct with `parse(&[String])` and
 //! `async fn run(options) -> ExitCode`, and one arm in [`Command`].
@@ -11,6 +12,7 @@ use std::process::ExitCode;
 
 mod cli;
 mod demo;
+mod simulate;
 
 use cli::{CliError, Command};
 

@@ -1,0 +1,397 @@
+//! The in-memory side of the request path: a binding factory whose builds a seeded RNG
+//! makes succeed, fail, hang or outlive their cancellation; bindings that pick workers with
+//! the real [`RoutableView`] and [`PushRouter`] and "send" to simulated workers that answer,
+//! reject, crash mid-stream or hang; and a decode hop that streams tokens or crashes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::{self, BoxFuture};
+use futures_util::FutureExt;
+use tokio_util::sync::CancellationToken;
+
+use super::config::{timing, Mutant};
+use super::oracle::Violation;
+use super::world::{InFlight, Probe, World};
+use crate::advert::{self, DecodeDefaults};
+use crate::discovery::InstanceId;
+use crate::push::{PushConfig, PushError, PushMode, PushRouter, RoutableView};
+use crate::router::{
+    BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
+    PrefillOutcome, WorkerSetTarget,
+};
+use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
+
+/// The request id the simulator writes into `GenerateRequest::session` (`req-<id>`).
+pub(crate) fn request_id(request: &GenerateRequest) -> u64 {
+    request
+        .session
+        .as_deref()
+        .and_then(|s| s.strip_prefix("req-"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(u64::MAX)
+}
+
+/// Keys of the decision streams (see `World::keyed`).
+const STREAM_BUILD: u64 = 1;
+const STREAM_PUSH: u64 = 2;
+const STREAM_WORKER: u64 = 3;
+const STREAM_DECODE: u64 = 4;
+
+/// What a build will do, drawn when the router asks for it.
+enum BuildPlan {
+    Succeed(Duration),
+    Fail(Duration),
+    /// Never finishes by itself: the router's build timeout (or a cancellation) ends it.
+    Hang,
+    /// Finishes after `Duration` whatever the cancellation token says.
+    IgnoreCancel(Duration),
+}
+
+/// The fake [`BindingFactory`].
+pub struct SimFactory {
+    world: Arc<World>,
+    mutant: Option<Mutant>,
+}
+
+impl SimFactory {
+    pub(crate) fn new(world: Arc<World>, mutant: Option<Mutant>) -> Self {
+        SimFactory { world, mutant }
+    }
+}
+
+impl BindingFactory for SimFactory {
+    type Binding = SimBinding;
+
+    fn build(
+        &self,
+        target: WorkerSetTarget,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'static, Result<SimBinding, BuildError>> {
+        let build = self.world.with(|s| {
+            s.stats.builds += 1;
+            s.stats.builds
+        });
+        let mut rng = self.world.keyed(&[STREAM_BUILD, build]);
+        let plan = self.world.with(|s| {
+            if !s.faults {
+                return BuildPlan::Succeed(Duration::from_millis(rng.below(10)));
+            }
+            let roll = rng.below(100);
+            let mut ms = |hi| Duration::from_millis(rng.below(hi));
+            match roll {
+                0..=64 => BuildPlan::Succeed(ms(40)),
+                65..=79 => {
+                    s.stats.builds_failed += 1;
+                    BuildPlan::Fail(ms(30))
+                }
+                80..=87 => {
+                    s.stats.builds_hung += 1;
+                    BuildPlan::Hang
+                }
+                _ => BuildPlan::IgnoreCancel(ms(160)),
+            }
+        });
+        let world = Arc::clone(&self.world);
+        let mutant = self.mutant;
+        world.trace(&[1, target.id.generation]);
+        async move {
+            match plan {
+                BuildPlan::Succeed(d) => tokio::time::sleep(d).await,
+                BuildPlan::IgnoreCancel(d) => tokio::time::sleep(d).await,
+                BuildPlan::Fail(d) => {
+                    tokio::time::sleep(d).await;
+                    return Err(BuildError::new("simulated build failure"));
+                }
+                BuildPlan::Hang => {
+                    cancel.cancelled().await;
+                    return Err(BuildError::new("simulated hung build cancelled"));
+                }
+            }
+            SimBinding::new(world, target, cancel, mutant)
+        }
+        .boxed()
+    }
+}
+
+/// A binding of the simulated world: the real routable view and push router over simulated
+/// workers.
+pub struct SimBinding {
+    probe: Arc<Probe>,
+    push: PushRouter,
+    view: RoutableView,
+    target: WorkerSetTarget,
+    world: Arc<World>,
+    mutant: Option<Mutant>,
+    /// Ends the view's feed when the binding drops (as a real binding ends its tasks).
+    view_cancel: CancellationToken,
+}
+
+impl std::fmt::Debug for SimBinding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimBinding")
+            .field("serial", &self.probe.serial)
+            .field("target", &self.target.id)
+            .finish()
+    }
+}
+
+impl SimBinding {
+    fn new(
+        world: Arc<World>,
+        target: WorkerSetTarget,
+        cancel: CancellationToken,
+        mutant: Option<Mutant>,
+    ) -> Result<Self, BuildError> {
+        // The real card resolution, as the default factory does it.
+        let decode = DecodeDefaults {
+            block_size: 16,
+            ..DecodeDefaults::default()
+        };
+        let config = advert::resolve(std::slice::from_ref(&*target.card), &decode)
+            .map_err(|e| BuildError::new(e.to_string()))?;
+        let mode = PushMode::from_prefill_config(&config, None);
+        let admission = match mutant {
+            Some(Mutant::IgnoreAdmission) => None,
+            _ => Some(target.admitted.clone()),
+        };
+        let view_cancel = cancel.child_token();
+        // Fed by the simulated discovery (`World::attach_view`), not by a spawned watch: the
+        // deliveries are the simulator's to delay, duplicate and lose.
+        let view = RoutableView::spawn(
+            futures_util::stream::pending(),
+            admission,
+            view_cancel.clone(),
+        );
+        let probe = world.new_probe(target.id.clone(), cancel);
+        let seed = world.keyed(&[STREAM_PUSH, probe.serial]).next_u64();
+        let push = PushRouter::new(
+            view.clone(),
+            mode,
+            PushConfig {
+                seed,
+                ..PushConfig::default()
+            },
+        );
+        world.attach_view(&probe, &view);
+        if mutant == Some(Mutant::LeakBindings) {
+            world.with(|s| s.leaked.push(Arc::clone(&probe)));
+        }
+        world.trace(&[2, probe.serial, target.id.generation]);
+        Ok(SimBinding {
+            probe,
+            push,
+            view,
+            target,
+            world,
+            mutant,
+            view_cancel,
+        })
+    }
+
+    /// The binding's serial number in the run (oracles name bindings by it).
+    pub fn serial(&self) -> u64 {
+        self.probe.serial
+    }
+
+    /// The oracles that must hold the moment the router hands a request to this binding.
+    fn check_admission_to_binding(&self, request: u64) {
+        let desired = self.world.with(|s| s.desired.clone());
+        if desired.as_ref() != Some(&self.probe.target) {
+            self.world.violate(Violation::DispatchOnReplacedTarget {
+                request,
+                binding: self.probe.target.clone(),
+                desired,
+            });
+        }
+        if self.probe.build_cancel.is_cancelled() {
+            self.world.violate(Violation::DispatchOnAbandonedBuild {
+                request,
+                binding: self.probe.target.clone(),
+            });
+        }
+    }
+}
+
+impl Drop for SimBinding {
+    fn drop(&mut self) {
+        self.view_cancel.cancel();
+    }
+}
+
+/// What a worker does with one prefill.
+enum WorkerPlan {
+    Answer(Duration),
+    Reject,
+    /// Fails after `Duration`; the worker is down from then on.
+    Crash(Duration),
+    Hang,
+    /// The worker is down: connection refused.
+    Refused,
+}
+
+impl Prefill for SimBinding {
+    fn prefill(
+        &self,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let id = request_id(&request);
+        // Synchronous part: the router called us in the same poll in which it loaded the
+        // route, so the world is exactly as it was at the load.
+        self.check_admission_to_binding(id);
+        self.world.with(|s| s.prefilled.insert(id));
+        let in_flight = InFlight::enter(&self.probe);
+        let worker = match self.push.select(&request) {
+            Ok(instance) => instance.instance_id,
+            Err(e) => {
+                self.world.trace(&[3, id, u64::MAX]);
+                return future::ready(Err(PrefillError::Push(e))).boxed();
+            }
+        };
+        let admitted = self.target.admitted.borrow().clone();
+        if !admitted.contains(&worker) {
+            self.world.violate(Violation::DispatchOutsideAdmission {
+                request: id,
+                worker,
+                target: self.probe.target.clone(),
+                admitted,
+            });
+        }
+        self.world.trace(&[3, id, worker, self.probe.serial]);
+        let mut rng = self.world.keyed(&[STREAM_WORKER, id]);
+        let plan = self.world.with(|s| {
+            s.stats.dispatches += 1;
+            if !s.workers.get(&worker).copied().unwrap_or(false) {
+                return WorkerPlan::Refused;
+            }
+            if !s.faults {
+                return WorkerPlan::Answer(Duration::from_millis(rng.between(1, 10)));
+            }
+            match rng.below(100) {
+                0..=84 => WorkerPlan::Answer(Duration::from_millis(
+                    rng.between(1, timing::PREFILL_MAX_MS),
+                )),
+                85..=89 => WorkerPlan::Reject,
+                90..=93 => {
+                    s.stats.crashes += 1;
+                    WorkerPlan::Crash(Duration::from_millis(rng.between(1, 20)))
+                }
+                _ => WorkerPlan::Hang,
+            }
+        });
+        let enforce_deadline = self.mutant != Some(Mutant::NoPrefillTimeout);
+        async move {
+            let _in_flight = in_flight;
+            let work = async {
+                match plan {
+                    WorkerPlan::Answer(d) => {
+                        tokio::time::sleep(d).await;
+                        Ok(outcome(worker, &request))
+                    }
+                    WorkerPlan::Reject => Err(PrefillError::Failed {
+                        message: format!("worker {worker} rejected the request"),
+                    }),
+                    WorkerPlan::Refused => {
+                        // What the real push router does after a connection failure.
+                        self.view.inhibit(worker);
+                        Err(PrefillError::Failed {
+                            message: format!("worker {worker}: connection refused"),
+                        })
+                    }
+                    WorkerPlan::Crash(d) => {
+                        tokio::time::sleep(d).await;
+                        self.world.crash(worker);
+                        Err(PrefillError::Failed {
+                            message: format!("worker {worker} crashed mid-stream"),
+                        })
+                    }
+                    WorkerPlan::Hang => future::pending().await,
+                }
+            };
+            if enforce_deadline {
+                match tokio::time::timeout(timing::PREFILL_TIMEOUT, work).await {
+                    Ok(result) => result,
+                    Err(_) => Err(PrefillError::Push(PushError::Timeout { instance: worker })),
+                }
+            } else {
+                work.await
+            }
+        }
+        .boxed()
+    }
+}
+
+fn outcome(worker: InstanceId, request: &GenerateRequest) -> PrefillOutcome {
+    let first = request
+        .token_ids
+        .last()
+        .copied()
+        .unwrap_or(0)
+        .wrapping_add(1);
+    PrefillOutcome {
+        worker,
+        tokens: vec![first],
+        finish: Some(FinishReason::Length),
+        handoff: Some(PrefillInfo {
+            worker,
+            prompt_tokens: u32::try_from(request.token_ids.len()).unwrap_or(u32::MAX),
+            cached_blocks: 0,
+            block_size: 16,
+        }),
+    }
+}
+
+/// The simulated decode pool: streams the requested tokens, or crashes mid-stream.
+pub struct SimDecode {
+    world: Arc<World>,
+}
+
+impl SimDecode {
+    pub(crate) fn new(world: Arc<World>) -> Self {
+        SimDecode { world }
+    }
+}
+
+impl Decode for SimDecode {
+    fn decode(
+        &self,
+        request: GenerateRequest,
+        _prefill: Option<PrefillOutcome>,
+    ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
+        let tokens = request.max_tokens.min(timing::MAX_TOKENS);
+        // Drawn now, in call order, so the RNG sequence does not depend on stream polling.
+        let mut rng = self
+            .world
+            .keyed(&[STREAM_DECODE, super::binding::request_id(&request)]);
+        let (gaps, crash_at): (Vec<u64>, Option<u32>) = self.world.with(|s| {
+            let gaps = (0..tokens)
+                .map(|_| rng.between(0, timing::TOKEN_MAX_MS))
+                .collect();
+            let crash = (s.faults && rng.percent(3))
+                .then(|| u32::try_from(rng.below(u64::from(tokens.max(1)))).unwrap_or(0));
+            (gaps, crash)
+        });
+        let stream = futures_util::stream::unfold(0u32, move |i| {
+            let gap = gaps.get(i as usize).copied();
+            async move {
+                let gap = gap?;
+                tokio::time::sleep(Duration::from_millis(gap)).await;
+                if crash_at == Some(i) {
+                    // Ends the stream after the error (index past the gaps).
+                    let err = DecodeError::Failed {
+                        message: "decode worker crashed mid-stream".to_owned(),
+                    };
+                    return Some((Err(err), tokens));
+                }
+                let last = i + 1 == tokens;
+                let response = GenerateResponse {
+                    token_ids: vec![i],
+                    finish: last.then_some(FinishReason::Length),
+                    prefill: None,
+                };
+                Some((Ok(response), i + 1))
+            }
+        });
+        future::ready(Ok(Box::pin(stream) as DecodeStream)).boxed()
+    }
+}

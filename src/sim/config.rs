@@ -1,0 +1,94 @@
+//! What one simulated run is: its seed, its length, and (for the oracle tests) a deliberate
+//! defect.
+
+use std::time::Duration;
+
+/// One simulated run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimConfig {
+    /// Everything random in the run derives from this seed.
+    pub seed: u64,
+    /// Scenario steps before the faults stop (each step is one world event: a request burst,
+    /// a retarget, an admission change, a crash, a pause...).
+    pub steps: u32,
+    /// A deliberately broken part, to show the oracles catch it. `None` for real runs.
+    pub mutant: Option<Mutant>,
+}
+
+impl SimConfig {
+    /// A run of `steps` steps from `seed`, without mutant.
+    pub fn new(seed: u64, steps: u32) -> Self {
+        SimConfig {
+            seed,
+            steps,
+            mutant: None,
+        }
+    }
+
+    /// The same run with `mutant` planted.
+    pub fn with_mutant(mut self, mutant: Mutant) -> Self {
+        self.mutant = Some(mutant);
+        self
+    }
+}
+
+/// Where a run's prefill targets come from (drawn from the seed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TargetSource {
+    /// A seeded controller hears topology changes through a faulty feed and calls
+    /// `set_target` itself: retarget bursts, returns to old generations, admission sets
+    /// emptied before or after the clear.
+    Controller,
+    /// Workers register in the in-memory discovery store and the real topology watcher
+    /// derives the target from a faulty namespace watch (first-wins admission, generations).
+    Watcher,
+}
+
+/// A deliberate defect in the simulated parts, each one an oracle must flag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Mutant {
+    /// Bindings build their routable view without the target's admission set, so they may
+    /// dispatch to discovered but unadmitted workers (oracle: dispatch outside admission).
+    IgnoreAdmission,
+    /// The factory keeps a reference to every binding it builds (oracle: retired binding not
+    /// released).
+    LeakBindings,
+    /// The in-memory transport forgets its request deadline, so a hung worker hangs the request
+    /// (oracle: request past its deadline).
+    NoPrefillTimeout,
+    /// The controller's decision reaches the router a millisecond after `set_target` has
+    /// returned, as with a router whose retarget is asynchronous (oracle: dispatch on a
+    /// replaced target).
+    DeferredSetTarget,
+}
+
+/// Time constants of the simulated world (all simulated time: the clock is paused and jumps).
+pub(crate) mod timing {
+    use super::Duration;
+
+    /// Builds that hang are cut off by the router after this long.
+    pub const BUILD_TIMEOUT: Duration = Duration::from_millis(100);
+    /// First retry delay after a failed build.
+    pub const RETRY_INITIAL: Duration = Duration::from_millis(20);
+    /// Retry delay cap.
+    pub const RETRY_MAX: Duration = Duration::from_millis(200);
+    /// The in-memory transport's prefill deadline (a hung worker answers with a timeout).
+    pub const PREFILL_TIMEOUT: Duration = Duration::from_millis(60);
+    /// Longest healthy prefill.
+    pub const PREFILL_MAX_MS: u64 = 40;
+    /// Longest gap between two decode tokens.
+    pub const TOKEN_MAX_MS: u64 = 3;
+    /// Most tokens a simulated request asks for.
+    pub const MAX_TOKENS: u32 = 6;
+    /// Longest a `WaitUpTo` fallback may wait.
+    pub const WAIT_MAX_MS: u64 = 80;
+    /// Slack on top of the worst-case request time before a request counts as hung.
+    pub const DEADLINE_SLACK: Duration = Duration::from_millis(20);
+    /// Longest discovery delivery delay while faults are on.
+    pub const FEED_DELAY_MAX_MS: u64 = 30;
+    /// Period of the discovery resync that heals lost events.
+    pub const RESYNC_PERIOD: Duration = Duration::from_millis(150);
+    /// How long after the faults stop the router must have converged.
+    pub const CONVERGE_WITHIN: Duration = Duration::from_secs(2);
+}

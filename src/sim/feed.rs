@@ -1,0 +1,92 @@
+//! The faulty discovery feed: every change is delivered late, twice, out of order, or not at
+//! all (while faults are on), and a periodic level-triggered resync heals what was lost, as a
+//! real watch does after a gap.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::config::timing;
+use super::world::World;
+use crate::discovery::InstanceEvent;
+
+/// Key part of instance-event deliveries.
+const FEED_INSTANCES: u64 = 1;
+/// Key part of topology-event deliveries.
+pub(crate) const FEED_TOPOLOGY: u64 = 2;
+
+/// How one delivery goes.
+pub(crate) struct Delivery {
+    /// Delays of the copies to deliver (empty: lost; two: duplicated). `None` means at once,
+    /// synchronously.
+    pub(crate) copies: Vec<Option<Duration>>,
+}
+
+/// Draw how one event is delivered; `key` names the event (see [`World::keyed`]).
+pub(crate) fn plan(world: &World, key: &[u64]) -> Delivery {
+    let mut key = key.to_vec();
+    key.push(world.now_ms());
+    let mut rng = world.keyed(&key);
+    world.with(|s| {
+        if !s.faults {
+            return Delivery { copies: vec![None] };
+        }
+        if rng.percent(8) {
+            s.stats.events_lost += 1;
+            return Delivery { copies: Vec::new() };
+        }
+        let first = Some(Duration::from_millis(
+            rng.below(timing::FEED_DELAY_MAX_MS + 1),
+        ));
+        let copies = if rng.percent(8) {
+            let second = Some(Duration::from_millis(
+                rng.below(timing::FEED_DELAY_MAX_MS + 1),
+            ));
+            s.stats.events_duplicated += 1;
+            vec![first, second]
+        } else {
+            vec![first]
+        };
+        Delivery { copies }
+    })
+}
+
+/// Run `apply` per the delivery plan: at once, or on a task after each copy's delay.
+pub(crate) fn deliver<F>(delivery: Delivery, apply: F)
+where
+    F: Fn() + Send + Sync + 'static,
+{
+    let apply = Arc::new(apply);
+    for copy in delivery.copies {
+        match copy {
+            None => apply(),
+            Some(delay) => {
+                let apply = Arc::clone(&apply);
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    apply();
+                });
+            }
+        }
+    }
+}
+
+/// A worker appeared or went: every live binding's view hears of it through the feed.
+pub(crate) fn publish_instance_event(world: &Arc<World>, event: InstanceEvent, key: &[u64]) {
+    for (serial, view) in world.live_views() {
+        let mut key = key.to_vec();
+        key.extend([FEED_INSTANCES, serial]);
+        let delivery = plan(world, &key);
+        let event = event.clone();
+        deliver(delivery, move || view.apply(event.clone()));
+    }
+}
+
+/// The level-triggered resync of every live view: heals lost and reordered events.
+pub(crate) fn resync_instances(world: &World) {
+    let events = world.resync_events();
+    for (_, view) in world.live_views() {
+        for event in &events {
+            view.apply(event.clone());
+        }
+    }
+}
