@@ -16,6 +16,9 @@ pub struct PrefillRouterConfig {
     /// after delay `d` fires after a uniform time in `[d, d * (1 + retry_jitter)]`. Spreads the
     /// retries of many frontends that failed together. Clamped to `[0, 1]`; default 0.1.
     pub retry_jitter: f64,
+    /// Seed of the jitter's random numbers: `None` (the default) draws it from process
+    /// entropy; `Some(seed)` makes retry times reproducible (simulators, tests).
+    pub jitter_seed: Option<u64>,
     /// What requests do while the hop is not Active.
     pub fallback: FallbackPolicy,
     /// The router's name in logs and metrics (e.g. the model name).
@@ -28,6 +31,7 @@ impl Default for PrefillRouterConfig {
             retry: RetryPolicy::default(),
             build_timeout: Duration::from_secs(30),
             retry_jitter: 0.1,
+            jitter_seed: None,
             fallback: FallbackPolicy::default(),
             name: "prefill".to_owned(),
         }

@@ -49,6 +49,10 @@ pub(crate) struct Driver<F: BindingFactory> {
 
 impl<F: BindingFactory> Driver<F> {
     pub(crate) fn new(shared: Arc<Shared<F>>, rx: mpsc::UnboundedReceiver<Msg>) -> Self {
+        let jitter_rng = match shared.config.jitter_seed {
+            Some(seed) => SplitMix::seeded(seed),
+            None => SplitMix::from_entropy(),
+        };
         Driver {
             shared,
             rx,
@@ -56,7 +60,7 @@ impl<F: BindingFactory> Driver<F> {
             build_floor: 0,
             retry: None,
             retry_floor: 0,
-            rng: SplitMix::from_entropy(),
+            rng: jitter_rng,
         }
     }
 
@@ -248,7 +252,6 @@ impl SplitMix {
         SplitMix(hasher.finish())
     }
 
-    #[cfg(test)]
     pub(crate) fn seeded(seed: u64) -> Self {
         SplitMix(seed)
     }

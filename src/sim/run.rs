@@ -106,9 +106,9 @@ async fn run(config: SimConfig) -> SimReport {
             max: timing::RETRY_MAX,
         },
         build_timeout: timing::BUILD_TIMEOUT,
-        // The router's jitter RNG is seeded from process entropy; a run must replay from its
-        // seed, so the simulator runs without jitter.
-        retry_jitter: 0.0,
+        // Real jitter, seeded from the run's seed so a run still replays from it.
+        retry_jitter: 0.1,
+        jitter_seed: Some(scenario.next_u64()),
         fallback,
         name: format!("sim-{}", config.seed),
     };

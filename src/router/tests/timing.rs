@@ -86,6 +86,33 @@ async fn retry_jitter_stays_within_delay_and_delay_times_one_plus_jitter() {
     assert!(distinct.len() > 30, "jitter must actually vary: {gaps:?}");
 }
 
+/// Retry gaps of a router whose jitter is seeded with `seed`, over 10 failed builds.
+async fn seeded_gaps(seed: u64) -> Vec<Duration> {
+    let (factory, log) = ScriptFactory::new(vec![Step::Fail("boom"); 10]);
+    let router = PrefillRouter::new(
+        factory,
+        PrefillRouterConfig {
+            jitter_seed: Some(seed),
+            ..config(RetryPolicy::fixed(Duration::from_secs(1)), 0.5)
+        },
+    );
+    router.set_target(Some(target(1)));
+    router.wait_active(Duration::from_secs(600)).await.unwrap();
+    gaps(&log.call_times())
+}
+
+#[tokio::test(start_paused = true)]
+async fn seeded_jitter_replays_the_same_retry_times() {
+    let first = seeded_gaps(7).await;
+    assert_eq!(first.len(), 10);
+    assert_eq!(first, seeded_gaps(7).await, "same seed, same retry times");
+    assert_ne!(
+        first,
+        seeded_gaps(8).await,
+        "another seed, other retry times"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn hanging_build_fails_at_the_build_timeout_and_is_retried() {
     let (factory, log) = ScriptFactory::new([Step::Hang]);
