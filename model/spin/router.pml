@@ -5,10 +5,11 @@
    vacuity bits), and each d_step is one stateright step, so with `spin -o2` (keep write-only
    variables) pan stores exactly the states stateright counts: model/spin/run.sh checks that.
 
-   Bounds (cpp): -DTARGETS=2 -DRETARGETS=4 -DFAILURES=2 -DNREQ=2 -DSHUTDOWN=1 (the standard
-   configuration). Build ids run 1..MAXB with MAXB = RETARGETS + FAILURES (at most 16 here).
+   Bounds (cpp): -DTARGETS=2 -DRETARGETS=4 -DFAILURES=2 -DNREQ=2 -DSHUTDOWN=1 -DADMISSION=1 (the
+   standard configuration; ADMISSION is the budget of admission changes, each emptying the
+   admission set of one retired binding). Build ids run 1..MAXB with MAXB = RETARGETS + FAILURES (at most 16 here).
    -DBUGGY publishes every finished build (the no-staleness-check mutant): pan must report an
-   assertion violation. Safety properties M1..M8 are assert()s at the end of every step (faults can only arise in
+   assertion violation. Safety properties M1..M8 and M10 are assert()s at the end of every step (faults can only arise in
    the step that causes them); M9 and the V witnesses are not checked here (the comparison is
    about state-space throughput; the Rust model checks them). */
 
@@ -26,6 +27,9 @@
 #endif
 #ifndef SHUTDOWN
 #define SHUTDOWN 1
+#endif
+#ifndef ADMISSION
+#define ADMISSION 1
 #endif
 #define MAXB (RETARGETS + FAILURES)
 
@@ -68,7 +72,10 @@ byte r_des[NREQ];
 int published;
 int retired;
 int torn;
-byte seen;                /* 1 retry active, 2 retired served, 4 stale rejected, 8 reused */
+byte aleft = ADMISSION;   /* admission changes the world may still make */
+int emptied;              /* bit i: binding i's admission set is empty */
+byte seen;                /* 1 retry active, 2 retired served, 4 stale rejected, 8 reused,
+                             16 a request failed on an emptied admission */
 
 /* scratch, not part of the state */
 hidden byte h_id, h_t, h_i, h_j, h_life;
@@ -246,9 +253,20 @@ inline load(q) {
 }
 
 inline dispatch(q) {
-  assert(r_des[q] == r_bt[q]);                /* M6 */
   assert((torn & BIT(r_bid[q])) == 0);        /* M7 */
-  r_stage[q] = 2; r_des[q] = 0
+  if
+  :: (emptied & BIT(r_bid[q])) != 0 ->        /* no worker in admission: typed failure */
+     seen = seen | 16;
+     r_stage[q] = 3; r_bid[q] = 0; r_bt[q] = 0; r_des[q] = 0
+  :: else ->
+     assert((emptied & BIT(r_bid[q])) == 0);  /* M10 */
+     assert(r_des[q] == r_bt[q]);             /* M6 */
+     r_stage[q] = 2; r_des[q] = 0
+  fi
+}
+
+inline empty_admission(i) {
+  aleft--; emptied = emptied | BIT(i)
 }
 
 inline bypass(q) {
@@ -267,7 +285,8 @@ inline finish(q) {
 #define BUILD_STEPS(i) \
   :: d_step { b_on[i] -> succeed(i); CHECK } \
   :: d_step { (b_on[i] && fleft > 0) -> fail(i); CHECK } \
-  :: d_step { t_on[i] -> fire(i); CHECK }
+  :: d_step { t_on[i] -> fire(i); CHECK } \
+  :: d_step { (aleft > 0 && (retired & BIT(i)) != 0 && (emptied & BIT(i)) == 0) -> empty_admission(i); CHECK }
 
 #define REQUEST_STEPS(q) \
   :: d_step { r_stage[q] == 0 -> load(q); sort_requests(); CHECK } \

@@ -4,18 +4,20 @@
 # the two state counts differ. Prints both rates side by side.
 #
 # usage: model/spin/run.sh [--retargets N] [--failures F] [--requests R] [--targets T]
-#                          [--no-shutdown] [--buggy] [--no-compare] [--threads N]
+#                          [--admission-changes A] [--no-shutdown] [--buggy] [--no-compare]
+#                          [--threads N]
 # env:   PAN_W (hash table bits, default: sized from the expected count), CARGO_PROFILE_FLAG
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-retargets=4 failures=2 requests=2 targets=2 shutdown=1 buggy=0 compare=1 threads=1
+retargets=4 failures=2 requests=2 targets=2 admission=1 shutdown=1 buggy=0 compare=1 threads=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --retargets) retargets=$2; shift 2 ;;
     --failures) failures=$2; shift 2 ;;
     --requests) requests=$2; shift 2 ;;
     --targets) targets=$2; shift 2 ;;
+    --admission-changes) admission=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
     --no-shutdown) shutdown=0; shift ;;
     --buggy) buggy=1; shift ;;
@@ -42,7 +44,8 @@ cpu_note() {
   awk -v c="$cpu" -v n="$1" 'BEGIN { if (c > 0) printf " cpu=%.2fs (%.0f states/cpu-s)", c, n / c; else printf " cpu=%.2fs", c }'
 }
 
-sr_flags=(--retargets "$retargets" --failures "$failures" --requests "$requests" --targets "$targets")
+sr_flags=(--retargets "$retargets" --failures "$failures" --requests "$requests" --targets "$targets"
+  --admission-changes "$admission")
 [ "$shutdown" = 1 ] || sr_flags+=(--no-shutdown)
 
 sr_unique=""
@@ -58,7 +61,7 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work" "$cpu_file"' EXIT
 cp model/spin/router.pml "$work/"
-defs=(-DTARGETS="$targets" -DRETARGETS="$retargets" -DFAILURES="$failures" -DNREQ="$requests" -DSHUTDOWN="$shutdown")
+defs=(-DTARGETS="$targets" -DRETARGETS="$retargets" -DFAILURES="$failures" -DNREQ="$requests" -DSHUTDOWN="$shutdown" -DADMISSION="$admission")
 [ "$buggy" = 0 ] || defs+=(-DBUGGY)
 # Hash table: ceil(log2(expected states)) + 1 bits, at least 16 (a 2^24 default table costs
 # ~85 ms of page faults on small models, which would swamp the comparison).

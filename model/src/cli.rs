@@ -9,8 +9,8 @@ use stateright::{Checker, Expectation, Model};
 
 use crate::model::{Config, RouterModel};
 use crate::mutants::{
-    KeepRetryOnRetarget, NoRetry, NoStalenessCheck, RetireAsDiscard, RetireOnClear,
-    ReuseForOtherTarget, ReuseRetired, SecondBuildInFlight,
+    IgnoreAdmission, KeepRetryOnRetarget, NoRetry, NoStalenessCheck, RetireAsDiscard,
+    RetireOnClear, ReuseForOtherTarget, ReuseRetired, SecondBuildInFlight,
 };
 use crate::subject::Subject;
 use crate::{trace, Real};
@@ -37,13 +37,14 @@ pub enum CliError {
 pub const USAGE: &str = "\
 usage:
   prefill-router-model check   [--retargets N] [--failures F] [--requests R] [--targets T]
-                               [--no-shutdown] [--threads N] [--dfs] [--mutant NAME]
+                               [--admission-changes A] [--no-shutdown] [--threads N] [--dfs]
+                               [--mutant NAME]
   prefill-router-model explore [--addr 127.0.0.1:3000] [the same model options]
 
 defaults: the standard configuration (targets {None, A, B}, 4 retargets, 2 failures,
-2 requests, shutdown possible). Mutants: real (default), no-staleness-check,
+2 requests, shutdown possible, 1 admission change). Mutants: real (default), no-staleness-check,
 reuse-for-other-target, keep-retry-on-retarget, second-build-in-flight, retire-on-clear,
-retire-as-discard, reuse-retired, no-retry.";
+retire-as-discard, reuse-retired, no-retry, ignore-admission.";
 
 /// A parsed command.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,6 +105,7 @@ pub fn parse(args: &[String]) -> Result<Command, CliError> {
             "--failures" => cmd.config.failures = small(value()?)?,
             "--requests" => cmd.config.requests = small(value()?)?,
             "--targets" => cmd.config.targets = small(value()?)?,
+            "--admission-changes" => cmd.config.admission_changes = small(value()?)?,
             "--no-shutdown" => cmd.config.shutdown = false,
             "--dfs" => cmd.dfs = true,
             "--threads" => {
@@ -142,7 +144,8 @@ pub fn run(cmd: &Command, out: &mut dyn Write) -> Result<i32, CliError> {
         RetireOnClear,
         RetireAsDiscard,
         ReuseRetired,
-        NoRetry
+        NoRetry,
+        IgnoreAdmission
     );
     Err(CliError::Usage(format!("unknown mutant {:?}", cmd.subject)))
 }

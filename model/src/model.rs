@@ -24,17 +24,21 @@ pub struct Config {
     pub requests: u8,
     /// Whether the controller may shut the hop down (once, at any time; it spends a retarget).
     pub shutdown: bool,
+    /// Admission changes the world may make: each empties the admission set of one retired
+    /// binding (upstream publishes an empty set before dropping a retired binding's sender).
+    pub admission_changes: u8,
 }
 
 impl Config {
     /// The standard configuration of issue 3: targets {None, A, B}, 4 retargets, builds that may
-    /// fail twice, 2 concurrent requests, shutdown possible.
+    /// fail twice, 2 concurrent requests, shutdown possible, one admission change.
     pub const STANDARD: Config = Config {
         targets: 2,
         retargets: 4,
         failures: 2,
         requests: 2,
         shutdown: true,
+        admission_changes: 1,
     };
 
     /// Checks the bounds: build ids must fit the model's 64-bit masks.
@@ -72,9 +76,12 @@ pub enum Step {
     BuildFails(BuildId),
     /// An armed retry timer (possibly cancelled) fires.
     RetryFires(BuildId),
+    /// The admission set of the (retired) binding of this build empties.
+    EmptyAdmission(BuildId),
     /// Request slot `i` loads the snapshot.
     Load(usize),
-    /// Request slot `i` dispatches on the binding it loaded.
+    /// Request slot `i` dispatches on the binding it loaded, or fails when that binding's
+    /// admission is empty.
     Dispatch(usize),
     /// Request slot `i` bypasses prefill (its snapshot had no binding).
     Bypass(usize),
@@ -91,6 +98,7 @@ impl fmt::Display for Step {
             Step::BuildSucceeds(b) => write!(f, "build {b} succeeds"),
             Step::BuildFails(b) => write!(f, "build {b} fails"),
             Step::RetryFires(b) => write!(f, "retry timer after {b} fires"),
+            Step::EmptyAdmission(b) => write!(f, "admission of binding {b} empties"),
             Step::Load(i) => write!(f, "request {i} loads the snapshot"),
             Step::Dispatch(i) => write!(f, "request {i} dispatches"),
             Step::Bypass(i) => write!(f, "request {i} bypasses prefill"),
@@ -166,6 +174,10 @@ impl<S: Subject> RouterModel<S> {
                 n.timers.retain(|t| t.after != after);
                 n.subject.feed(Input::RetryElapsed(after), &mut actions);
             }
+            Step::EmptyAdmission(build) => {
+                n.admission_left = n.admission_left.saturating_sub(1);
+                n.emptied |= bit(build);
+            }
             Step::Load(i) => {
                 if s.requests.get(i) == Some(&Request::Idle) {
                     n.requests[i] = Request::Loaded {
@@ -180,13 +192,24 @@ impl<S: Subject> RouterModel<S> {
                     desired,
                 }) = s.requests.get(i).copied()
                 {
-                    if desired != Some(b.target) {
-                        n.faults |= fault::STALE_DISPATCH;
-                    }
                     if s.torn & bit(b.build) != 0 {
                         n.faults |= fault::REQUEST_LOST;
                     }
-                    n.requests[i] = Request::Running(b);
+                    let empty = s.emptied & bit(b.build) != 0;
+                    if empty && S::DISPATCH_CHECKS_ADMISSION {
+                        // The adapter finds no worker in admission: the request ends at once
+                        // with a typed failure instead of waiting or picking an outsider.
+                        n.seen |= seen::ADMISSION_FAILED;
+                        n.requests[i] = Request::Done;
+                    } else {
+                        if empty {
+                            n.faults |= fault::OUTSIDE_ADMISSION;
+                        }
+                        if desired != Some(b.target) {
+                            n.faults |= fault::STALE_DISPATCH;
+                        }
+                        n.requests[i] = Request::Running(b);
+                    }
                 }
             }
             Step::Bypass(i) => {
@@ -333,7 +356,8 @@ impl<S> RouterModel<S> {
     ///
     /// Weights: a controller call may start one build (+1), so it weighs more; a failure arms a
     /// timer (+2) but spends a failure (-3) and a build (-1); a firing timer (-2) starts at most
-    /// one build (+1); each request step lowers the request's stage.
+    /// one build (+1); an admission change spends one change (-1); each request step lowers the
+    /// request's stage.
     pub fn rank(&self, s: &State<S>) -> u64 {
         let controller = u64::from(s.retargets_left) * 4 + u64::from(!s.shut_down);
         let requests: u64 = s
@@ -350,6 +374,7 @@ impl<S> RouterModel<S> {
             + u64::from(s.failures_left) * 3
             + s.timers.len() as u64 * 2
             + s.builds.len() as u64
+            + u64::from(s.admission_left)
             + requests
     }
 }
@@ -404,6 +429,8 @@ impl<S: Subject> Model for RouterModel<S> {
             published: 0,
             retired: 0,
             torn: 0,
+            admission_left: self.config.admission_changes,
+            emptied: 0,
             faults: 0,
             seen: 0,
         }]
@@ -430,6 +457,16 @@ impl<S: Subject> Model for RouterModel<S> {
         }
         for t in &s.timers {
             out.push(Step::RetryFires(t.after));
+        }
+        if s.admission_left > 0 {
+            // Only retired bindings lose their admission (the controller empties the set before
+            // dropping a retired binding's sender); ids ascending, as the mask is.
+            let candidates = s.retired & !s.emptied;
+            for id in 0..64u32 {
+                if candidates & (1u64 << id) != 0 {
+                    out.push(Step::EmptyAdmission(BuildId(u64::from(id))));
+                }
+            }
         }
         for (i, r) in s.requests.iter().enumerate() {
             // Equal requests are interchangeable: step only the first of a run.

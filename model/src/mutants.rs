@@ -13,12 +13,16 @@ use crate::subject::{Subject, Target};
 /// the getters and altering `feed` with the given body.
 macro_rules! wrapper {
     ($(#[$doc:meta])* $name:ident, $label:literal, |$m:ident, $input:ident, $out:ident| $body:block) => {
+        wrapper!($(#[$doc])* $name, $label, true, |$m, $input, $out| $body);
+    };
+    ($(#[$doc:meta])* $name:ident, $label:literal, $checks:literal, |$m:ident, $input:ident, $out:ident| $body:block) => {
         $(#[$doc])*
         #[derive(Clone, Debug, PartialEq, Eq, Hash)]
         pub struct $name(pub Machine<Target>);
 
         impl Subject for $name {
             const NAME: &'static str = $label;
+            const DISPATCH_CHECKS_ADMISSION: bool = $checks;
 
             fn fresh(policy: RetryPolicy) -> Self {
                 $name(Machine::new(policy))
@@ -196,5 +200,17 @@ wrapper!(
                 .into_iter()
                 .filter(|a| !matches!(a, Action::ScheduleRetry { .. })),
         );
+    }
+);
+
+wrapper!(
+    /// The real machine, driven by an adapter that dispatches on the binding a request loaded
+    /// without checking its admission set: a request on a retired binding whose admission has
+    /// emptied is sent to a worker outside admission instead of failing.
+    IgnoreAdmission,
+    "ignore-admission",
+    false,
+    |m, input, out| {
+        m.feed(input, out);
     }
 );

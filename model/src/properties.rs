@@ -29,6 +29,9 @@ pub const NO_LEAKED_RETRY: &str = "M8 no retry timer outlives its target";
 /// M9: once the controller is done, the hop settles: Active on the last target, or Unavailable
 /// when that was `None` or after shutdown; every request has finished.
 pub const SETTLES: &str = "M9 settles when the controller is done";
+/// M10: no request is dispatched on a binding whose admission set is empty (it fails instead).
+pub const NO_DISPATCH_OUTSIDE_ADMISSION: &str =
+    "M10 no dispatch on a binding whose admission is empty";
 /// V1: Active is reachable.
 pub const SOMETIMES_ACTIVE: &str = "V1 sometimes active";
 /// V2: a build started by a retry timer is published.
@@ -39,6 +42,9 @@ pub const SOMETIMES_RETIRED_SERVES: &str = "V3 sometimes a retired binding serve
 pub const SOMETIMES_STALE_REJECTED: &str = "V4 sometimes a stale build is rejected";
 /// V5: a held binding is reused on a return to its target.
 pub const SOMETIMES_REUSED: &str = "V5 sometimes a held binding is reused";
+/// V6: a request on a retired binding fails because the binding's admission emptied.
+pub const SOMETIMES_ADMISSION_FAILS: &str =
+    "V6 sometimes a retired binding's request fails after its admission emptied";
 
 /// Every property, in report order.
 pub fn all<S: Subject>() -> Vec<Property<RouterModel<S>>> {
@@ -62,6 +68,9 @@ pub fn all<S: Subject>() -> Vec<Property<RouterModel<S>>> {
         }),
         Property::always(NO_LEAKED_RETRY, no_leaked_retry),
         Property::eventually(SETTLES, settles),
+        Property::always(NO_DISPATCH_OUTSIDE_ADMISSION, |_, s: &State<S>| {
+            s.faults & fault::OUTSIDE_ADMISSION == 0
+        }),
         Property::sometimes(SOMETIMES_ACTIVE, |_, s: &State<S>| {
             s.snapshot().lifecycle == Lifecycle::Active
         }),
@@ -76,6 +85,9 @@ pub fn all<S: Subject>() -> Vec<Property<RouterModel<S>>> {
         }),
         Property::sometimes(SOMETIMES_REUSED, |_, s: &State<S>| {
             s.seen & seen::REUSED != 0
+        }),
+        Property::sometimes(SOMETIMES_ADMISSION_FAILS, |_, s: &State<S>| {
+            s.seen & seen::ADMISSION_FAILED != 0
         }),
     ]
 }

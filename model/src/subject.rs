@@ -30,6 +30,12 @@ pub trait Subject: Clone + Debug + PartialEq + Eq + Hash + Send + Sync + 'static
     /// A short name, used in reports.
     const NAME: &'static str;
 
+    /// Whether the adapter driving this machine checks a binding's admission set at dispatch
+    /// (and fails the request when it is empty). Always true but for the `ignore-admission`
+    /// mutant: the check belongs to the adapter, not the machine, yet a mutant of it must be
+    /// selectable like the others.
+    const DISPATCH_CHECKS_ADMISSION: bool = true;
+
     /// A fresh machine.
     fn fresh(policy: RetryPolicy) -> Self;
 

@@ -30,7 +30,12 @@ fn step_text<S: Subject>(before: &State<S>, step: Step, after: &State<S>) -> Str
                 desired,
             }) => {
                 let wanted = desired.map_or("None".to_string(), |t| t.to_string());
-                format!("the request that loaded {b} (target then {wanted}) dispatches on it")
+                if before.emptied & crate::world::bit(b.build) != 0 && S::DISPATCH_CHECKS_ADMISSION
+                {
+                    format!("the request that loaded {b} fails: its admission is empty")
+                } else {
+                    format!("the request that loaded {b} (target then {wanted}) dispatches on it")
+                }
             }
             _ => step.to_string(),
         },

@@ -63,7 +63,8 @@ pub enum Request {
     },
     /// Prefilling on the binding it loaded.
     Running(Binding),
-    /// Finished (on its binding, or by bypass).
+    /// Finished: on its binding, by bypass, or by a typed failure (its binding's admission
+    /// had emptied). A failure is an ending, not a loss.
     Done,
 }
 
@@ -91,6 +92,9 @@ pub mod fault {
     pub const REQUEST_LOST: u16 = 1 << 4;
     /// A `Publish` named a build that had not just succeeded and is not a known binding.
     pub const UNKNOWN_PUBLISH: u16 = 1 << 5;
+    /// A request was dispatched on a binding whose admission set was empty (to a worker
+    /// outside admission).
+    pub const OUTSIDE_ADMISSION: u16 = 1 << 6;
 }
 
 /// Sticky records of good events, so `sometimes` properties show the model is not vacuous.
@@ -103,6 +107,8 @@ pub mod seen {
     pub const STALE_REJECTED: u8 = 1 << 2;
     /// A held binding was reused on a return to its target (Active without a build).
     pub const REUSED: u8 = 1 << 3;
+    /// A request on a retired binding failed because the binding's admission had emptied.
+    pub const ADMISSION_FAILED: u8 = 1 << 4;
 }
 
 /// The whole model state.
@@ -134,6 +140,10 @@ pub struct State<S> {
     pub retired: u64,
     /// Bit `i`: binding `i` was torn down (its workers dropped).
     pub torn: u64,
+    /// Admission changes the world may still make (each empties one retired binding's set).
+    pub admission_left: u8,
+    /// Bit `i`: the admission set of binding `i` is empty.
+    pub emptied: u64,
     /// [`fault`] bits.
     pub faults: u16,
     /// [`seen`] bits.
@@ -155,7 +165,7 @@ impl<S: crate::subject::Subject> State<S> {
     }
 }
 
-/// The bit of a build id in the `published`/`retired`/`torn` masks; ids past 63 share bit 63
+/// The bit of a build id in the `published`/`retired`/`torn`/`emptied` masks; ids past 63 share bit 63
 /// (the model's bounds keep ids far below that: see `Config::validate`).
 pub fn bit(id: BuildId) -> u64 {
     1u64 << id.0.min(63)

@@ -17,9 +17,43 @@ fn check(s: &str) -> (i32, String) {
 fn check_reports_every_property_as_holding_for_the_real_machine() {
     let (code, report) = check("check --retargets 3 --failures 1 --requests 1");
     assert_eq!(code, 0, "{report}");
-    assert_eq!(report.matches(": holds").count(), 9, "{report}");
+    assert_eq!(report.matches(": holds").count(), 10, "{report}");
     assert!(
-        report.contains("14 of 14 properties as expected"),
+        report.contains("16 of 16 properties as expected"),
+        "{report}"
+    );
+}
+
+#[test]
+fn dispatch_ignoring_admission_gets_a_shortest_trace_through_an_emptied_admission() {
+    let (code, report) = check("check --mutant ignore-admission --retargets 2 --requests 1");
+    assert_eq!(code, 1);
+    let failing = report
+        .split("M10 no dispatch on a binding whose admission is empty: FAILS, counterexample:\n")
+        .nth(1)
+        .expect("M10 fails with a trace");
+    let steps: Vec<&str> = failing
+        .lines()
+        .take_while(|l| l.starts_with("   "))
+        .collect();
+    // Build, publish, load, retire (the second controller call), empty, dispatch.
+    assert_eq!(steps.len(), 6, "{report}");
+    assert!(
+        steps[4].contains("admission of binding #1 empties"),
+        "{report}"
+    );
+    assert!(steps[5].contains("dispatches on it"), "{report}");
+}
+
+#[test]
+fn zero_admission_changes_leave_the_admission_witness_unreached() {
+    // Without admission changes the model is the pre-admission one: V6 must be reported
+    // vacuous, so a budget that silently stopped applying would be noticed.
+    let (code, report) =
+        check("check --retargets 2 --failures 1 --requests 1 --admission-changes 0");
+    assert_eq!(code, 1, "{report}");
+    assert!(
+        report.contains("V6 sometimes a retired binding's request fails after its admission emptied: NEVER REACHED"),
         "{report}"
     );
 }

@@ -4,8 +4,8 @@
 use std::collections::BTreeSet;
 
 use prefill_router_model::mutants::{
-    KeepRetryOnRetarget, NoRetry, NoStalenessCheck, RetireAsDiscard, RetireOnClear,
-    ReuseForOtherTarget, ReuseRetired, SecondBuildInFlight,
+    IgnoreAdmission, KeepRetryOnRetarget, NoRetry, NoStalenessCheck, RetireAsDiscard,
+    RetireOnClear, ReuseForOtherTarget, ReuseRetired, SecondBuildInFlight,
 };
 use prefill_router_model::properties::*;
 use prefill_router_model::{trace, Config, RouterModel, Subject};
@@ -80,6 +80,13 @@ fn never_retrying_breaks_m9() {
 }
 
 #[test]
+fn dispatching_without_checking_admission_breaks_m10() {
+    let t = counterexample::<IgnoreAdmission>(NO_DISPATCH_OUTSIDE_ADMISSION);
+    assert!(t.contains("admission of binding"), "{t}");
+    assert!(t.contains("dispatches"), "{t}");
+}
+
+#[test]
 fn every_safety_and_liveness_property_is_broken_by_some_mutant() {
     // The mapping the tests above exercise, kept in one place so a new property without a mutant
     // fails here (a property no mutant can break is suspect).
@@ -93,6 +100,7 @@ fn every_safety_and_liveness_property_is_broken_by_some_mutant() {
         RETIRED_NEVER_REPUBLISHED,
         NO_REQUEST_LOST,
         SETTLES,
+        NO_DISPATCH_OUTSIDE_ADMISSION,
     ]
     .into();
     let model = RouterModel::<prefill_router_model::Real>::new(Config::STANDARD);
