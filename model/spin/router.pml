@@ -1,16 +1,16 @@
 /* Promela twin of the stateright model in model/src/ (issue 3), for a side-by-side throughput
    comparison with SPIN. It encodes the same state as model::State<Machine<Target>> (the
    lifecycle machine's fields plus the world: builds, timers, controller budget, the adapter's
-   published binding, the sorted multiset of requests, the published/retired masks and the
-   vacuity bits), and each d_step is one stateright step, so with `spin -o2` (keep write-only
+   published binding, the sorted multiset of requests, the published/retired/torn masks, the
+   admission budget and emptied mask, and the vacuity bits), and each d_step is one stateright step, so with `spin -o2` (keep write-only
    variables) pan stores exactly the states stateright counts: model/spin/run.sh checks that.
 
    Bounds (cpp): -DTARGETS=2 -DRETARGETS=4 -DFAILURES=2 -DNREQ=2 -DSHUTDOWN=1 -DADMISSION=1 (the
    standard configuration; ADMISSION is the budget of admission changes, each emptying the
    admission set of one retired binding). Build ids run 1..MAXB with MAXB = RETARGETS + FAILURES (at most 16 here).
    -DBUGGY publishes every finished build (the no-staleness-check mutant): pan must report an
-   assertion violation. Safety properties M1..M8 and M10 are assert()s at the end of every step (faults can only arise in
-   the step that causes them); M9 and the V witnesses are not checked here (the comparison is
+   assertion violation. Safety properties M1..M8 and M10 are assert()s at the end of every
+   step or where the event happens (faults can only arise in the step that causes them); M9 and the V witnesses are not checked here (the comparison is
    about state-space throughput; the Rust model checks them). */
 
 #ifndef TARGETS

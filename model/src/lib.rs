@@ -4,11 +4,12 @@
 //! [`prefill_router::lifecycle::Machine`] (not a copy of its logic) together with the world
 //! around it: builds in flight that may finish in any order (also after being cancelled), armed
 //! retry timers (which may fire late), the controller's bounded budget of retargets and its
-//! shutdown, the snapshot the adapter publishes after every step, and requests that load the
-//! snapshot, dispatch on the binding they loaded (or bypass) and finish.
+//! shutdown, admission changes (a retired binding's admission set emptying), the snapshot the
+//! adapter publishes after every step, and requests that load the snapshot, dispatch on the
+//! binding they loaded (failing when its admission is empty) or bypass, and finish.
 //!
 //! - [`model::RouterModel`]: the model, generic over the machine under check ([`Subject`]).
-//! - [`properties`]: the named properties (ids M1..M9, V1..V5, see docs/properties.md).
+//! - [`properties`]: the named properties (ids M1..M10, V1..V6, see docs/properties.md).
 //! - [`mutants`]: deliberately broken machines, each caught by at least one property.
 //! - [`trace`]: counterexamples as readable inputs and actions.
 //!
@@ -30,4 +31,8 @@ pub type Real = prefill_router::lifecycle::Machine<Target>;
 
 /// Unique states of [`Config::STANDARD`] with the real machine, pinned by the tests so that a
 /// silently truncated or changed search fails (update it, with the reason, when the model changes).
+///
+/// History: 242,502 before admission was modelled; 532,833 since the standard configuration
+/// has one admission change (a retired binding's admission set may empty at any later point,
+/// and requests holding it then fail instead of dispatching).
 pub const STANDARD_STATES: usize = 532_833;

@@ -1,5 +1,5 @@
 //! The stateright model: the real machine (or a mutant) driven by every interleaving of the
-//! controller, the builds, the retry timers and the requests.
+//! controller, the builds, the retry timers, admission changes and the requests.
 
 use std::fmt;
 use std::marker::PhantomData;

@@ -1,7 +1,8 @@
 //! Deliberately broken machines, to show that each property of the model can fail.
 //!
 //! Every mutant wraps the real [`Machine`] and alters only its inputs or outputs, so
-//! `src/lifecycle.rs` carries no mutation hooks. Each one plays a plausible bug of a retarget
+//! `src/lifecycle.rs` carries no mutation hooks; [`IgnoreAdmission`] leaves the machine alone
+//! and breaks the adapter's admission check instead (`Subject::DISPATCH_CHECKS_ADMISSION`). Each one plays a plausible bug of a retarget
 //! driver; `docs/properties.md` lists which property catches which mutant, and
 //! `model/tests/mutants.rs` asserts that the checker finds the counterexample.
 

@@ -53,6 +53,22 @@ fn without_shutdown_every_property_still_holds() {
 }
 
 #[test]
+fn without_admission_changes_the_model_is_the_pre_admission_one() {
+    // Admission is a conservative extension: with no admission change the state space is the
+    // one pinned before admission was modelled, so the extension added states, not altered any.
+    let config = Config {
+        admission_changes: 0,
+        ..Config::STANDARD
+    };
+    let checker = RouterModel::<Real>::new(config)
+        .checker()
+        .spawn_bfs()
+        .join();
+    assert_eq!(checker.unique_state_count(), 242_502);
+    assert!(checker.is_done());
+}
+
+#[test]
 fn requests_are_a_canonical_multiset() {
     // Two requests in the same stage are interchangeable: the model keeps them sorted and steps
     // only the first of equal ones, so one request load yields one successor, not two.
