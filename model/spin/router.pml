@@ -9,7 +9,8 @@
    standard configuration; ADMISSION is the budget of admission changes, each emptying the
    admission set of one retired binding). Build ids run 1..MAXB with MAXB = RETARGETS + FAILURES (at most 16 here).
    -DBUGGY publishes every finished build (the no-staleness-check mutant): pan must report an
-   assertion violation. Safety properties M1..M8 and M10 are assert()s at the end of every
+   assertion violation; -DBUGGY_ADMISSION dispatches without checking admission (the
+   ignore-admission mutant): pan must report the M10 assertion. Safety properties M1..M8 and M10 are assert()s at the end of every
    step or where the event happens (faults can only arise in the step that causes them); M9 and the V witnesses are not checked here (the comparison is
    about state-space throughput; the Rust model checks them). */
 
@@ -255,10 +256,12 @@ inline load(q) {
 inline dispatch(q) {
   assert((torn & BIT(r_bid[q])) == 0);        /* M7 */
   if
+#ifndef BUGGY_ADMISSION
   :: (emptied & BIT(r_bid[q])) != 0 ->        /* no worker in admission: typed failure */
      seen = seen | 16;
      r_stage[q] = 3; r_bid[q] = 0; r_bt[q] = 0; r_des[q] = 0
-  :: else ->
+#endif
+  :: else ->                                  /* BUGGY_ADMISSION: dispatch without the check */
      assert((emptied & BIT(r_bid[q])) == 0);  /* M10 */
      assert(r_des[q] == r_bt[q]);             /* M6 */
      r_stage[q] = 2; r_des[q] = 0

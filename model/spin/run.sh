@@ -4,7 +4,8 @@
 # the two state counts differ. Prints both rates side by side.
 #
 # usage: model/spin/run.sh [--retargets N] [--failures F] [--requests R] [--targets T]
-#                          [--admission-changes A] [--no-shutdown] [--buggy] [--no-compare]
+#                          [--admission-changes A] [--no-shutdown] [--buggy]
+#                          [--buggy-admission] [--no-compare]
 #                          [--threads N]
 # env:   PAN_W (hash table bits, default: sized from the expected count), CARGO_PROFILE_FLAG
 set -euo pipefail
@@ -21,6 +22,7 @@ while [ $# -gt 0 ]; do
     --threads) threads=$2; shift 2 ;;
     --no-shutdown) shutdown=0; shift ;;
     --buggy) buggy=1; shift ;;
+    --buggy-admission) buggy=2; shift ;;
     --no-compare) compare=0; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -62,7 +64,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work" "$cpu_file"' EXIT
 cp model/spin/router.pml "$work/"
 defs=(-DTARGETS="$targets" -DRETARGETS="$retargets" -DFAILURES="$failures" -DNREQ="$requests" -DSHUTDOWN="$shutdown" -DADMISSION="$admission")
-[ "$buggy" = 0 ] || defs+=(-DBUGGY)
+[ "$buggy" != 1 ] || defs+=(-DBUGGY)
+[ "$buggy" != 2 ] || defs+=(-DBUGGY_ADMISSION)
 # Hash table: ceil(log2(expected states)) + 1 bits, at least 16 (a 2^24 default table costs
 # ~85 ms of page faults on small models, which would swamp the comparison).
 if [ -z "${PAN_W:-}" ]; then
@@ -94,6 +97,11 @@ fi
 cpu_note "${stored%%.*}"
 echo
 
+if [ "$buggy" = 2 ]; then
+  grep -q 'assertion violated.*emptied' "$work/pan.out" || { echo "SPIN missed the admission twin's M10 violation" >&2; exit 1; }
+  grep 'assertion violated' "$work/pan.out" | head -1
+  exit 0
+fi
 if [ "$buggy" = 1 ]; then
   grep -q 'assertion violated' "$work/pan.out" || { echo "SPIN missed the buggy twin's violation" >&2; exit 1; }
   grep 'assertion violated' "$work/pan.out" | head -1
