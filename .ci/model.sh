@@ -9,3 +9,4 @@ if ! command -v spin >/dev/null; then
 fi
 model/spin/run.sh
 model/spin/run.sh --buggy
+model/spin/run.sh --buggy-admission
