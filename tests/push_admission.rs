@@ -181,16 +181,9 @@ async fn a_worker_killed_mid_stream_yields_a_typed_error_within_the_deadline() {
         .expect("ok");
     let killed = Instant::now();
     worker.shutdown();
-    let failure = timeout(deadline, async {
-        loop {
-            match s.next().await {
-                Some(Ok(_)) => continue,
-                other => break other,
-            }
-        }
-    })
-    .await
-    .expect("a typed error before the deadline, not a hang");
+    let failure = end_of(&mut s, deadline)
+        .await
+        .expect("a typed error before the deadline, not a hang");
     assert!(
         matches!(
             failure,
@@ -266,15 +259,6 @@ async fn a_stream_cut_after_its_instance_left_discovery_reports_instance_gone() 
         .expect("item")
         .expect("still streaming");
     worker.shutdown();
-    let failure = timeout(WAIT, async {
-        loop {
-            match s.next().await {
-                Some(Ok(_)) => continue,
-                other => break other,
-            }
-        }
-    })
-    .await
-    .expect("no hang");
+    let failure = end_of(&mut s, WAIT).await.expect("no hang");
     assert_eq!(failure, Some(Err(PushError::InstanceGone(1))));
 }

@@ -217,16 +217,7 @@ async fn worker_killed_mid_stream_fails_pending_streams_promptly() {
     worker.shutdown();
     for mut s in streams {
         // Drain what was already in flight; the stream must then fail, not hang.
-        let failure = timeout(WAIT, async {
-            loop {
-                match s.next().await {
-                    Some(Ok(_)) => continue,
-                    other => break other,
-                }
-            }
-        })
-        .await
-        .expect("no hang");
+        let failure = end_of(&mut s, WAIT).await.expect("no hang");
         assert!(
             matches!(failure, Some(Err(TransportError::Disconnected { .. }))),
             "{failure:?}"

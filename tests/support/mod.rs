@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::stream;
+use futures_util::{stream, Stream, StreamExt};
 use parking_lot::Mutex;
 use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use prefill_router::push::{block_hashes, RoutableView};
@@ -254,4 +254,22 @@ pub async fn wait_count(counter: &AtomicUsize, value: usize) -> bool {
     })
     .await
     .is_ok()
+}
+
+/// Skip the items a stream still yields and return how it ends: its first error, or `None` if
+/// it just ends. Bounded by `deadline`: `None` from this function means it hung.
+pub async fn end_of<S, T, E>(stream: &mut S, deadline: Duration) -> Option<Option<Result<T, E>>>
+where
+    S: Stream<Item = Result<T, E>> + Unpin,
+{
+    tokio::time::timeout(deadline, async {
+        loop {
+            match stream.next().await {
+                Some(Ok(_)) => continue,
+                other => break other,
+            }
+        }
+    })
+    .await
+    .ok()
 }
