@@ -140,7 +140,7 @@ fn assert_caught(mutant: Mutant, kind: &str) {
     assert_eq!(
         repro,
         format!(
-            "cargo run --release --features sim -- simulate --seed {} --steps {STEPS} --mutant {}",
+            "cargo run --release --features cli -- simulate --seed {} --steps {STEPS} --mutant {}",
             report.config.seed,
             prefill_router::sim::mutant_name(mutant)
         )

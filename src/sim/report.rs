@@ -113,7 +113,7 @@ pub fn repro_command(config: &SimConfig) -> String {
         Some(m) => format!(" --mutant {}", mutant_name(m)),
     };
     format!(
-        "cargo run --release --features sim -- simulate --seed {} --steps {}{mutant}",
+        "cargo run --release --features cli -- simulate --seed {} --steps {}{mutant}",
         config.seed, config.steps
     )
 }

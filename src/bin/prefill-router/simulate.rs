@@ -22,7 +22,7 @@ checks the oracles listed in docs/simulation.md.
                 ignore-admission | leak-bindings | no-prefill-timeout |
                 deferred-set-target
   --quiet       print failing runs and the summary only
-(needs the `sim` feature: cargo run --release --features sim -- simulate ...)";
+(needs the `cli` feature: cargo run --release --features cli -- simulate ...)";
 
 /// Parsed options.
 pub struct SimulateOptions {
@@ -125,7 +125,7 @@ fn run_blocking(options: &SimulateOptions) -> ExitCode {
 fn run_blocking(_options: &SimulateOptions) -> ExitCode {
     eprintln!(
         "error: this binary was built without the `sim` feature; run\n  cargo run --release \
-         --features sim -- simulate ..."
+         --features cli -- simulate ..."
     );
     ExitCode::from(2)
 }
