@@ -7,6 +7,7 @@
 //!   reuse, stale-build rejection, retry with backoff). No I/O, no clock, no locks.
 //! - [`route`]: the published view requests read: one immutable snapshot per change in one
 //!   lock-free cell, answering [`route::Route`] (prefill on a binding, or bypass and why).
+//! - [`batch`]: the one inline output batch both the machine and the control core return.
 //! - [`control`]: the synchronous, thread-safe control core driving the machine and publishing
 //!   snapshots; loom-checked (`docs/concurrency.md`).
 //! - [`advert`]: pure resolution of the prefill workers' model cards into the hop's
@@ -35,6 +36,7 @@
 //! `docs/transport.md` for the request plane.
 
 pub mod advert;
+pub mod batch;
 #[cfg(feature = "runtime")]
 pub mod binding;
 pub mod control;

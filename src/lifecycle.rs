@@ -254,7 +254,7 @@ impl<T: Clone + Eq + fmt::Debug> Machine<T> {
 
     /// Apply one input; returns the actions the driver must carry out, in order.
     pub fn handle(&mut self, input: Input<T>) -> Actions<T> {
-        let mut out = Actions::new();
+        let mut out = Actions::default();
         if self.shut_down {
             // Only a late success needs an answer: its binding exists and must be dropped.
             if let Input::BuildSucceeded(build) = input {
