@@ -244,7 +244,7 @@ where
     pub fn load(&self) -> SnapshotGuard<T, B> {
         #[cfg(prefill_loom)]
         if let Some(snapshot) = self.mutant.load() {
-            return snapshot;
+            return SnapshotGuard::detached(snapshot);
         }
         self.cell.load()
     }

@@ -166,10 +166,46 @@ impl<T, B> Snapshot<T, B> {
     }
 }
 
-/// A read guard pinning one [`Snapshot`]: normally an `arc_swap::Guard` (no refcount traffic on
-/// the shared snapshot), a cloned `Arc` under the loom cfg. Keep it short-lived: a guard held
+/// A read guard pinning one [`Snapshot`]; derefs to it. Keep it short-lived: a guard held
 /// across an `.await` pins the snapshot and its binding.
-pub type SnapshotGuard<T, B> = CellGuard<Snapshot<T, B>>;
+///
+/// A newtype, so the cell behind it (arc-swap today: a guard with no reference-count traffic on
+/// the shared snapshot; a cloned `Arc` under the loom cfg) is not part of the public API.
+pub struct SnapshotGuard<T, B>(CellGuard<Snapshot<T, B>>);
+
+impl<T, B> SnapshotGuard<T, B> {
+    /// A guard over a snapshot that is not in any cell (the loom suite's broken variants).
+    #[cfg(prefill_loom)]
+    pub(crate) fn detached(snapshot: Arc<Snapshot<T, B>>) -> Self {
+        SnapshotGuard(snapshot)
+    }
+
+    /// The pinned snapshot as an owned `Arc` (one reference-count increment), for a caller
+    /// that must keep it beyond the guard's short life.
+    pub fn to_arc(&self) -> Arc<Snapshot<T, B>> {
+        Arc::clone(&self.0)
+    }
+
+    /// Whether two guards pin the very same published snapshot (not merely equal ones).
+    pub fn same_snapshot(a: &Self, b: &Self) -> bool {
+        Arc::ptr_eq(&a.0, &b.0)
+    }
+}
+
+impl<T, B> std::ops::Deref for SnapshotGuard<T, B> {
+    type Target = Snapshot<T, B>;
+
+    #[inline]
+    fn deref(&self) -> &Snapshot<T, B> {
+        &self.0
+    }
+}
+
+impl<T: fmt::Debug, B: fmt::Debug> fmt::Debug for SnapshotGuard<T, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("SnapshotGuard").field(&**self).finish()
+    }
+}
 
 /// The cell holding the current `Arc<Snapshot>`: lock-free loads, whole-snapshot stores.
 ///
@@ -190,7 +226,7 @@ impl<T, B> RouteCell<T, B> {
     /// The current snapshot, pinned by a guard (one lock-free load; the decision hot path).
     #[inline]
     pub fn load(&self) -> SnapshotGuard<T, B> {
-        self.cell.load()
+        SnapshotGuard(self.cell.load())
     }
 
     /// The current route, owned (one load plus one `Arc` clone when Active; admission).

@@ -115,7 +115,7 @@ impl ControlApi for Control<u8, TestBinding> {
         Control::shutdown(self).into_iter().collect()
     }
     fn snapshot(&self) -> Arc<TestSnapshot> {
-        Arc::clone(&*self.load())
+        self.load().to_arc()
     }
     fn route(&self) -> Route<TestBinding> {
         Control::route(self)
