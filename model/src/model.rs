@@ -3,12 +3,13 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use prefill_router::lifecycle::{Action, BuildId, Input, Lifecycle, RetryPolicy};
-use stateright::{Model, Property};
+use stateright::{Expectation, Model, Property};
 
 use crate::subject::{Subject, Target};
-use crate::world::{bit, fault, seen, Binding, Build, Request, State, Timer};
+use crate::world::{bit, fault, seen, Binding, Build, Outcome, Request, State, Timer};
 
 /// The bounds of one model configuration. Every bound is a budget the world spends, which is
 /// what keeps every path finite and acyclic (see docs/model.md).
@@ -111,12 +112,30 @@ impl fmt::Display for Step {
 pub struct RouterModel<S> {
     /// The bounds.
     pub config: Config,
+    /// Set for the Explorer: where to get the shortest counterexample.
+    hint: Option<Arc<ExplorerHint>>,
     _subject: PhantomData<fn() -> S>,
+}
+
+/// The Explorer's pointer to the shortest counterexample. Its on-demand checker links each
+/// property to the last violating path it saw, often many steps past the violation, and its
+/// page cannot be changed; so the page says, in the property names and at the violating step,
+/// which `check` command prints the shortest one.
+#[derive(Debug)]
+struct ExplorerHint {
+    /// The `check` command line for the same model.
+    command: String,
+    /// Each always/eventually property's name, and the name the Explorer shows instead.
+    names: Vec<(&'static str, &'static str)>,
 }
 
 impl<S> Clone for RouterModel<S> {
     fn clone(&self) -> Self {
-        RouterModel::new(self.config)
+        RouterModel {
+            config: self.config,
+            hint: self.hint.clone(),
+            _subject: PhantomData,
+        }
     }
 }
 
@@ -133,6 +152,39 @@ impl<S> RouterModel<S> {
     pub fn new(config: Config) -> Self {
         RouterModel {
             config,
+            hint: None,
+            _subject: PhantomData,
+        }
+    }
+
+    /// The `check` command (as printed for the Explorer) if this model was made by
+    /// [`RouterModel::for_explorer`].
+    pub fn check_command(&self) -> Option<&str> {
+        self.hint.as_deref().map(|h| h.command.as_str())
+    }
+}
+
+impl<S: Subject> RouterModel<S> {
+    /// The model as the Explorer should show it: each always/eventually property's name ends
+    /// with "shortest counterexample: `check_command`", and a step that violates an always
+    /// property says so in its outcome, with the same command. The states and the steps are
+    /// those of [`RouterModel::new`].
+    pub fn for_explorer(config: Config, check_command: String) -> Self {
+        let names = crate::properties::all::<S>()
+            .into_iter()
+            .filter(|p| p.expectation != Expectation::Sometimes)
+            .map(|p| {
+                // Property names are `&'static str`: leaked once per Explorer process.
+                let shown = format!("{} (shortest counterexample: {check_command})", p.name);
+                (p.name, &*Box::leak(shown.into_boxed_str()))
+            })
+            .collect();
+        RouterModel {
+            config,
+            hint: Some(Arc::new(ExplorerHint {
+                command: check_command,
+                names,
+            })),
             _subject: PhantomData,
         }
     }
@@ -200,7 +252,7 @@ impl<S: Subject> RouterModel<S> {
                         // The adapter finds no worker in admission: the request ends at once
                         // with a typed failure instead of waiting or picking an outsider.
                         n.seen |= seen::ADMISSION_FAILED;
-                        n.requests[i] = Request::Done;
+                        n.requests[i] = Request::done(Outcome::Failed(b));
                     } else {
                         if empty {
                             n.faults |= fault::OUTSIDE_ADMISSION;
@@ -214,7 +266,7 @@ impl<S: Subject> RouterModel<S> {
             }
             Step::Bypass(i) => {
                 if let Some(Request::Loaded { binding: None, .. }) = s.requests.get(i) {
-                    n.requests[i] = Request::Done;
+                    n.requests[i] = Request::done(Outcome::Bypassed);
                 }
             }
             Step::Finish(i) => {
@@ -224,7 +276,7 @@ impl<S: Subject> RouterModel<S> {
                     } else if s.retired & bit(b.build) != 0 {
                         n.seen |= seen::RETIRED_SERVED;
                     }
-                    n.requests[i] = Request::Done;
+                    n.requests[i] = Request::done(Outcome::Served(b));
                 }
             }
         }
@@ -367,7 +419,7 @@ impl<S> RouterModel<S> {
                 Request::Idle => 3,
                 Request::Loaded { .. } => 2,
                 Request::Running(_) => 1,
-                Request::Done => 0,
+                Request::Done(_) => 0,
             })
             .sum();
         controller
@@ -480,7 +532,7 @@ impl<S: Subject> Model for RouterModel<S> {
                 } => out.push(Step::Dispatch(i)),
                 Request::Loaded { binding: None, .. } => out.push(Step::Bypass(i)),
                 Request::Running(_) => out.push(Step::Finish(i)),
-                Request::Done => {}
+                Request::Done(_) => {}
             }
         }
     }
@@ -495,10 +547,33 @@ impl<S: Subject> Model for RouterModel<S> {
 
     fn format_step(&self, s: &State<S>, step: Step) -> Option<String> {
         let (n, actions) = self.apply(s, step);
-        Some(crate::trace::describe(s, step, &actions, &n))
+        let mut text = crate::trace::describe(s, step, &actions, &n);
+        if let Some(hint) = &self.hint {
+            // The Explorer's link may run past the violation: mark the step where it happens.
+            for p in crate::properties::all::<S>() {
+                if p.expectation == Expectation::Always
+                    && (p.condition)(self, s)
+                    && !(p.condition)(self, &n)
+                {
+                    text.push_str(&format!(
+                        "\n\nthis step violates \"{}\"; the shortest counterexample: {}",
+                        p.name, hint.command
+                    ));
+                }
+            }
+        }
+        Some(text)
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        crate::properties::all()
+        let mut properties = crate::properties::all();
+        if let Some(hint) = &self.hint {
+            for p in &mut properties {
+                if let Some((_, shown)) = hint.names.iter().find(|(name, _)| *name == p.name) {
+                    p.name = shown;
+                }
+            }
+        }
+        properties
     }
 }

@@ -137,5 +137,5 @@ pub fn settles<S: Subject>(_: &RouterModel<S>, s: &State<S>) -> bool {
         // Never targeted (a zero budget): Pending is the decision shown.
         (false, None) => snap.lifecycle == Lifecycle::Pending,
     };
-    done && shows_decision && s.requests.iter().all(|r| *r == Request::Done)
+    done && shows_decision && s.requests.iter().all(Request::is_done)
 }

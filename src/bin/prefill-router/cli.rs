@@ -11,7 +11,7 @@ usage: prefill-router <command> [options]
 commands:
   demo     run the prefill-router story on loopback workers (see `prefill-router demo --help`)
   simulate run the deterministic simulator (see `prefill-router simulate --help`)
-  help     show this text";
+  help     show this text, or `help COMMAND` that command's (as `COMMAND --help` does)";
 
 /// Why parsing stopped.
 pub enum CliError {
@@ -38,7 +38,7 @@ impl Command {
         match name.as_str() {
             "demo" => demo::DemoOptions::parse(rest).map(Command::Demo),
             "simulate" => simulate::SimulateOptions::parse(rest).map(Command::Simulate),
-            "help" | "--help" | "-h" => Err(CliError::Help(USAGE.to_owned())),
+            "help" | "--help" | "-h" => Err(CliError::Help(help_on(rest.first())?.to_owned())),
             other => Err(CliError::Usage(format!("unknown command `{other}`"))),
         }
     }
@@ -49,6 +49,16 @@ impl Command {
             Command::Demo(options) => demo::run(options).await,
             Command::Simulate(options) => simulate::run(options).await,
         }
+    }
+}
+
+/// The usage `help [COMMAND]` prints: the program's, or that command's.
+fn help_on(topic: Option<&String>) -> Result<&'static str, CliError> {
+    match topic.map(String::as_str) {
+        None | Some("help" | "--help" | "-h") => Ok(USAGE),
+        Some("demo") => Ok(demo::USAGE),
+        Some("simulate") => Ok(simulate::USAGE),
+        Some(other) => Err(CliError::Usage(format!("no help on `{other}`"))),
     }
 }
 
@@ -81,5 +91,49 @@ impl<'a> Flags<'a> {
         let raw = self.value(flag)?;
         raw.parse()
             .map_err(|_| CliError::Usage(format!("invalid value `{raw}` for {flag}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn help(line: &str) -> String {
+        let args: Vec<String> = line.split_whitespace().map(String::from).collect();
+        match Command::parse(&args) {
+            Err(CliError::Help(text)) => text,
+            Err(CliError::Usage(message)) => panic!("{line}: usage error {message}"),
+            Ok(_) => panic!("{line}: parsed as a command to run"),
+        }
+    }
+
+    #[test]
+    fn every_subcommand_answers_help_with_its_usage() {
+        for line in ["demo --help", "demo -h", "demo --quick --help", "help demo"] {
+            assert!(
+                help(line).starts_with("usage: prefill-router demo"),
+                "{line}"
+            );
+        }
+        for line in [
+            "simulate --help",
+            "simulate -h",
+            "simulate --seed 3 --help",
+            "help simulate",
+        ] {
+            assert!(
+                help(line).starts_with("usage: prefill-router simulate"),
+                "{line}"
+            );
+        }
+        for line in ["", "help", "--help", "-h", "help --help", "help help"] {
+            assert_eq!(help(line), USAGE, "{line:?}");
+        }
+    }
+
+    #[test]
+    fn help_on_an_unknown_command_is_a_usage_error() {
+        let args = ["help".to_string(), "frobnicate".to_string()];
+        assert!(matches!(Command::parse(&args), Err(CliError::Usage(_))));
     }
 }
