@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use crate::{demo, simulate};
+use crate::{demo, replay, simulate};
 
 /// Top-level usage.
 pub const USAGE: &str = "\
@@ -11,6 +11,7 @@ usage: prefill-router <command> [options]
 commands:
   demo     run the prefill-router story on loopback workers (see `prefill-router demo --help`)
   simulate run the deterministic simulator (see `prefill-router simulate --help`)
+  replay   replay a request trace in virtual time, per routing policy (see `prefill-router replay --help`)
   help     show this text";
 
 /// Why parsing stopped.
@@ -27,6 +28,8 @@ pub enum Command {
     Demo(demo::DemoOptions),
     /// `prefill-router simulate`.
     Simulate(simulate::SimulateOptions),
+    /// `prefill-router replay`.
+    Replay(replay::ReplayOptions),
 }
 
 impl Command {
@@ -38,6 +41,7 @@ impl Command {
         match name.as_str() {
             "demo" => demo::DemoOptions::parse(rest).map(Command::Demo),
             "simulate" => simulate::SimulateOptions::parse(rest).map(Command::Simulate),
+            "replay" => replay::ReplayOptions::parse(rest).map(Command::Replay),
             "help" | "--help" | "-h" => Err(CliError::Help(USAGE.to_owned())),
             other => Err(CliError::Usage(format!("unknown command `{other}`"))),
         }
@@ -48,6 +52,7 @@ impl Command {
         match self {
             Command::Demo(options) => demo::run(options).await,
             Command::Simulate(options) => simulate::run(options).await,
+            Command::Replay(options) => replay::run(options).await,
         }
     }
 }
