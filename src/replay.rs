@@ -25,9 +25,11 @@ mod cost;
 mod engine;
 mod report;
 mod run;
+mod svg;
 mod trace;
 
 pub use cost::CostModel;
 pub use report::{Percentiles, ReplayReport};
 pub use run::{run, Policy, ReplayConfig};
+pub use svg::svg;
 pub use trace::{ceiling, parse_trace, read_trace, TraceError, TraceRecord, BLOCK_TOKENS};

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use prefill_router::replay::{
-    ceiling, parse_trace, read_trace, run, Policy, ReplayConfig, TraceError, TraceRecord,
+    ceiling, parse_trace, read_trace, run, svg, Policy, ReplayConfig, TraceError, TraceRecord,
 };
 
 const TRACE: &str = "mooncake_conversation_trace.jsonl";
@@ -46,8 +46,10 @@ fn tiny_trace_replays_every_policy_without_loss() {
     // 22 blocks; one shared cache hits 0 (x6 after the first), 1, 2 (line 3), 3 (line 4),
     // 1 (line 6), 3, 4, 5 (line 7) and 6 (line 8): 13 of 22.
     assert!((ceiling - 13.0 / 22.0).abs() < 1e-12, "ceiling {ceiling}");
+    let mut reports = Vec::new();
     for policy in Policy::ALL {
         let report = run(&ReplayConfig::new(policy), &trace).expect("runtime");
+        assert_eq!(report.ttft_cdf_ms.len(), 100, "{report}");
         assert_eq!((report.requests, report.lost), (8, 0), "{report}");
         assert_eq!(report.prompt_blocks, 22, "{report}");
         assert!(report.prefix_hit_rate <= report.ceiling + 1e-12, "{report}");
@@ -69,7 +71,13 @@ fn tiny_trace_replays_every_policy_without_loss() {
         for field in ["work_imbalance", "wall_s", "queue_ms", "requests_per_s"] {
             assert!(json.get(field).is_some(), "{field} missing in {json}");
         }
+        reports.push(report);
     }
+    let picture = svg("tiny <trace>", &reports);
+    assert!(picture.starts_with("<svg") && picture.trim_end().ends_with("</svg>"));
+    // Per policy one CDF and one hit-rate line, plus the ceiling.
+    assert_eq!(picture.matches("<polyline").count(), 2 * reports.len() + 1);
+    assert!(picture.contains("tiny &lt;trace&gt;"));
     // One worker with an unbounded cache is the shared cache: it reaches the ceiling.
     let one = ReplayConfig {
         workers: 1,

@@ -19,6 +19,18 @@ pub struct Percentiles {
     pub max: f64,
 }
 
+/// The 1%, 2%, ..., 100% quantiles of `values` (nearest rank), in ms.
+pub(crate) fn quantiles(mut values: Vec<f64>) -> Vec<f64> {
+    if values.is_empty() {
+        return Vec::new();
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    (1..=100)
+        .map(|q| values[(q * n).div_ceil(100).clamp(1, n) - 1])
+        .collect()
+}
+
 impl Percentiles {
     /// Of `values` (nearest-rank percentiles; all zero when empty).
     pub fn of(mut values: Vec<f64>) -> Self {
@@ -78,6 +90,9 @@ pub struct ReplayReport {
     pub prefill_tokens: Vec<u64>,
     /// Max over mean of `prefill_tokens` (1 = perfectly balanced).
     pub work_imbalance: f64,
+    /// The TTFT distribution: entry *i* is the `(i + 1)`% quantile in ms (100 entries; empty
+    /// when nothing completed). What the SVG's CDF is drawn from.
+    pub ttft_cdf_ms: Vec<f64>,
     /// Hit rate per tenth of the requests (in arrival order): how it evolves over the trace.
     pub hit_rate_by_decile: Vec<f64>,
     /// Virtual time the replay covered, in seconds.

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::cost::CostModel;
 use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Shared, Worker};
-use super::report::{Percentiles, ReplayReport};
+use super::report::{quantiles, Percentiles, ReplayReport};
 use super::trace::{ceiling, ratio, TraceRecord, BLOCK_TOKENS};
 use crate::advert::{ModelCard, RouterConfig, RouterMode};
 use crate::router::{
@@ -298,6 +298,7 @@ fn summarize(
             0.0
         },
         ttft_ms: Percentiles::of(ttft.iter().flatten().map(|&d| ms(d)).collect()),
+        ttft_cdf_ms: quantiles(ttft.iter().flatten().map(|&d| ms(d)).collect()),
         queue_ms: Percentiles::of(served.iter().flatten().map(|s| ms(s.queue)).collect()),
         prefill_tokens,
         work_imbalance,

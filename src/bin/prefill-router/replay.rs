@@ -7,7 +7,7 @@ use crate::cli::{CliError, Flags};
 /// Usage of `prefill-router replay`.
 pub const USAGE: &str = "\
 usage: prefill-router replay --trace FILE [--workers N] [--policy P] [--cache-blocks C]
-                             [--limit K] [--json OUT] [--quiet]
+                             [--limit K] [--json OUT] [--svg OUT] [--quiet]
 
 Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
 hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and push routers
@@ -20,6 +20,7 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
   --cache-blocks C   KV blocks per worker, LRU (default unbounded)
   --limit K          replay only the first K requests
   --json OUT         also write the reports as JSON to OUT
+  --svg OUT          also draw TTFT CDF and hit rate over the trace per policy as SVG
   --quiet            no progress lines on stderr
 (needs the `cli` feature: cargo run --release --features cli -- replay ...)";
 
@@ -31,6 +32,7 @@ pub struct ReplayOptions {
     cache_blocks: Option<usize>,
     limit: Option<usize>,
     json: Option<String>,
+    svg: Option<String>,
     quiet: bool,
 }
 
@@ -45,6 +47,7 @@ impl ReplayOptions {
             cache_blocks: None,
             limit: None,
             json: None,
+            svg: None,
             quiet: false,
         };
         let mut flags = Flags::new(args);
@@ -56,6 +59,7 @@ impl ReplayOptions {
                 "--cache-blocks" => options.cache_blocks = Some(flags.parsed(flag)?),
                 "--limit" => options.limit = Some(flags.parsed(flag)?),
                 "--json" => options.json = Some(flags.value(flag)?.to_owned()),
+                "--svg" => options.svg = Some(flags.value(flag)?.to_owned()),
                 "--quiet" => options.quiet = true,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
@@ -98,7 +102,7 @@ pub async fn run(options: ReplayOptions) -> ExitCode {
 
 #[cfg(feature = "sim")]
 fn run_blocking(options: &ReplayOptions) -> ExitCode {
-    use prefill_router::replay::{read_trace, run, Policy, ReplayConfig};
+    use prefill_router::replay::{read_trace, run, svg, Policy, ReplayConfig};
 
     let trace = match read_trace(std::path::Path::new(&options.trace)) {
         Ok(trace) => trace,
@@ -135,6 +139,24 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
         let doc = serde_json::json!({ "trace": options.trace, "runs": reports });
         let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
         if let Err(error) = std::fs::write(path, text + "\n") {
+            eprintln!("error: cannot write {path}: {error}");
+            return ExitCode::FAILURE;
+        }
+    }
+    if let Some(path) = &options.svg {
+        let cache = options
+            .cache_blocks
+            .map_or("unbounded caches".to_owned(), |c| {
+                format!("{c}-block caches")
+            });
+        let title = format!(
+            "{}: {} workers, {cache}",
+            std::path::Path::new(&options.trace)
+                .file_name()
+                .map_or(options.trace.clone(), |n| n.to_string_lossy().into_owned()),
+            options.workers
+        );
+        if let Err(error) = std::fs::write(path, svg(&title, &reports)) {
             eprintln!("error: cannot write {path}: {error}");
             return ExitCode::FAILURE;
         }
