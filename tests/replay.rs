@@ -129,3 +129,27 @@ fn real_trace_kv_beats_round_robin_below_the_ceiling() {
         "kv {kv}\nround robin {rr}"
     );
 }
+
+#[test]
+fn pool_events_reuse_or_rebuild_the_binding_and_lose_nothing() {
+    use prefill_router::replay::PoolEvent;
+    use std::time::Duration;
+
+    let trace = fixture();
+    let at = Duration::from_millis(25);
+    for (event, builds) in [
+        (PoolEvent::Retarget { at }, 2),
+        (PoolEvent::Flap { at, rebuild: false }, 1),
+        (PoolEvent::Flap { at, rebuild: true }, 2),
+    ] {
+        let config = ReplayConfig {
+            event: Some(event),
+            ..ReplayConfig::new(Policy::Kv)
+        };
+        let report = run(&config, &trace).unwrap();
+        assert_eq!(report.lost, 0, "{event:?}: {report}");
+        assert_eq!(report.bindings_built, builds, "{event:?}: {report}");
+        let around = report.event.expect("event window");
+        assert_eq!(around.before.requests + around.after.requests, 8);
+    }
+}

@@ -121,12 +121,25 @@ pub(crate) struct Shared {
     pub(crate) cost: CostModel,
     pub(crate) policy: Policy,
     pub(crate) seed: u64,
+    pub(crate) cache_blocks: usize,
     pub(crate) workers: Mutex<BTreeMap<InstanceId, Arc<Worker>>>,
     /// Per request index, what its prefill found.
     pub(crate) served: Mutex<Vec<Option<Served>>>,
+    /// Bindings the factory built (a flap that reuses the binding builds none).
+    pub(crate) builds: AtomicU64,
 }
 
 impl Shared {
+    pub(crate) fn add_workers(&self, ids: impl IntoIterator<Item = InstanceId>) {
+        let mut workers = self.workers.lock();
+        for id in ids {
+            workers.insert(
+                id,
+                Arc::new(Worker::new(self.cache_blocks, self.cost.max_batch)),
+            );
+        }
+    }
+
     fn worker(&self, id: InstanceId) -> Option<Arc<Worker>> {
         self.workers.lock().get(&id).cloned()
     }
@@ -145,6 +158,7 @@ impl BindingFactory for ReplayFactory {
         target: WorkerSetTarget,
         cancel: CancellationToken,
     ) -> BoxFuture<'static, Result<ReplayBinding, BuildError>> {
+        self.shared.builds.fetch_add(1, Ordering::Relaxed);
         future::ready(ReplayBinding::new(
             Arc::clone(&self.shared),
             &target,

@@ -59,6 +59,32 @@ impl Percentiles {
     }
 }
 
+/// Requests arriving in a window of trace time, and how they fared.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Window {
+    /// Requests that arrived in the window.
+    pub requests: u64,
+    /// Of those, requests that did not complete.
+    pub lost: u64,
+    /// Their prefix hit rate, 0..1.
+    pub prefix_hit_rate: f64,
+    /// Their time to first token.
+    pub ttft_ms: Percentiles,
+}
+
+/// Routing around a pool event (`--retarget-at`, `--flap-at`, `--flap-rebuild-at`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EventReport {
+    /// `retarget`, `flap` (binding reused) or `flap-rebuild` (new binding).
+    pub kind: String,
+    /// Trace time of the event, in seconds.
+    pub at_s: f64,
+    /// The 60 s of arrivals before it.
+    pub before: Window,
+    /// The 60 s of arrivals from it on.
+    pub after: Window,
+}
+
 /// The result of one replay (one policy over one trace).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReplayReport {
@@ -95,6 +121,10 @@ pub struct ReplayReport {
     pub ttft_cdf_ms: Vec<f64>,
     /// Hit rate per tenth of the requests (in arrival order): how it evolves over the trace.
     pub hit_rate_by_decile: Vec<f64>,
+    /// Routing around the pool event, if the replay had one.
+    pub event: Option<EventReport>,
+    /// Bindings the router had built by the end (1 without events).
+    pub bindings_built: u64,
     /// Virtual time the replay covered, in seconds.
     pub virtual_s: f64,
     /// Wall-clock time the replay took, in seconds.
@@ -124,6 +154,25 @@ impl fmt::Display for ReplayReport {
             self.work_imbalance,
             self.wall_s,
             self.requests_per_s,
-        )
+        )?;
+        if let Some(e) = &self.event {
+            write!(
+                f,
+                "\n            {} at {:.0} s ({} bindings built): 60 s before: hit rate {:.2}%, \
+                 TTFT p50 {:.0} p99 {:.0} ms; 60 s after: hit rate {:.2}%, TTFT p50 {:.0} p99 \
+                 {:.0} ms, lost {}",
+                e.kind,
+                e.at_s,
+                self.bindings_built,
+                e.before.prefix_hit_rate * 100.0,
+                e.before.ttft_ms.p50,
+                e.before.ttft_ms.p99,
+                e.after.prefix_hit_rate * 100.0,
+                e.after.ttft_ms.p50,
+                e.after.ttft_ms.p99,
+                e.after.lost,
+            )?;
+        }
+        Ok(())
     }
 }

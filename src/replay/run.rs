@@ -2,7 +2,7 @@
 //! trace arrival times, results folded into a [`ReplayReport`].
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,11 +13,12 @@ use tokio::time::Instant;
 
 use super::cost::CostModel;
 use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Shared, Worker};
-use super::report::{quantiles, Percentiles, ReplayReport};
+use super::report::{quantiles, EventReport, Percentiles, ReplayReport, Window};
 use super::trace::{ceiling, ratio, TraceRecord, BLOCK_TOKENS};
 use crate::advert::{ModelCard, RouterConfig, RouterMode};
 use crate::router::{
-    FallbackPolicy, PrefillRouter, PrefillRouterConfig, WorkerSetTarget, WorkerSetTargetId,
+    AfterWait, FallbackPolicy, PrefillRouter, PrefillRouterConfig, WorkerSetTarget,
+    WorkerSetTargetId,
 };
 use crate::transport::GenerateRequest;
 
@@ -69,6 +70,45 @@ impl Policy {
     }
 }
 
+/// A change of the prefill pool at a trace time, to see routing around the router's
+/// lifecycle moments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolEvent {
+    /// The pool rolls to a new generation of as many cold workers (new ids, empty caches); the
+    /// old generation's admission empties.
+    Retarget {
+        /// Trace time of the roll.
+        at: Duration,
+    },
+    /// The pool disappears for [`FLAP_DOWN`] and comes back: with `rebuild` false as the same
+    /// target (the router reuses its held binding, KV index included), with `rebuild` true as
+    /// a new generation of the same workers (a new binding: warm workers, cold router index).
+    Flap {
+        /// Trace time the pool disappears.
+        at: Duration,
+        /// Whether it comes back as a new generation.
+        rebuild: bool,
+    },
+}
+
+impl PoolEvent {
+    fn at(self) -> Duration {
+        match self {
+            PoolEvent::Retarget { at } | PoolEvent::Flap { at, .. } => at,
+        }
+    }
+}
+
+/// How long a [`PoolEvent::Flap`] keeps the pool away. Requests arriving meanwhile wait for
+/// the hop (up to [`WAIT_FOR_HOP`]).
+pub const FLAP_DOWN: Duration = Duration::from_secs(1);
+
+/// How long a request waits for the hop to be Active before it is rejected (lost).
+pub const WAIT_FOR_HOP: Duration = Duration::from_secs(5);
+
+/// Around a [`PoolEvent`]: the window the report compares before and after it.
+pub const EVENT_WINDOW: Duration = Duration::from_secs(60);
+
 /// What to replay and how.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ReplayConfig {
@@ -86,6 +126,8 @@ pub struct ReplayConfig {
     pub seed: u64,
     /// Print a progress line to stderr every 10% of the requests.
     pub progress: bool,
+    /// A pool change during the replay, if any.
+    pub event: Option<PoolEvent>,
 }
 
 impl ReplayConfig {
@@ -99,6 +141,7 @@ impl ReplayConfig {
             cost: CostModel::default(),
             seed: 0x5eed,
             progress: false,
+            event: None,
         }
     }
 }
@@ -143,7 +186,8 @@ fn prompt(record: &TraceRecord, policy: Policy) -> Vec<u32> {
 
 async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayReport {
     let cache_blocks = config.cache_blocks.unwrap_or(usize::MAX);
-    let workers: BTreeMap<_, _> = (1..=config.workers.max(1) as u64)
+    let pool = config.workers.max(1) as u64;
+    let workers: BTreeMap<_, _> = (1..=pool)
         .map(|id| {
             (
                 id,
@@ -157,16 +201,22 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         cost: config.cost.clone(),
         policy: config.policy,
         seed: config.seed,
+        cache_blocks,
         workers: Mutex::new(workers),
         served: Mutex::new(vec![None; records.len()]),
+        builds: AtomicU64::new(0),
     });
     let router = Arc::new(PrefillRouter::new(
         ReplayFactory {
             shared: Arc::clone(&shared),
         },
         PrefillRouterConfig {
-            // A request the hop cannot take is lost, not silently served elsewhere.
-            fallback: FallbackPolicy::Reject,
+            // A request the hop cannot take waits a little (a flap), then is lost: it is
+            // never silently served elsewhere.
+            fallback: FallbackPolicy::WaitUpTo {
+                timeout: WAIT_FOR_HOP,
+                then: AfterWait::Reject,
+            },
             jitter_seed: Some(config.seed),
             name: "replay".to_owned(),
             ..PrefillRouterConfig::default()
@@ -181,13 +231,15 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         }),
         ..ModelCard::default()
     };
-    let (_admitted, admitted_rx) = watch::channel(ids);
-    router.set_target(Some(WorkerSetTarget::new(
+    let card = Arc::new(card);
+    let (admitted, admitted_rx) = watch::channel(ids.clone());
+    let first = WorkerSetTarget::new(
         WorkerSetTargetId::new("replay/prefill", 1),
         prefill_endpoint(),
-        Arc::new(card),
+        Arc::clone(&card),
         admitted_rx,
-    )));
+    );
+    router.set_target(Some(first.clone()));
     // Virtual time: the build finishes at once, the wait costs nothing real.
     let _ = router.wait_active(Duration::from_secs(60)).await;
     let decode = Arc::new(ReplayDecode {
@@ -196,6 +248,40 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     let ttft: Arc<Mutex<Vec<Option<Duration>>>> = Arc::new(Mutex::new(vec![None; records.len()]));
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(records.len());
+    if let Some(event) = config.event {
+        let router = Arc::clone(&router);
+        let shared = Arc::clone(&shared);
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(start + event.at()).await;
+            // The second generation: new cold workers, or the same ones.
+            let next_ids: BTreeSet<u64> = match event {
+                PoolEvent::Retarget { .. } => (pool + 1..=2 * pool).collect(),
+                PoolEvent::Flap { .. } => ids.clone(),
+            };
+            let (next_tx, next_rx) = watch::channel(next_ids.clone());
+            let second = WorkerSetTarget::new(
+                WorkerSetTargetId::new("replay/prefill", 2),
+                prefill_endpoint(),
+                Arc::clone(&card),
+                next_rx,
+            );
+            match event {
+                PoolEvent::Retarget { .. } => {
+                    shared.add_workers(next_ids);
+                    router.set_target(Some(second));
+                    admitted.send_replace(BTreeSet::new());
+                }
+                PoolEvent::Flap { rebuild, .. } => {
+                    router.set_target(None);
+                    tokio::time::sleep(FLAP_DOWN).await;
+                    router.set_target(Some(if rebuild { second } else { first }));
+                }
+            }
+            // Keep the admission channels open for the rest of the replay.
+            let _keep = (admitted, next_tx);
+            std::future::pending::<()>().await;
+        }));
+    }
     let tenth = records.len().div_ceil(10).max(1);
     for (index, record) in records.iter().enumerate() {
         tokio::time::sleep_until(start + Duration::from_millis(record.timestamp)).await;
@@ -232,8 +318,12 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
             ttft.lock()[index] = first;
         }));
     }
+    let controller = config.event.map(|_| tasks.remove(0));
     for task in tasks {
         let _ = task.await;
+    }
+    if let Some(controller) = controller {
+        controller.abort();
     }
     let virtual_s = start.elapsed().as_secs_f64();
     router.shutdown();
@@ -282,6 +372,43 @@ fn summarize(
     };
     let prefix_hit_rate = ratio(hits, blocks);
     let ceiling = ceiling(records);
+    let event = config.event.map(|event| {
+        let at = event.at();
+        let window = |from: Duration, to: Duration| {
+            let inside: Vec<usize> = (0..records.len())
+                .filter(|&i| {
+                    let t = Duration::from_millis(records[i].timestamp);
+                    t >= from && t < to
+                })
+                .collect();
+            let (b, h) = inside
+                .iter()
+                .filter_map(|&i| served[i])
+                .fold((0, 0), |(b, h), s| {
+                    (b + u64::from(s.blocks), h + u64::from(s.hits))
+                });
+            Window {
+                requests: inside.len() as u64,
+                lost: inside
+                    .iter()
+                    .filter(|&&i| ttft[i].is_none() || served[i].is_none())
+                    .count() as u64,
+                prefix_hit_rate: ratio(h, b),
+                ttft_ms: Percentiles::of(inside.iter().filter_map(|&i| ttft[i]).map(ms).collect()),
+            }
+        };
+        EventReport {
+            kind: match event {
+                PoolEvent::Retarget { .. } => "retarget",
+                PoolEvent::Flap { rebuild: false, .. } => "flap",
+                PoolEvent::Flap { rebuild: true, .. } => "flap-rebuild",
+            }
+            .to_owned(),
+            at_s: at.as_secs_f64(),
+            before: window(at.saturating_sub(EVENT_WINDOW), at),
+            after: window(at, at + EVENT_WINDOW),
+        }
+    });
     ReplayReport {
         policy: config.policy.name().to_owned(),
         workers: config.workers,
@@ -303,6 +430,8 @@ fn summarize(
         prefill_tokens,
         work_imbalance,
         hit_rate_by_decile: deciles,
+        event,
+        bindings_built: shared.builds.load(Ordering::Relaxed),
         virtual_s,
         wall_s: 0.0,
         requests_per_s: 0.0,

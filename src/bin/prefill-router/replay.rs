@@ -8,6 +8,7 @@ use crate::cli::{CliError, Flags};
 pub const USAGE: &str = "\
 usage: prefill-router replay --trace FILE [--workers N] [--policy P] [--cache-blocks C]
                              [--limit K] [--json OUT] [--svg OUT] [--quiet]
+                             [--retarget-at T | --flap-at T | --flap-rebuild-at T]
 
 Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
 hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and push routers
@@ -22,6 +23,10 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
   --json OUT         also write the reports as JSON to OUT
   --svg OUT          also draw TTFT CDF and hit rate over the trace per policy as SVG
   --quiet            no progress lines on stderr
+  --retarget-at T    at trace second T, roll the pool to a new generation of cold workers
+  --flap-at T        at trace second T, remove the pool for 1 s and bring the same target
+                     back (the router reuses its binding)
+  --flap-rebuild-at T  the same, but back as a new generation (a new binding)
 (needs the `cli` feature: cargo run --release --features cli -- replay ...)";
 
 /// Parsed options.
@@ -34,6 +39,8 @@ pub struct ReplayOptions {
     json: Option<String>,
     svg: Option<String>,
     quiet: bool,
+    /// `(kind, trace second)` of the pool event.
+    event: Option<(&'static str, f64)>,
 }
 
 impl ReplayOptions {
@@ -49,6 +56,7 @@ impl ReplayOptions {
             json: None,
             svg: None,
             quiet: false,
+            event: None,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -61,11 +69,20 @@ impl ReplayOptions {
                 "--json" => options.json = Some(flags.value(flag)?.to_owned()),
                 "--svg" => options.svg = Some(flags.value(flag)?.to_owned()),
                 "--quiet" => options.quiet = true,
+                "--retarget-at" => options.event = Some(("retarget", flags.parsed(flag)?)),
+                "--flap-at" => options.event = Some(("flap", flags.parsed(flag)?)),
+                "--flap-rebuild-at" => options.event = Some(("flap-rebuild", flags.parsed(flag)?)),
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
             }
         }
         options.trace = trace.ok_or_else(|| CliError::Usage("--trace FILE is required".into()))?;
+        if options
+            .event
+            .is_some_and(|(_, t)| !(t.is_finite() && t >= 0.0))
+        {
+            return Err(CliError::Usage("event times are seconds >= 0".into()));
+        }
         if options.workers == 0 {
             return Err(CliError::Usage("--workers must be at least 1".into()));
         }
@@ -102,7 +119,7 @@ pub async fn run(options: ReplayOptions) -> ExitCode {
 
 #[cfg(feature = "sim")]
 fn run_blocking(options: &ReplayOptions) -> ExitCode {
-    use prefill_router::replay::{read_trace, run, svg, Policy, ReplayConfig};
+    use prefill_router::replay::{read_trace, run, svg, Policy, PoolEvent, ReplayConfig};
 
     let trace = match read_trace(std::path::Path::new(&options.trace)) {
         Ok(trace) => trace,
@@ -122,6 +139,16 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
             cache_blocks: options.cache_blocks,
             limit: options.limit,
             progress: !options.quiet,
+            event: options.event.map(|(kind, t)| {
+                let at = std::time::Duration::from_secs_f64(t);
+                match kind {
+                    "retarget" => PoolEvent::Retarget { at },
+                    _ => PoolEvent::Flap {
+                        at,
+                        rebuild: kind == "flap-rebuild",
+                    },
+                }
+            }),
             ..ReplayConfig::new(policy)
         };
         match run(&config, &trace) {
