@@ -27,6 +27,8 @@
 //!   cache, for the demo, tests and benchmarks.
 //! - `sim` (feature `sim`): the deterministic simulator of the hop under seeded faults
 //!   (`docs/simulation.md`).
+//! - `replay` (feature `sim`): a request trace replayed in virtual time through the router,
+//!   per routing policy (`docs/replay.md`).
 //! - [`discovery`]: where workers register instances and model cards, and where frontends
 //!   list and watch them; backends in memory, in a shared directory (the embedded default) and
 //!   on etcd (feature `etcd`), all behind one trait and one conformance suite
@@ -46,6 +48,8 @@ pub mod lifecycle;
 pub mod mock;
 #[cfg(feature = "runtime")]
 pub mod push;
+#[cfg(feature = "sim")]
+pub mod replay;
 pub mod route;
 #[cfg(feature = "runtime")]
 pub mod router;

@@ -13,6 +13,8 @@ mod router;
 mod view;
 
 pub use error::PushError;
+#[cfg(feature = "sim")]
+pub(crate) use kv::mix;
 pub use kv::{block_hashes, KvSelector};
-pub use router::{PushConfig, PushMode, PushRouter, RoutedStream};
+pub use router::{PushConfig, PushMode, PushRouter, RoutedStream, Selection};
 pub use view::{InstanceStatus, RoutableView};

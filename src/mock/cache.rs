@@ -49,6 +49,15 @@ impl BlockCache {
         hits
     }
 
+    /// How many leading blocks of `hashes` are cached, without touching anything (what a
+    /// router fed by the worker's KV events would know).
+    pub fn leading_hits(&self, hashes: &[u64]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.stamps.contains_key(h))
+            .count()
+    }
+
     fn touch(&mut self, hash: u64) {
         if self.capacity == 0 {
             return;

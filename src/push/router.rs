@@ -208,6 +208,23 @@ impl PushRouter {
         }
     }
 
+    /// Pick an instance for `request` as [`generate`](Self::generate) would, for callers that
+    /// deliver the request themselves (in-process engines, the trace replay): the returned
+    /// [`Selection`] counts as one request in flight on the instance (the KV load term) until
+    /// dropped, exactly as a routed stream does.
+    pub fn select_held(&self, request: &GenerateRequest) -> Result<Selection, PushError> {
+        let (instance, overlap) = self.select_with_overlap(request)?;
+        let load = self
+            .kv
+            .is_some()
+            .then(|| LoadGuard::new(&self.loads, instance.instance_id));
+        Ok(Selection {
+            instance,
+            overlap,
+            _load: load,
+        })
+    }
+
     fn direct_target(&self, id: InstanceId) -> Result<Arc<Instance>, PushError> {
         match self.view.status(id) {
             InstanceStatus::Routable(instance) => Ok(instance),
@@ -353,6 +370,34 @@ impl Drop for LoadGuard {
                 loads.remove(&self.id);
             }
         }
+    }
+}
+
+/// A pick of [`PushRouter::select_held`]: the instance, and its share of the load until dropped.
+pub struct Selection {
+    instance: Arc<Instance>,
+    overlap: Option<usize>,
+    _load: Option<LoadGuard>,
+}
+
+impl std::fmt::Debug for Selection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Selection")
+            .field("instance", &self.instance.instance_id)
+            .field("overlap", &self.overlap)
+            .finish()
+    }
+}
+
+impl Selection {
+    /// The picked instance.
+    pub fn instance(&self) -> &Arc<Instance> {
+        &self.instance
+    }
+
+    /// In KV mode, the leading blocks the selector expected the worker to have cached.
+    pub fn expected_overlap_blocks(&self) -> Option<usize> {
+        self.overlap
     }
 }
 

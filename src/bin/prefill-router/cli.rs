@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use crate::{demo, simulate};
+use crate::{demo, replay, simulate};
 
 /// Top-level usage.
 pub const USAGE: &str = "\
@@ -11,6 +11,7 @@ usage: prefill-router <command> [options]
 commands:
   demo     run the prefill-router story on loopback workers (see `prefill-router demo --help`)
   simulate run the deterministic simulator (see `prefill-router simulate --help`)
+  replay   replay a request trace in virtual time, per routing policy (see `prefill-router replay --help`)
   help     show this text, or `help COMMAND` that command's (as `COMMAND --help` does)";
 
 /// Why parsing stopped.
@@ -27,6 +28,8 @@ pub enum Command {
     Demo(demo::DemoOptions),
     /// `prefill-router simulate`.
     Simulate(simulate::SimulateOptions),
+    /// `prefill-router replay`.
+    Replay(replay::ReplayOptions),
 }
 
 impl Command {
@@ -38,6 +41,7 @@ impl Command {
         match name.as_str() {
             "demo" => demo::DemoOptions::parse(rest).map(Command::Demo),
             "simulate" => simulate::SimulateOptions::parse(rest).map(Command::Simulate),
+            "replay" => replay::ReplayOptions::parse(rest).map(Command::Replay),
             "help" | "--help" | "-h" => Err(CliError::Help(help_on(rest.first())?.to_owned())),
             other => Err(CliError::Usage(format!("unknown command `{other}`"))),
         }
@@ -48,6 +52,7 @@ impl Command {
         match self {
             Command::Demo(options) => demo::run(options).await,
             Command::Simulate(options) => simulate::run(options).await,
+            Command::Replay(options) => replay::run(options).await,
         }
     }
 }
@@ -58,6 +63,7 @@ fn help_on(topic: Option<&String>) -> Result<&'static str, CliError> {
         None | Some("help" | "--help" | "-h") => Ok(USAGE),
         Some("demo") => Ok(demo::USAGE),
         Some("simulate") => Ok(simulate::USAGE),
+        Some("replay") => Ok(replay::USAGE),
         Some(other) => Err(CliError::Usage(format!("no help on `{other}`"))),
     }
 }
@@ -123,6 +129,12 @@ mod tests {
         ] {
             assert!(
                 help(line).starts_with("usage: prefill-router simulate"),
+                "{line}"
+            );
+        }
+        for line in ["replay --help", "replay -h", "help replay"] {
+            assert!(
+                help(line).starts_with("usage: prefill-router replay"),
                 "{line}"
             );
         }

@@ -4,6 +4,7 @@
 //! - `demo`: a prefill pool appears, rolls to a new generation, loses a worker, vanishes and
 //!   returns while traffic flows; then RoundRobin vs KV prefill routing on the same traffic.
 //! - `simulate`: the deterministic simulator (feature `sim`), `--seed N --steps K`.
+//! - `replay`: a request trace in virtual time through the router, per routing policy.
 //!
 //! Adding a subcommand: a module with `USAGE`, an options struct with `parse(&[String])` and
 //! `async fn run(options) -> ExitCode`, and one arm in [`Command`].
@@ -12,6 +13,7 @@ use std::process::ExitCode;
 
 mod cli;
 mod demo;
+mod replay;
 mod simulate;
 
 use cli::{CliError, Command};

@@ -1,0 +1,201 @@
+//! `prefill-router replay`: a request trace through the router in virtual time, per policy.
+
+use std::process::ExitCode;
+
+use crate::cli::{CliError, Flags};
+
+/// Usage of `prefill-router replay`.
+pub const USAGE: &str = "\
+usage: prefill-router replay --trace FILE [--workers N] [--policy P] [--cache-blocks C]
+                             [--limit K] [--json OUT] [--svg OUT] [--quiet]
+                             [--retarget-at T | --flap-at T | --flap-rebuild-at T]
+
+Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
+hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and push routers
+over in-process prefill workers with an LRU KV block cache (cost model: docs/replay.md), and
+reports prefix hit rate against the trace's ceiling, TTFT, queueing and work balance.
+
+  --trace FILE       the trace (required)
+  --workers N        prefill workers (default 6)
+  --policy P         kv | dynamo | round-robin | random | all (default kv; all runs each)
+  --cache-blocks C   KV blocks per worker, LRU (default unbounded)
+  --limit K          replay only the first K requests
+  --json OUT         also write the reports as JSON to OUT
+  --svg OUT          also draw TTFT CDF and hit rate over the trace per policy as SVG
+  --quiet            no progress lines on stderr
+  --retarget-at T    at trace second T, roll the pool to a new generation of cold workers
+  --flap-at T        at trace second T, remove the pool for 1 s and bring the same target
+                     back (the router reuses its binding)
+  --flap-rebuild-at T  the same, but back as a new generation (a new binding)
+(needs the `cli` feature: cargo run --release --features cli -- replay ...)";
+
+/// Parsed options.
+pub struct ReplayOptions {
+    trace: String,
+    workers: usize,
+    policy: String,
+    cache_blocks: Option<usize>,
+    limit: Option<usize>,
+    json: Option<String>,
+    svg: Option<String>,
+    quiet: bool,
+    /// `(kind, trace second)` of the pool event.
+    event: Option<(&'static str, f64)>,
+}
+
+impl ReplayOptions {
+    /// Parse the arguments after `replay`.
+    pub fn parse(args: &[String]) -> Result<Self, CliError> {
+        let mut trace = None;
+        let mut options = ReplayOptions {
+            trace: String::new(),
+            workers: 6,
+            policy: "kv".to_owned(),
+            cache_blocks: None,
+            limit: None,
+            json: None,
+            svg: None,
+            quiet: false,
+            event: None,
+        };
+        let mut flags = Flags::new(args);
+        while let Some(flag) = flags.next_flag() {
+            match flag {
+                "--trace" => trace = Some(flags.value(flag)?.to_owned()),
+                "--workers" => options.workers = flags.parsed(flag)?,
+                "--policy" => options.policy = flags.value(flag)?.to_owned(),
+                "--cache-blocks" => options.cache_blocks = Some(flags.parsed(flag)?),
+                "--limit" => options.limit = Some(flags.parsed(flag)?),
+                "--json" => options.json = Some(flags.value(flag)?.to_owned()),
+                "--svg" => options.svg = Some(flags.value(flag)?.to_owned()),
+                "--quiet" => options.quiet = true,
+                "--retarget-at" => options.event = Some(("retarget", flags.parsed(flag)?)),
+                "--flap-at" => options.event = Some(("flap", flags.parsed(flag)?)),
+                "--flap-rebuild-at" => options.event = Some(("flap-rebuild", flags.parsed(flag)?)),
+                "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
+                other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
+            }
+        }
+        options.trace = trace.ok_or_else(|| CliError::Usage("--trace FILE is required".into()))?;
+        if options
+            .event
+            .is_some_and(|(_, t)| !(t.is_finite() && t >= 0.0))
+        {
+            return Err(CliError::Usage("event times are seconds >= 0".into()));
+        }
+        if options.workers == 0 {
+            return Err(CliError::Usage("--workers must be at least 1".into()));
+        }
+        if options.policy != "all" && !known_policy(&options.policy) {
+            return Err(CliError::Usage(format!(
+                "unknown policy `{}` (kv | dynamo | round-robin | random | all)",
+                options.policy
+            )));
+        }
+        Ok(options)
+    }
+}
+
+#[cfg(feature = "sim")]
+fn known_policy(name: &str) -> bool {
+    prefill_router::replay::Policy::parse(name).is_some()
+}
+
+#[cfg(not(feature = "sim"))]
+fn known_policy(_name: &str) -> bool {
+    true
+}
+
+/// Run the replays (each on its own paused runtime, off the CLI's runtime).
+pub async fn run(options: ReplayOptions) -> ExitCode {
+    match tokio::task::spawn_blocking(move || run_blocking(&options)).await {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: replay task failed: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(feature = "sim")]
+fn run_blocking(options: &ReplayOptions) -> ExitCode {
+    use prefill_router::replay::{read_trace, run, svg, Policy, PoolEvent, ReplayConfig};
+
+    let trace = match read_trace(std::path::Path::new(&options.trace)) {
+        Ok(trace) => trace,
+        Err(error) => {
+            eprintln!("error: {}: {error}", options.trace);
+            return ExitCode::FAILURE;
+        }
+    };
+    let policies: Vec<Policy> = match Policy::parse(&options.policy) {
+        Some(policy) => vec![policy],
+        None => Policy::ALL.to_vec(),
+    };
+    let mut reports = Vec::new();
+    for policy in policies {
+        let config = ReplayConfig {
+            workers: options.workers,
+            cache_blocks: options.cache_blocks,
+            limit: options.limit,
+            progress: !options.quiet,
+            event: options.event.map(|(kind, t)| {
+                let at = std::time::Duration::from_secs_f64(t);
+                match kind {
+                    "retarget" => PoolEvent::Retarget { at },
+                    _ => PoolEvent::Flap {
+                        at,
+                        rebuild: kind == "flap-rebuild",
+                    },
+                }
+            }),
+            ..ReplayConfig::new(policy)
+        };
+        match run(&config, &trace) {
+            Ok(report) => {
+                println!("{report}");
+                reports.push(report);
+            }
+            Err(error) => {
+                eprintln!("error: cannot build the replay runtime: {error}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    if let Some(path) = &options.json {
+        let doc = serde_json::json!({ "trace": options.trace, "runs": reports });
+        let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
+        if let Err(error) = std::fs::write(path, text + "\n") {
+            eprintln!("error: cannot write {path}: {error}");
+            return ExitCode::FAILURE;
+        }
+    }
+    if let Some(path) = &options.svg {
+        let cache = options
+            .cache_blocks
+            .map_or("unbounded caches".to_owned(), |c| {
+                format!("{c}-block caches")
+            });
+        let title = format!(
+            "{}: {} workers, {cache}",
+            std::path::Path::new(&options.trace)
+                .file_name()
+                .map_or(options.trace.clone(), |n| n.to_string_lossy().into_owned()),
+            options.workers
+        );
+        if let Err(error) = std::fs::write(path, svg(&title, &reports)) {
+            eprintln!("error: cannot write {path}: {error}");
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+#[cfg(not(feature = "sim"))]
+fn run_blocking(_options: &ReplayOptions) -> ExitCode {
+    eprintln!(
+        "error: this binary was built without the `sim` feature; run\n  cargo run --release \
+         --features cli -- replay ..."
+    );
+    ExitCode::from(2)
+}

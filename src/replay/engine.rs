@@ -1,0 +1,342 @@
+//! The replay's request path: a binding factory whose bindings pick prefill workers with the
+//! real [`RoutableView`] and [`PushRouter`] (or the Dynamo cost baseline), in-process prefill
+//! workers with a bounded KV block cache and the [`CostModel`], and a decode hop that streams
+//! the output after `decode_per_token` per token.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::{self, BoxFuture};
+use futures_util::{FutureExt, StreamExt};
+use parking_lot::Mutex;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::cost::CostModel;
+use super::run::Policy;
+use super::trace::{TraceRecord, BLOCK_TOKENS};
+use crate::advert::{self, DecodeDefaults};
+use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
+use crate::mock::BlockCache;
+use crate::push::{mix, PushConfig, PushError, PushMode, PushRouter, RoutableView};
+use crate::router::{
+    BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
+    PrefillOutcome, WorkerSetTarget,
+};
+use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
+
+/// The prefill endpoint of the replayed pool.
+pub(crate) fn prefill_endpoint() -> EndpointId {
+    EndpointId::new("replay", "prefill", "generate")
+}
+
+/// The discovery record of worker `id` (the address is never dialled: delivery is in-process).
+fn instance(id: InstanceId) -> Instance {
+    Instance {
+        endpoint: prefill_endpoint(),
+        instance_id: id,
+        address: SocketAddr::from((Ipv4Addr::LOCALHOST, 40_000 + (id % 20_000) as u16)),
+    }
+}
+
+/// The request index the replay writes into `GenerateRequest::session` (`req-<index>`).
+pub(crate) fn request_index(request: &GenerateRequest) -> Option<usize> {
+    request
+        .session
+        .as_deref()
+        .and_then(|s| s.strip_prefix("req-"))
+        .and_then(|n| n.parse().ok())
+}
+
+/// What one prefill found and cost.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Served {
+    pub(crate) blocks: u32,
+    pub(crate) hits: u32,
+    /// From arrival at the worker to the start of its prefill.
+    pub(crate) queue: Duration,
+}
+
+/// One prefill worker: its KV cache, its batch slots and its counters.
+#[derive(Debug)]
+pub(crate) struct Worker {
+    cache: Mutex<BlockCache>,
+    slots: Semaphore,
+    running: AtomicUsize,
+    /// Blocks of the requests queued or running here (the "active blocks" of Dynamo's cost).
+    active_blocks: AtomicU64,
+    /// Uncached prompt tokens computed here: the prefill work.
+    pub(crate) prefill_tokens: AtomicU64,
+}
+
+impl Worker {
+    pub(crate) fn new(cache_blocks: usize, max_batch: usize) -> Self {
+        Worker {
+            cache: Mutex::new(BlockCache::new(cache_blocks)),
+            slots: Semaphore::new(max_batch.max(1)),
+            running: AtomicUsize::new(0),
+            active_blocks: AtomicU64::new(0),
+            prefill_tokens: AtomicU64::new(0),
+        }
+    }
+
+    /// Queue for a batch slot, look the prompt up in the cache (holding its blocks from then
+    /// on), and compute the rest. The replay never cancels a prefill, so the counters need no
+    /// drop guard.
+    async fn serve(&self, record: &TraceRecord, cost: &CostModel) -> Served {
+        let blocks = record.hash_ids.len() as u64;
+        self.active_blocks.fetch_add(blocks, Ordering::Relaxed);
+        let queued = Instant::now();
+        // The semaphore lives as long as the worker and is never closed.
+        let permit = self.slots.acquire().await.ok();
+        let queue = queued.elapsed();
+        let hits = self.cache.lock().prefill(&record.hash_ids);
+        let hits = u32::try_from(hits).unwrap_or(u32::MAX);
+        let uncached = record
+            .input_length
+            .saturating_sub(hits.saturating_mul(BLOCK_TOKENS));
+        let running = self.running.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(cost.prefill_time(uncached, running)).await;
+        self.running.fetch_sub(1, Ordering::Relaxed);
+        self.active_blocks.fetch_sub(blocks, Ordering::Relaxed);
+        self.prefill_tokens
+            .fetch_add(u64::from(uncached), Ordering::Relaxed);
+        drop(permit);
+        Served {
+            blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+            hits,
+            queue,
+        }
+    }
+}
+
+/// What every binding of one replay shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) trace: Arc<[TraceRecord]>,
+    pub(crate) cost: CostModel,
+    pub(crate) policy: Policy,
+    pub(crate) seed: u64,
+    pub(crate) cache_blocks: usize,
+    pub(crate) workers: Mutex<BTreeMap<InstanceId, Arc<Worker>>>,
+    /// Per request index, what its prefill found.
+    pub(crate) served: Mutex<Vec<Option<Served>>>,
+    /// Bindings the factory built (a flap that reuses the binding builds none).
+    pub(crate) builds: AtomicU64,
+}
+
+impl Shared {
+    pub(crate) fn add_workers(&self, ids: impl IntoIterator<Item = InstanceId>) {
+        let mut workers = self.workers.lock();
+        for id in ids {
+            workers.insert(
+                id,
+                Arc::new(Worker::new(self.cache_blocks, self.cost.max_batch)),
+            );
+        }
+    }
+
+    fn worker(&self, id: InstanceId) -> Option<Arc<Worker>> {
+        self.workers.lock().get(&id).cloned()
+    }
+}
+
+/// Builds [`ReplayBinding`]s (at once: the replay studies routing, not build faults).
+pub(crate) struct ReplayFactory {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl BindingFactory for ReplayFactory {
+    type Binding = ReplayBinding;
+
+    fn build(
+        &self,
+        target: WorkerSetTarget,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'static, Result<ReplayBinding, BuildError>> {
+        self.shared.builds.fetch_add(1, Ordering::Relaxed);
+        future::ready(ReplayBinding::new(
+            Arc::clone(&self.shared),
+            &target,
+            &cancel,
+        ))
+        .boxed()
+    }
+}
+
+/// A binding: the real routable view and push router over the replay's workers.
+pub(crate) struct ReplayBinding {
+    shared: Arc<Shared>,
+    view: RoutableView,
+    push: PushRouter,
+    /// Ends the view's task when the binding drops.
+    view_cancel: CancellationToken,
+}
+
+impl ReplayBinding {
+    fn new(
+        shared: Arc<Shared>,
+        target: &WorkerSetTarget,
+        cancel: &CancellationToken,
+    ) -> Result<Self, BuildError> {
+        // The real card resolution, as the default factory does it.
+        let config = advert::resolve(
+            std::slice::from_ref(&*target.card),
+            &DecodeDefaults {
+                block_size: BLOCK_TOKENS,
+                ..DecodeDefaults::default()
+            },
+        )
+        .map_err(|e| BuildError::new(e.to_string()))?;
+        let mode = PushMode::from_prefill_config(&config, None);
+        let view_cancel = cancel.child_token();
+        // Discovery is static here: every admitted worker is added once, up front.
+        let view = RoutableView::spawn(
+            futures_util::stream::pending(),
+            Some(target.admitted.clone()),
+            view_cancel.clone(),
+        );
+        for &id in target.admitted.borrow().iter() {
+            view.apply(InstanceEvent::Added(instance(id)));
+        }
+        let push = PushRouter::new(
+            view.clone(),
+            mode,
+            PushConfig {
+                seed: shared.seed,
+                ..PushConfig::default()
+            },
+        );
+        Ok(ReplayBinding {
+            shared,
+            view,
+            push,
+            view_cancel,
+        })
+    }
+
+    /// Dynamo's KV-router cost, from its published description: for each worker,
+    /// `overlap_score_weight * blocks it would have to prefill + blocks it has active`,
+    /// lowest wins (temperature 0). The overlap comes from the worker's real cache (Dynamo's
+    /// router is fed by the workers' KV events); ties go to a hash of request and worker.
+    fn dynamo_pick(&self, index: usize, record: &TraceRecord) -> Option<InstanceId> {
+        const OVERLAP_SCORE_WEIGHT: f64 = 1.0;
+        let workers = self.shared.workers.lock();
+        let blocks = record.hash_ids.len();
+        self.view
+            .routable()
+            .iter()
+            .filter_map(|i| {
+                let w = workers.get(&i.instance_id)?;
+                let overlap = w.cache.lock().leading_hits(&record.hash_ids);
+                #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
+                let cost = OVERLAP_SCORE_WEIGHT * (blocks - overlap) as f64
+                    + w.active_blocks.load(Ordering::Relaxed) as f64;
+                Some((i.instance_id, cost))
+            })
+            .min_by(|a, b| {
+                a.1.total_cmp(&b.1)
+                    .then_with(|| mix(index as u64 ^ a.0).cmp(&mix(index as u64 ^ b.0)))
+            })
+            .map(|(id, _)| id)
+    }
+}
+
+impl Drop for ReplayBinding {
+    fn drop(&mut self) {
+        self.view_cancel.cancel();
+    }
+}
+
+fn failed(message: String) -> BoxFuture<'static, Result<PrefillOutcome, PrefillError>> {
+    future::ready(Err(PrefillError::Failed { message })).boxed()
+}
+
+impl Prefill for ReplayBinding {
+    fn prefill(
+        &self,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let Some(index) = request_index(&request) else {
+            return failed("request without a trace index".to_owned());
+        };
+        let Some(record) = self.shared.trace.get(index) else {
+            return failed(format!("no trace record {index}"));
+        };
+        // Dynamo's baseline scores the workers itself; every other policy is the real push
+        // router, whose selection counts as load until the prefill ends.
+        let (id, held) = if self.shared.policy == Policy::Dynamo {
+            match self.dynamo_pick(index, record) {
+                Some(id) => (id, None),
+                None => {
+                    return future::ready(Err(PrefillError::Push(PushError::NoRoutableInstances)))
+                        .boxed()
+                }
+            }
+        } else {
+            match self.push.select_held(&request) {
+                Ok(selection) => (selection.instance().instance_id, Some(selection)),
+                Err(e) => return future::ready(Err(PrefillError::Push(e))).boxed(),
+            }
+        };
+        let Some(worker) = self.shared.worker(id) else {
+            return failed(format!("worker {id} is not running"));
+        };
+        async move {
+            let served = worker.serve(record, &self.shared.cost).await;
+            drop(held);
+            if let Some(slot) = self.shared.served.lock().get_mut(index) {
+                *slot = Some(served);
+            }
+            Ok(PrefillOutcome {
+                worker: id,
+                tokens: vec![1],
+                finish: Some(FinishReason::Length),
+                handoff: Some(PrefillInfo {
+                    worker: id,
+                    prompt_tokens: record.input_length,
+                    cached_blocks: served.hits,
+                    block_size: BLOCK_TOKENS,
+                }),
+            })
+        }
+        .boxed()
+    }
+}
+
+/// The decode hop: the first token (prefill's) at once, the rest after `decode_per_token`
+/// each, in one response (one timer per request keeps the replay fast).
+pub(crate) struct ReplayDecode {
+    pub(crate) cost: CostModel,
+}
+
+impl Decode for ReplayDecode {
+    fn decode(
+        &self,
+        request: GenerateRequest,
+        prefill: Option<PrefillOutcome>,
+    ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
+        let first = GenerateResponse {
+            token_ids: prefill.map(|p| p.tokens).unwrap_or_default(),
+            finish: (request.max_tokens <= 1).then_some(FinishReason::Length),
+            prefill: request.handoff.clone(),
+        };
+        let rest = request.max_tokens.saturating_sub(1);
+        let delay = self.cost.decode_time(request.max_tokens);
+        let tail =
+            futures_util::stream::iter((rest > 0).then_some(())).then(move |()| async move {
+                tokio::time::sleep(delay).await;
+                Ok(GenerateResponse {
+                    token_ids: vec![0; rest as usize],
+                    finish: Some(FinishReason::Length),
+                    prefill: None,
+                })
+            });
+        let stream = futures_util::stream::iter([Ok(first)]).chain(tail);
+        future::ready(Ok(Box::pin(stream) as DecodeStream)).boxed()
+    }
+}

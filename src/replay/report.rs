@@ -1,0 +1,178 @@
+//! What a replay measured.
+
+use std::fmt;
+
+use serde::Serialize;
+
+/// Summary statistics of a set of durations, in milliseconds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    /// Arithmetic mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Largest value.
+    pub max: f64,
+}
+
+/// The 1%, 2%, ..., 100% quantiles of `values` (nearest rank), in ms.
+pub(crate) fn quantiles(mut values: Vec<f64>) -> Vec<f64> {
+    if values.is_empty() {
+        return Vec::new();
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    (1..=100)
+        .map(|q| values[(q * n).div_ceil(100).clamp(1, n) - 1])
+        .collect()
+}
+
+impl Percentiles {
+    /// Of `values` (nearest-rank percentiles; all zero when empty).
+    pub fn of(mut values: Vec<f64>) -> Self {
+        if values.is_empty() {
+            return Percentiles::default();
+        }
+        values.sort_by(f64::total_cmp);
+        let rank = |q: f64| {
+            #[allow(
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss,
+                clippy::cast_precision_loss
+            )] // a rank within the vector's length
+            let i = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1;
+            values[i]
+        };
+        #[allow(clippy::cast_precision_loss)] // request counts far below 2^52
+        let mean = values.iter().sum::<f64>() / values.len() as f64;
+        Percentiles {
+            mean,
+            p50: rank(0.50),
+            p90: rank(0.90),
+            p99: rank(0.99),
+            max: values[values.len() - 1],
+        }
+    }
+}
+
+/// Requests arriving in a window of trace time, and how they fared.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Window {
+    /// Requests that arrived in the window.
+    pub requests: u64,
+    /// Of those, requests that did not complete.
+    pub lost: u64,
+    /// Their prefix hit rate, 0..1.
+    pub prefix_hit_rate: f64,
+    /// Their time to first token.
+    pub ttft_ms: Percentiles,
+}
+
+/// Routing around a pool event (`--retarget-at`, `--flap-at`, `--flap-rebuild-at`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EventReport {
+    /// `retarget`, `flap` (binding reused) or `flap-rebuild` (new binding).
+    pub kind: String,
+    /// Trace time of the event, in seconds.
+    pub at_s: f64,
+    /// The 60 s of arrivals before it.
+    pub before: Window,
+    /// The 60 s of arrivals from it on.
+    pub after: Window,
+}
+
+/// The result of one replay (one policy over one trace).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReplayReport {
+    /// The routing policy (`kv`, `round-robin`, `random`, `dynamo`).
+    pub policy: String,
+    /// Prefill workers.
+    pub workers: usize,
+    /// KV blocks per worker (`None`: unbounded).
+    pub cache_blocks: Option<usize>,
+    /// Requests replayed.
+    pub requests: u64,
+    /// Requests that did not complete (prefill or decode failed, or the hop rejected them).
+    pub lost: u64,
+    /// Prompt blocks (`hash_ids`) of the prefilled requests.
+    pub prompt_blocks: u64,
+    /// Of those, blocks found in the serving worker's cache (leading hits).
+    pub cached_blocks: u64,
+    /// `cached_blocks / prompt_blocks`, 0..1.
+    pub prefix_hit_rate: f64,
+    /// The trace's ceiling: the hit rate of one infinite cache shared by all workers, 0..1.
+    pub ceiling: f64,
+    /// `prefix_hit_rate / ceiling`.
+    pub of_ceiling: f64,
+    /// Time to first token: arrival to the first token, in ms of virtual time.
+    pub ttft_ms: Percentiles,
+    /// Queueing delay: arrival at the prefill worker to the start of its prefill, in ms.
+    pub queue_ms: Percentiles,
+    /// Uncached prompt tokens each worker prefilled, by worker id.
+    pub prefill_tokens: Vec<u64>,
+    /// Max over mean of `prefill_tokens` (1 = perfectly balanced).
+    pub work_imbalance: f64,
+    /// The TTFT distribution: entry *i* is the `(i + 1)`% quantile in ms (100 entries; empty
+    /// when nothing completed). What the SVG's CDF is drawn from.
+    pub ttft_cdf_ms: Vec<f64>,
+    /// Hit rate per tenth of the requests (in arrival order): how it evolves over the trace.
+    pub hit_rate_by_decile: Vec<f64>,
+    /// Routing around the pool event, if the replay had one.
+    pub event: Option<EventReport>,
+    /// Bindings the router had built by the end (1 without events).
+    pub bindings_built: u64,
+    /// Virtual time the replay covered, in seconds.
+    pub virtual_s: f64,
+    /// Wall-clock time the replay took, in seconds.
+    pub wall_s: f64,
+    /// Requests replayed per wall-clock second.
+    pub requests_per_s: f64,
+}
+
+impl fmt::Display for ReplayReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:<11} requests {:>6} lost {} | hit rate {:.2}% (ceiling {:.2}%, {:.1}% of it) | \
+             TTFT ms p50 {:.0} p90 {:.0} p99 {:.0} | queue ms p50 {:.0} p99 {:.0} | \
+             imbalance {:.3} | {:.2} s wall, {:.0} req/s",
+            self.policy,
+            self.requests,
+            self.lost,
+            self.prefix_hit_rate * 100.0,
+            self.ceiling * 100.0,
+            self.of_ceiling * 100.0,
+            self.ttft_ms.p50,
+            self.ttft_ms.p90,
+            self.ttft_ms.p99,
+            self.queue_ms.p50,
+            self.queue_ms.p99,
+            self.work_imbalance,
+            self.wall_s,
+            self.requests_per_s,
+        )?;
+        if let Some(e) = &self.event {
+            write!(
+                f,
+                "\n            {} at {:.0} s ({} bindings built): 60 s before: hit rate {:.2}%, \
+                 TTFT p50 {:.0} p99 {:.0} ms; 60 s after: hit rate {:.2}%, TTFT p50 {:.0} p99 \
+                 {:.0} ms, lost {}",
+                e.kind,
+                e.at_s,
+                self.bindings_built,
+                e.before.prefix_hit_rate * 100.0,
+                e.before.ttft_ms.p50,
+                e.before.ttft_ms.p99,
+                e.after.prefix_hit_rate * 100.0,
+                e.after.ttft_ms.p50,
+                e.after.ttft_ms.p99,
+                e.after.lost,
+            )?;
+        }
+        Ok(())
+    }
+}

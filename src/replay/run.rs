@@ -1,0 +1,439 @@
+//! The replay driver: one paused current-thread runtime per run, requests spawned at their
+//! trace arrival times, results folded into a [`ReplayReport`].
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::cost::CostModel;
+use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Shared, Worker};
+use super::report::{quantiles, EventReport, Percentiles, ReplayReport, Window};
+use super::trace::{ceiling, ratio, TraceRecord, BLOCK_TOKENS};
+use crate::advert::{ModelCard, RouterConfig, RouterMode};
+use crate::router::{
+    AfterWait, FallbackPolicy, PrefillRouter, PrefillRouterConfig, WorkerSetTarget,
+    WorkerSetTargetId,
+};
+use crate::transport::GenerateRequest;
+
+/// How the prefill hop picks a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// Our KV push router ([`crate::push::KvSelector`]: remembered overlap minus load).
+    Kv,
+    /// The round-robin push router.
+    RoundRobin,
+    /// The random push router.
+    Random,
+    /// Dynamo's published KV-router cost (prefill blocks plus active blocks), as a baseline.
+    Dynamo,
+}
+
+impl Policy {
+    /// Every policy, in report order.
+    pub const ALL: [Policy; 4] = [
+        Policy::Kv,
+        Policy::Dynamo,
+        Policy::RoundRobin,
+        Policy::Random,
+    ];
+
+    /// The policy's name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Kv => "kv",
+            Policy::RoundRobin => "round-robin",
+            Policy::Random => "random",
+            Policy::Dynamo => "dynamo",
+        }
+    }
+
+    /// The policy named `name` (see [`name`](Self::name)).
+    pub fn parse(name: &str) -> Option<Self> {
+        Policy::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// The router mode the pool's card advertises: the binding's push router resolves it as
+    /// in production. Dynamo's baseline scores workers itself and ignores its push router.
+    fn router_mode(self) -> RouterMode {
+        match self {
+            Policy::Kv => RouterMode::KV,
+            Policy::RoundRobin | Policy::Dynamo => RouterMode::RoundRobin,
+            Policy::Random => RouterMode::Random,
+        }
+    }
+}
+
+/// A change of the prefill pool at a trace time, to see routing around the router's
+/// lifecycle moments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolEvent {
+    /// The pool rolls to a new generation of as many cold workers (new ids, empty caches); the
+    /// old generation's admission empties.
+    Retarget {
+        /// Trace time of the roll.
+        at: Duration,
+    },
+    /// The pool disappears for [`FLAP_DOWN`] and comes back: with `rebuild` false as the same
+    /// target (the router reuses its held binding, KV index included), with `rebuild` true as
+    /// a new generation of the same workers (a new binding: warm workers, cold router index).
+    Flap {
+        /// Trace time the pool disappears.
+        at: Duration,
+        /// Whether it comes back as a new generation.
+        rebuild: bool,
+    },
+}
+
+impl PoolEvent {
+    fn at(self) -> Duration {
+        match self {
+            PoolEvent::Retarget { at } | PoolEvent::Flap { at, .. } => at,
+        }
+    }
+}
+
+/// How long a [`PoolEvent::Flap`] keeps the pool away. Requests arriving meanwhile wait for
+/// the hop (up to [`WAIT_FOR_HOP`]).
+pub const FLAP_DOWN: Duration = Duration::from_secs(1);
+
+/// How long a request waits for the hop to be Active before it is rejected (lost).
+pub const WAIT_FOR_HOP: Duration = Duration::from_secs(5);
+
+/// Around a [`PoolEvent`]: the window the report compares before and after it.
+pub const EVENT_WINDOW: Duration = Duration::from_secs(60);
+
+/// What to replay and how.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayConfig {
+    /// The routing policy.
+    pub policy: Policy,
+    /// Prefill workers (default 6).
+    pub workers: usize,
+    /// KV blocks each worker's LRU cache holds; `None` (default) is unbounded.
+    pub cache_blocks: Option<usize>,
+    /// Replay only the first `limit` requests.
+    pub limit: Option<usize>,
+    /// The workers' timing.
+    pub cost: CostModel,
+    /// Seed of the random policy.
+    pub seed: u64,
+    /// Print a progress line to stderr every 10% of the requests.
+    pub progress: bool,
+    /// A pool change during the replay, if any.
+    pub event: Option<PoolEvent>,
+}
+
+impl ReplayConfig {
+    /// The defaults for `policy`: 6 workers, unbounded caches, the whole trace.
+    pub fn new(policy: Policy) -> Self {
+        ReplayConfig {
+            policy,
+            workers: 6,
+            cache_blocks: None,
+            limit: None,
+            cost: CostModel::default(),
+            seed: 0x5eed,
+            progress: false,
+            event: None,
+        }
+    }
+}
+
+/// Replay `trace` under `config` on its own paused, single-threaded tokio runtime (so it must
+/// not be called from within a tokio runtime).
+///
+/// # Errors
+/// Only if the runtime cannot be built (an OS resource failure).
+pub fn run(config: &ReplayConfig, trace: &[TraceRecord]) -> std::io::Result<ReplayReport> {
+    let wall = std::time::Instant::now();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()?;
+    let records: Arc<[TraceRecord]> = trace[..config.limit.unwrap_or(usize::MAX).min(trace.len())]
+        .to_vec()
+        .into();
+    let mut report = runtime.block_on(replay(config, Arc::clone(&records)));
+    report.wall_s = wall.elapsed().as_secs_f64();
+    #[allow(clippy::cast_precision_loss)] // request counts far below 2^52
+    let rate = report.requests as f64 / report.wall_s.max(1e-9);
+    report.requests_per_s = rate;
+    Ok(report)
+}
+
+/// The prompt of `record` as token ids: block *i* is 512 copies of `hash_ids[i]`, so the push
+/// router's chained block hashes agree exactly when the trace's leading ids do. Only the KV
+/// policy reads tokens; the others get an empty prompt and skip the work.
+fn prompt(record: &TraceRecord, policy: Policy) -> Vec<u32> {
+    if policy != Policy::Kv {
+        return Vec::new();
+    }
+    let mut tokens = Vec::with_capacity(record.hash_ids.len() * BLOCK_TOKENS as usize);
+    for &h in &record.hash_ids {
+        // parse_trace guarantees ids below 2^32.
+        let token = u32::try_from(h).unwrap_or(u32::MAX);
+        tokens.extend(std::iter::repeat_n(token, BLOCK_TOKENS as usize));
+    }
+    tokens
+}
+
+async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayReport {
+    let cache_blocks = config.cache_blocks.unwrap_or(usize::MAX);
+    let pool = config.workers.max(1) as u64;
+    let workers: BTreeMap<_, _> = (1..=pool)
+        .map(|id| {
+            (
+                id,
+                Arc::new(Worker::new(cache_blocks, config.cost.max_batch)),
+            )
+        })
+        .collect();
+    let ids: BTreeSet<_> = workers.keys().copied().collect();
+    let shared = Arc::new(Shared {
+        trace: Arc::clone(&records),
+        cost: config.cost.clone(),
+        policy: config.policy,
+        seed: config.seed,
+        cache_blocks,
+        workers: Mutex::new(workers),
+        served: Mutex::new(vec![None; records.len()]),
+        builds: AtomicU64::new(0),
+    });
+    let router = Arc::new(PrefillRouter::new(
+        ReplayFactory {
+            shared: Arc::clone(&shared),
+        },
+        PrefillRouterConfig {
+            // A request the hop cannot take waits a little (a flap), then is lost: it is
+            // never silently served elsewhere.
+            fallback: FallbackPolicy::WaitUpTo {
+                timeout: WAIT_FOR_HOP,
+                then: AfterWait::Reject,
+            },
+            jitter_seed: Some(config.seed),
+            name: "replay".to_owned(),
+            ..PrefillRouterConfig::default()
+        },
+    ));
+    let card = ModelCard {
+        name: "replay-model".to_owned(),
+        kv_cache_block_size: BLOCK_TOKENS,
+        router_config: Some(RouterConfig {
+            router_mode: config.policy.router_mode(),
+            ..RouterConfig::default()
+        }),
+        ..ModelCard::default()
+    };
+    let card = Arc::new(card);
+    let (admitted, admitted_rx) = watch::channel(ids.clone());
+    let first = WorkerSetTarget::new(
+        WorkerSetTargetId::new("replay/prefill", 1),
+        prefill_endpoint(),
+        Arc::clone(&card),
+        admitted_rx,
+    );
+    router.set_target(Some(first.clone()));
+    // Virtual time: the build finishes at once, the wait costs nothing real.
+    let _ = router.wait_active(Duration::from_secs(60)).await;
+    let decode = Arc::new(ReplayDecode {
+        cost: config.cost.clone(),
+    });
+    let ttft: Arc<Mutex<Vec<Option<Duration>>>> = Arc::new(Mutex::new(vec![None; records.len()]));
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(records.len());
+    if let Some(event) = config.event {
+        let router = Arc::clone(&router);
+        let shared = Arc::clone(&shared);
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(start + event.at()).await;
+            // The second generation: new cold workers, or the same ones.
+            let next_ids: BTreeSet<u64> = match event {
+                PoolEvent::Retarget { .. } => (pool + 1..=2 * pool).collect(),
+                PoolEvent::Flap { .. } => ids.clone(),
+            };
+            let (next_tx, next_rx) = watch::channel(next_ids.clone());
+            let second = WorkerSetTarget::new(
+                WorkerSetTargetId::new("replay/prefill", 2),
+                prefill_endpoint(),
+                Arc::clone(&card),
+                next_rx,
+            );
+            match event {
+                PoolEvent::Retarget { .. } => {
+                    shared.add_workers(next_ids);
+                    router.set_target(Some(second));
+                    admitted.send_replace(BTreeSet::new());
+                }
+                PoolEvent::Flap { rebuild, .. } => {
+                    router.set_target(None);
+                    tokio::time::sleep(FLAP_DOWN).await;
+                    router.set_target(Some(if rebuild { second } else { first }));
+                }
+            }
+            // Keep the admission channels open for the rest of the replay.
+            let _keep = (admitted, next_tx);
+            std::future::pending::<()>().await;
+        }));
+    }
+    let tenth = records.len().div_ceil(10).max(1);
+    for (index, record) in records.iter().enumerate() {
+        tokio::time::sleep_until(start + Duration::from_millis(record.timestamp)).await;
+        if config.progress && index > 0 && index % tenth == 0 {
+            eprintln!(
+                "replay {}: {}% ({index} of {} requests, trace time {:.0} s)",
+                config.policy.name(),
+                index * 100 / records.len(),
+                records.len(),
+                start.elapsed().as_secs_f64()
+            );
+        }
+        let request = GenerateRequest {
+            token_ids: prompt(record, config.policy),
+            max_tokens: record.output_length.max(1),
+            session: Some(format!("req-{index}")),
+            ..GenerateRequest::default()
+        };
+        let router = Arc::clone(&router);
+        let decode = Arc::clone(&decode);
+        let ttft = Arc::clone(&ttft);
+        tasks.push(tokio::spawn(async move {
+            let arrived = Instant::now();
+            let Ok(mut stream) = router.generate(request, &*decode).await else {
+                return;
+            };
+            let mut first = None;
+            while let Some(item) = stream.next().await {
+                if item.is_err() {
+                    return;
+                }
+                first.get_or_insert_with(|| arrived.elapsed());
+            }
+            ttft.lock()[index] = first;
+        }));
+    }
+    let controller = config.event.map(|_| tasks.remove(0));
+    for task in tasks {
+        let _ = task.await;
+    }
+    if let Some(controller) = controller {
+        controller.abort();
+    }
+    let virtual_s = start.elapsed().as_secs_f64();
+    router.shutdown();
+    let ttft = ttft.lock().clone();
+    summarize(config, &records, &shared, &ttft, virtual_s)
+}
+
+fn summarize(
+    config: &ReplayConfig,
+    records: &[TraceRecord],
+    shared: &Shared,
+    ttft: &[Option<Duration>],
+    virtual_s: f64,
+) -> ReplayReport {
+    let served = shared.served.lock();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let (mut blocks, mut hits) = (0u64, 0u64);
+    let mut deciles = Vec::new();
+    let tenth = records.len().div_ceil(10).max(1);
+    for chunk in served.chunks(tenth) {
+        let (b, h) = chunk.iter().flatten().fold((0, 0), |(b, h), s| {
+            (b + u64::from(s.blocks), h + u64::from(s.hits))
+        });
+        blocks += b;
+        hits += h;
+        deciles.push(ratio(h, b));
+    }
+    let lost = ttft
+        .iter()
+        .zip(served.iter())
+        .filter(|(t, s)| t.is_none() || s.is_none())
+        .count() as u64;
+    let prefill_tokens: Vec<u64> = shared
+        .workers
+        .lock()
+        .values()
+        .map(|w| w.prefill_tokens.load(Ordering::Relaxed))
+        .collect();
+    let max = prefill_tokens.iter().copied().max().unwrap_or(0);
+    let total: u64 = prefill_tokens.iter().sum();
+    #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
+    let work_imbalance = if total == 0 {
+        1.0
+    } else {
+        max as f64 * prefill_tokens.len() as f64 / total as f64
+    };
+    let prefix_hit_rate = ratio(hits, blocks);
+    let ceiling = ceiling(records);
+    let event = config.event.map(|event| {
+        let at = event.at();
+        let window = |from: Duration, to: Duration| {
+            let inside: Vec<usize> = (0..records.len())
+                .filter(|&i| {
+                    let t = Duration::from_millis(records[i].timestamp);
+                    t >= from && t < to
+                })
+                .collect();
+            let (b, h) = inside
+                .iter()
+                .filter_map(|&i| served[i])
+                .fold((0, 0), |(b, h), s| {
+                    (b + u64::from(s.blocks), h + u64::from(s.hits))
+                });
+            Window {
+                requests: inside.len() as u64,
+                lost: inside
+                    .iter()
+                    .filter(|&&i| ttft[i].is_none() || served[i].is_none())
+                    .count() as u64,
+                prefix_hit_rate: ratio(h, b),
+                ttft_ms: Percentiles::of(inside.iter().filter_map(|&i| ttft[i]).map(ms).collect()),
+            }
+        };
+        EventReport {
+            kind: match event {
+                PoolEvent::Retarget { .. } => "retarget",
+                PoolEvent::Flap { rebuild: false, .. } => "flap",
+                PoolEvent::Flap { rebuild: true, .. } => "flap-rebuild",
+            }
+            .to_owned(),
+            at_s: at.as_secs_f64(),
+            before: window(at.saturating_sub(EVENT_WINDOW), at),
+            after: window(at, at + EVENT_WINDOW),
+        }
+    });
+    ReplayReport {
+        policy: config.policy.name().to_owned(),
+        workers: config.workers,
+        cache_blocks: config.cache_blocks,
+        requests: records.len() as u64,
+        lost,
+        prompt_blocks: blocks,
+        cached_blocks: hits,
+        prefix_hit_rate,
+        ceiling,
+        of_ceiling: if ceiling > 0.0 {
+            prefix_hit_rate / ceiling
+        } else {
+            0.0
+        },
+        ttft_ms: Percentiles::of(ttft.iter().flatten().map(|&d| ms(d)).collect()),
+        ttft_cdf_ms: quantiles(ttft.iter().flatten().map(|&d| ms(d)).collect()),
+        queue_ms: Percentiles::of(served.iter().flatten().map(|s| ms(s.queue)).collect()),
+        prefill_tokens,
+        work_imbalance,
+        hit_rate_by_decile: deciles,
+        event,
+        bindings_built: shared.builds.load(Ordering::Relaxed),
+        virtual_s,
+        wall_s: 0.0,
+        requests_per_s: 0.0,
+    }
+}

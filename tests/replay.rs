@@ -1,0 +1,157 @@
+//! Trace replay: a tiny synthetic trace (always) and the first requests of the Mooncake
+//! conversation trace (when the file is there; required when `PREFILL_REQUIRE_TRACE` is set).
+
+use std::path::PathBuf;
+
+use prefill_router::replay::{
+    ceiling, parse_trace, read_trace, run, svg, Policy, ReplayConfig, TraceError, TraceRecord,
+};
+
+const TRACE: &str = "mooncake_conversation_trace.jsonl";
+
+fn fixture() -> Vec<TraceRecord> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny_trace.jsonl");
+    read_trace(&path).expect("fixture parses")
+}
+
+/// The real trace: `PREFILL_TRACE`, else `../shared/traces/` beside the repository, else the
+/// machine-wide copy. `None` (with a notice) when absent, unless `PREFILL_REQUIRE_TRACE` is set.
+fn real_trace() -> Option<Vec<TraceRecord>> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let mut candidates: Vec<PathBuf> = std::env::var_os("PREFILL_TRACE")
+        .map(PathBuf::from)
+        .into_iter()
+        .collect();
+    candidates.push(root.join("../shared/traces").join(TRACE));
+    candidates.push(root.join("../../shared/traces").join(TRACE));
+    candidates.push(PathBuf::from("/work/shared/traces").join(TRACE));
+    match candidates.iter().find(|p| p.is_file()) {
+        Some(path) => Some(read_trace(path).expect("the trace parses")),
+        None => {
+            // The trace is not part of the repository: a clone without it skips this test
+            // (the synthetic fixture's tests still run); PREFILL_REQUIRE_TRACE makes it a failure.
+            assert!(
+                std::env::var_os("PREFILL_REQUIRE_TRACE").is_none(),
+                "PREFILL_REQUIRE_TRACE is set but the trace is missing (looked at {candidates:?})"
+            );
+            eprintln!("NOTICE: {TRACE} not found (set PREFILL_TRACE); skipping the real replay");
+            None
+        }
+    }
+}
+
+#[test]
+fn tiny_trace_replays_every_policy_without_loss() {
+    let trace = fixture();
+    assert_eq!(trace.len(), 8);
+    let ceiling = ceiling(&trace);
+    // 22 blocks; one shared cache hits 0 (x6 after the first), 1, 2 (line 3), 3 (line 4),
+    // 1 (line 6), 3, 4, 5 (line 7) and 6 (line 8): 13 of 22.
+    assert!((ceiling - 13.0 / 22.0).abs() < 1e-12, "ceiling {ceiling}");
+    let mut reports = Vec::new();
+    for policy in Policy::ALL {
+        let report = run(&ReplayConfig::new(policy), &trace).expect("runtime");
+        assert_eq!(report.ttft_cdf_ms.len(), 100, "{report}");
+        assert_eq!((report.requests, report.lost), (8, 0), "{report}");
+        assert_eq!(report.prompt_blocks, 22, "{report}");
+        assert!(report.prefix_hit_rate <= report.ceiling + 1e-12, "{report}");
+        assert!(report.ttft_ms.p50 > 0.0, "{report}");
+        let json = serde_json::to_value(&report).unwrap();
+        for field in [
+            "policy",
+            "requests",
+            "lost",
+            "prefix_hit_rate",
+            "ceiling",
+            "ttft_ms",
+        ] {
+            assert!(json.get(field).is_some(), "{field} missing in {json}");
+        }
+        for p in ["p50", "p90", "p99"] {
+            assert!(json["ttft_ms"].get(p).is_some());
+        }
+        for field in ["work_imbalance", "wall_s", "queue_ms", "requests_per_s"] {
+            assert!(json.get(field).is_some(), "{field} missing in {json}");
+        }
+        reports.push(report);
+    }
+    let picture = svg("tiny <trace>", &reports);
+    assert!(picture.starts_with("<svg") && picture.trim_end().ends_with("</svg>"));
+    // Per policy one CDF and one hit-rate line, plus the ceiling.
+    assert_eq!(picture.matches("<polyline").count(), 2 * reports.len() + 1);
+    assert!(picture.contains("tiny &lt;trace&gt;"));
+    // One worker with an unbounded cache is the shared cache: it reaches the ceiling.
+    let one = ReplayConfig {
+        workers: 1,
+        ..ReplayConfig::new(Policy::RoundRobin)
+    };
+    let report = run(&one, &trace).unwrap();
+    assert!((report.prefix_hit_rate - ceiling).abs() < 1e-12, "{report}");
+}
+
+#[test]
+fn trace_errors_name_the_line() {
+    let text = "{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1, \"hash_ids\": [0]}\n\
+                {\"timestamp\": 1, \"input_length\": \"many\"}\n";
+    let error = parse_trace(text.as_bytes()).unwrap_err();
+    assert!(matches!(error, TraceError::Parse { line: 2, .. }));
+    assert!(error.to_string().contains("line 2"), "{error}");
+}
+
+#[test]
+fn real_trace_kv_beats_round_robin_below_the_ceiling() {
+    let Some(trace) = real_trace() else {
+        return;
+    };
+    let limit = 1_500;
+    let kv = run(
+        &ReplayConfig {
+            limit: Some(limit),
+            ..ReplayConfig::new(Policy::Kv)
+        },
+        &trace,
+    )
+    .unwrap();
+    let rr = run(
+        &ReplayConfig {
+            limit: Some(limit),
+            ..ReplayConfig::new(Policy::RoundRobin)
+        },
+        &trace,
+    )
+    .unwrap();
+    eprintln!("{kv}\n{rr}");
+    for report in [&kv, &rr] {
+        assert_eq!(report.requests, limit as u64);
+        assert_eq!(report.lost, 0, "{report}");
+        assert!(report.prefix_hit_rate <= report.ceiling + 1e-12, "{report}");
+    }
+    assert!(
+        kv.prefix_hit_rate > rr.prefix_hit_rate,
+        "kv {kv}\nround robin {rr}"
+    );
+}
+
+#[test]
+fn pool_events_reuse_or_rebuild_the_binding_and_lose_nothing() {
+    use prefill_router::replay::PoolEvent;
+    use std::time::Duration;
+
+    let trace = fixture();
+    let at = Duration::from_millis(25);
+    for (event, builds) in [
+        (PoolEvent::Retarget { at }, 2),
+        (PoolEvent::Flap { at, rebuild: false }, 1),
+        (PoolEvent::Flap { at, rebuild: true }, 2),
+    ] {
+        let config = ReplayConfig {
+            event: Some(event),
+            ..ReplayConfig::new(Policy::Kv)
+        };
+        let report = run(&config, &trace).unwrap();
+        assert_eq!(report.lost, 0, "{event:?}: {report}");
+        assert_eq!(report.bindings_built, builds, "{event:?}: {report}");
+        let around = report.event.expect("event window");
+        assert_eq!(around.before.requests + around.after.requests, 8);
+    }
+}
