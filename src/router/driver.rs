@@ -228,12 +228,12 @@ pub(crate) fn deadline_after(delay: Duration) -> Instant {
 
 /// `delay` plus a uniform extra of up to `fraction * delay`.
 pub(crate) fn jittered(delay: Duration, fraction: f64, rng: &mut SplitMix) -> Duration {
-    if fraction <= 0.0 || delay.is_zero() {
-        return delay;
-    }
+    // No shortcut for a zero fraction or delay: the extra is exactly zero then anyway, and a
+    // redundant branch would only breed equivalent mutants.
     let extra = delay.as_secs_f64() * fraction * rng.unit();
-    // `extra` is finite and non-negative (fraction clamped to [0, 1], unit in [0, 1)); a delay
-    // so large that adding overflows keeps the machine's delay.
+    // `extra` is finite and non-negative for a configured fraction (clamped to [0, 1], unit in
+    // [0, 1)); anything else adds nothing. A delay so large that adding overflows keeps the
+    // machine's delay.
     delay
         .checked_add(Duration::try_from_secs_f64(extra).unwrap_or(Duration::ZERO))
         .unwrap_or(delay)

@@ -70,6 +70,8 @@ impl Drop for LiveGuard {
 pub(super) struct FakeBinding {
     pub(super) target: WorkerSetTargetId,
     admitted: watch::Receiver<BTreeSet<InstanceId>>,
+    /// Every request this binding's prefill worker received (the factory log's `prefills`).
+    prefills: Arc<Mutex<Vec<GenerateRequest>>>,
     _live: LiveGuard,
 }
 
@@ -79,6 +81,7 @@ impl Prefill for FakeBinding {
         request: GenerateRequest,
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
         let picked = self.admitted.borrow().iter().next().copied();
+        self.prefills.lock().push(request.clone());
         Box::pin(async move {
             assert_eq!(request.max_tokens, 1, "the hop prefills one token");
             let worker = picked.ok_or(PushError::NoRoutableInstances)?;
@@ -124,6 +127,8 @@ pub(super) struct FactoryLog {
     pub(super) builds_live: Arc<Live>,
     /// Bindings not yet dropped.
     pub(super) bindings_live: Arc<Live>,
+    /// Requests the prefill workers received, over every binding, in arrival order.
+    pub(super) prefills: Arc<Mutex<Vec<GenerateRequest>>>,
 }
 
 impl FactoryLog {
@@ -173,11 +178,13 @@ impl BindingFactory for ScriptFactory {
         );
         let guard = LiveGuard::new(&self.log.builds_live);
         let bindings = Arc::clone(&self.log.bindings_live);
+        let prefills = Arc::clone(&self.log.prefills);
         Box::pin(async move {
             let _guard = guard;
             let binding = move || FakeBinding {
                 target: target.id.clone(),
                 admitted: target.admitted.clone(),
+                prefills: Arc::clone(&prefills),
                 _live: LiveGuard::new(&bindings),
             };
             match step {

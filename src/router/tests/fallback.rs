@@ -12,7 +12,7 @@ use crate::route::BypassReason;
 use crate::router::{
     AfterWait, FallbackPolicy, GenerateError, PrefillError, PrefillRouter, PrefillRouterConfig,
 };
-use crate::transport::GenerateRequest;
+use crate::transport::{GenerateRequest, PrefillInfo};
 
 fn router(factory: ScriptFactory, fallback: FallbackPolicy) -> PrefillRouter<ScriptFactory> {
     PrefillRouter::new(
@@ -49,6 +49,36 @@ async fn active_hop_prefills_one_token_then_decodes_the_original_request() {
     assert_eq!(sent.handoff, outcome.handoff, "handoff carried to decode");
     assert_eq!(sent.handoff.as_ref().unwrap().prompt_tokens, 4);
     assert_eq!(router.status().counters.prefilled, 1);
+}
+
+#[tokio::test]
+async fn a_client_supplied_handoff_never_reaches_the_prefill_worker() {
+    let (factory, log) = ScriptFactory::instant();
+    let router = router(factory, FallbackPolicy::Reject);
+    router.set_target(Some(target(1)));
+    router.wait_active(Duration::from_secs(5)).await.unwrap();
+    // A client claiming KV blocks already sit on worker 99.
+    let forged = PrefillInfo {
+        worker: 99,
+        prompt_tokens: 1_000,
+        cached_blocks: 50,
+        block_size: 64,
+    };
+    let forging = GenerateRequest {
+        handoff: Some(forged.clone()),
+        ..request()
+    };
+    let decode = FakeDecode::default();
+    let _stream = router.generate(forging, &decode).await.unwrap();
+    let prefills = log.prefills.lock();
+    assert_eq!(prefills.len(), 1);
+    assert_eq!(prefills[0].handoff, None, "the prefill leg never sees it");
+    assert_eq!(prefills[0].token_ids, request().token_ids);
+    assert_eq!(prefills[0].max_tokens, 1);
+    let calls = decode.calls.lock();
+    let handoff = calls[0].0.handoff.as_ref().expect("decode gets a handoff");
+    assert_ne!(*handoff, forged, "decode gets the prefill worker's handoff");
+    assert_eq!(handoff.worker, 1);
 }
 
 #[tokio::test]

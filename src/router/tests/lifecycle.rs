@@ -125,3 +125,22 @@ async fn wait_active_times_out_while_pending_and_fails_after_shutdown() {
     let (result, ()) = tokio::join!(waiter, shut);
     assert_eq!(result, Err(WaitError::ShutDown));
 }
+
+#[tokio::test]
+async fn config_and_debug_report_the_router_they_were_given() {
+    let (factory, _log) = ScriptFactory::instant();
+    let router = PrefillRouter::new(
+        factory,
+        PrefillRouterConfig {
+            name: "model-x".into(),
+            ..PrefillRouterConfig::default()
+        },
+    );
+    assert_eq!(router.config().name, "model-x");
+    // Debug shows the live status (operators log it), not an empty placeholder.
+    let shown = format!("{router:?}");
+    assert!(
+        shown.starts_with("PrefillRouter") && shown.contains("model-x"),
+        "{shown}"
+    );
+}

@@ -2,9 +2,12 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use super::fakes::{target, ScriptFactory, Step};
 use crate::lifecycle::{Lifecycle, RetryPolicy};
-use crate::router::{PrefillRouter, PrefillRouterConfig};
+use crate::router::driver::deadline_after;
+use crate::router::{PrefillRouter, PrefillRouterConfig, WaitError};
 
 fn config(retry: RetryPolicy, jitter: f64) -> PrefillRouterConfig {
     PrefillRouterConfig {
@@ -203,4 +206,67 @@ async fn unbounded_delays_and_waits_do_not_overflow_the_clock() {
     let (waited, ()) = tokio::join!(waiter, retarget);
     assert_eq!(waited, Ok(()));
     assert_eq!(log.calls(), 2);
+}
+
+/// The cap `deadline_after` saturates at.
+const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+#[tokio::test(start_paused = true)]
+async fn deadlines_are_exact_up_to_a_year_and_capped_at_a_year_beyond() {
+    // The clock is paused and nothing awaits: `now` is the instant `deadline_after` reads.
+    let now = Instant::now();
+    for delay in [30 * DAY, YEAR - Duration::from_secs(1), YEAR] {
+        assert_eq!(
+            deadline_after(delay) - now,
+            delay,
+            "{delay:?} is under the cap"
+        );
+    }
+    for delay in [YEAR + Duration::from_secs(1), 2 * YEAR, Duration::MAX] {
+        assert_eq!(deadline_after(delay) - now, YEAR, "{delay:?} is capped");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_thirty_day_retry_fires_exactly_thirty_days_after_the_failure() {
+    let (factory, log) = ScriptFactory::new([Step::Fail("boom")]);
+    let router = PrefillRouter::new(factory, config(RetryPolicy::fixed(30 * DAY), 0.0));
+    router.set_target(Some(target(1)));
+    router.wait_active(31 * DAY).await.unwrap();
+    assert_eq!(gaps(&log.call_times()), vec![30 * DAY]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_after_shutdown_returns_at_once_with_shut_down() {
+    let (factory, _log) = ScriptFactory::new([Step::Hang]);
+    let router = PrefillRouter::new(factory, config(RetryPolicy::default(), 0.0));
+    router.set_target(Some(target(1)));
+    router.shutdown();
+    let start = Instant::now();
+    assert_eq!(
+        router.wait_active(Duration::from_secs(3600)).await,
+        Err(WaitError::ShutDown)
+    );
+    assert_eq!(start.elapsed(), Duration::ZERO, "no virtual time passed");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_ends_when_the_router_shuts_down_not_at_its_timeout() {
+    let (factory, _log) = ScriptFactory::new([Step::Hang]);
+    let router = PrefillRouter::new(factory, config(RetryPolicy::default(), 0.0));
+    router.set_target(Some(target(1)));
+    let start = Instant::now();
+    let waiter = router.wait_active(Duration::from_secs(3600));
+    let stop = async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        router.shutdown();
+    };
+    let (waited, ()) = tokio::join!(waiter, stop);
+    assert_eq!(waited, Err(WaitError::ShutDown));
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_secs(1),
+        "ended at the shutdown"
+    );
 }
