@@ -96,14 +96,8 @@ impl ReplayOptions {
     }
 }
 
-#[cfg(feature = "sim")]
 fn known_policy(name: &str) -> bool {
     prefill_router::replay::Policy::parse(name).is_some()
-}
-
-#[cfg(not(feature = "sim"))]
-fn known_policy(_name: &str) -> bool {
-    true
 }
 
 /// Run the replays (each on its own paused runtime, off the CLI's runtime).
@@ -117,7 +111,6 @@ pub async fn run(options: ReplayOptions) -> ExitCode {
     }
 }
 
-#[cfg(feature = "sim")]
 fn run_blocking(options: &ReplayOptions) -> ExitCode {
     use prefill_router::replay::{read_trace, run, svg, Policy, PoolEvent, ReplayConfig};
 
@@ -189,13 +182,4 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
-}
-
-#[cfg(not(feature = "sim"))]
-fn run_blocking(_options: &ReplayOptions) -> ExitCode {
-    eprintln!(
-        "error: this binary was built without the `sim` feature; run\n  cargo run --release \
-         --features cli -- replay ..."
-    );
-    ExitCode::from(2)
 }

@@ -70,7 +70,6 @@ pub async fn run(options: SimulateOptions) -> ExitCode {
     }
 }
 
-#[cfg(feature = "sim")]
 fn run_blocking(options: &SimulateOptions) -> ExitCode {
     use std::io::Write;
 
@@ -119,13 +118,4 @@ fn run_blocking(options: &SimulateOptions) -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
-}
-
-#[cfg(not(feature = "sim"))]
-fn run_blocking(_options: &SimulateOptions) -> ExitCode {
-    eprintln!(
-        "error: this binary was built without the `sim` feature; run\n  cargo run --release \
-         --features cli -- simulate ..."
-    );
-    ExitCode::from(2)
 }
