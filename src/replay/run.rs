@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::cost::CostModel;
-use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Shared, Worker};
+use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Served, Shared};
 use super::report::{quantiles, EventReport, Percentiles, ReplayReport, Window};
 use super::trace::{ceiling, ratio, TraceRecord, BLOCK_TOKENS};
 use crate::advert::{ModelCard, RouterConfig, RouterMode};
@@ -187,25 +187,18 @@ fn prompt(record: &TraceRecord, policy: Policy) -> Vec<u32> {
 async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayReport {
     let cache_blocks = config.cache_blocks.unwrap_or(usize::MAX);
     let pool = config.workers.max(1) as u64;
-    let workers: BTreeMap<_, _> = (1..=pool)
-        .map(|id| {
-            (
-                id,
-                Arc::new(Worker::new(cache_blocks, config.cost.max_batch)),
-            )
-        })
-        .collect();
-    let ids: BTreeSet<_> = workers.keys().copied().collect();
+    let ids: BTreeSet<u64> = (1..=pool).collect();
     let shared = Arc::new(Shared {
         trace: Arc::clone(&records),
         cost: config.cost.clone(),
         policy: config.policy,
         seed: config.seed,
         cache_blocks,
-        workers: Mutex::new(workers),
+        workers: Mutex::new(BTreeMap::new()),
         served: Mutex::new(vec![None; records.len()]),
         builds: AtomicU64::new(0),
     });
+    shared.add_workers(ids.iter().copied());
     let router = Arc::new(PrefillRouter::new(
         ReplayFactory {
             shared: Arc::clone(&shared),
@@ -331,6 +324,13 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     summarize(config, &records, &shared, &ttft, virtual_s)
 }
 
+/// Prompt blocks and cached blocks over `served`.
+fn tally<'a>(served: impl Iterator<Item = &'a Served>) -> (u64, u64) {
+    served.fold((0, 0), |(b, h), s| {
+        (b + u64::from(s.blocks), h + u64::from(s.hits))
+    })
+}
+
 fn summarize(
     config: &ReplayConfig,
     records: &[TraceRecord],
@@ -344,18 +344,14 @@ fn summarize(
     let mut deciles = Vec::new();
     let tenth = records.len().div_ceil(10).max(1);
     for chunk in served.chunks(tenth) {
-        let (b, h) = chunk.iter().flatten().fold((0, 0), |(b, h), s| {
-            (b + u64::from(s.blocks), h + u64::from(s.hits))
-        });
+        let (b, h) = tally(chunk.iter().flatten());
         blocks += b;
         hits += h;
         deciles.push(ratio(h, b));
     }
-    let lost = ttft
-        .iter()
-        .zip(served.iter())
-        .filter(|(t, s)| t.is_none() || s.is_none())
-        .count() as u64;
+    // Lost: no first token, or no prefill on record.
+    let is_lost = |i: usize| ttft[i].is_none() || served[i].is_none();
+    let lost = (0..records.len()).filter(|&i| is_lost(i)).count() as u64;
     let prefill_tokens: Vec<u64> = shared
         .workers
         .lock()
@@ -381,18 +377,10 @@ fn summarize(
                     t >= from && t < to
                 })
                 .collect();
-            let (b, h) = inside
-                .iter()
-                .filter_map(|&i| served[i])
-                .fold((0, 0), |(b, h), s| {
-                    (b + u64::from(s.blocks), h + u64::from(s.hits))
-                });
+            let (b, h) = tally(inside.iter().filter_map(|&i| served[i].as_ref()));
             Window {
                 requests: inside.len() as u64,
-                lost: inside
-                    .iter()
-                    .filter(|&&i| ttft[i].is_none() || served[i].is_none())
-                    .count() as u64,
+                lost: inside.iter().filter(|&&i| is_lost(i)).count() as u64,
                 prefix_hit_rate: ratio(h, b),
                 ttft_ms: Percentiles::of(inside.iter().filter_map(|&i| ttft[i]).map(ms).collect()),
             }

@@ -57,6 +57,18 @@ impl Command {
     }
 }
 
+/// Runs `job` on a blocking thread: the simulator and the replay build their own paused
+/// runtimes, which cannot nest inside the CLI's.
+pub async fn off_runtime(what: &str, job: impl FnOnce() -> ExitCode + Send + 'static) -> ExitCode {
+    match tokio::task::spawn_blocking(job).await {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {what} task failed: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// The usage `help [COMMAND]` prints: the program's, or that command's.
 fn help_on(topic: Option<&String>) -> Result<&'static str, CliError> {
     match topic.map(String::as_str) {

@@ -86,7 +86,9 @@ impl ReplayOptions {
         if options.workers == 0 {
             return Err(CliError::Usage("--workers must be at least 1".into()));
         }
-        if options.policy != "all" && !known_policy(&options.policy) {
+        if options.policy != "all"
+            && prefill_router::replay::Policy::parse(&options.policy).is_none()
+        {
             return Err(CliError::Usage(format!(
                 "unknown policy `{}` (kv | dynamo | round-robin | random | all)",
                 options.policy
@@ -96,19 +98,9 @@ impl ReplayOptions {
     }
 }
 
-fn known_policy(name: &str) -> bool {
-    prefill_router::replay::Policy::parse(name).is_some()
-}
-
 /// Run the replays (each on its own paused runtime, off the CLI's runtime).
 pub async fn run(options: ReplayOptions) -> ExitCode {
-    match tokio::task::spawn_blocking(move || run_blocking(&options)).await {
-        Ok(code) => code,
-        Err(error) => {
-            eprintln!("error: replay task failed: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    crate::cli::off_runtime("replay", move || run_blocking(&options)).await
 }
 
 fn run_blocking(options: &ReplayOptions) -> ExitCode {

@@ -61,13 +61,7 @@ impl SimulateOptions {
 
 /// Run the simulations (each on its own paused runtime, off the CLI's runtime).
 pub async fn run(options: SimulateOptions) -> ExitCode {
-    match tokio::task::spawn_blocking(move || run_blocking(&options)).await {
-        Ok(code) => code,
-        Err(error) => {
-            eprintln!("error: simulator task failed: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    crate::cli::off_runtime("simulator", move || run_blocking(&options)).await
 }
 
 fn run_blocking(options: &SimulateOptions) -> ExitCode {
