@@ -13,7 +13,7 @@ use crate::mutants::{
     RetireOnClear, ReuseForOtherTarget, ReuseRetired, SecondBuildInFlight,
 };
 use crate::subject::Subject;
-use crate::{trace, Real};
+use crate::Real;
 
 /// What went wrong on the command line.
 #[derive(Debug, thiserror::Error)]
@@ -376,7 +376,7 @@ fn check<S: Subject>(
                 .model()
                 .shortest_discovery(property.name, found.len())
                 .unwrap_or(found);
-            write!(out, "{}", trace::render(checker.model(), &steps))?;
+            write!(out, "{}", checker.model().render(&steps))?;
         }
     }
     writeln!(
@@ -389,7 +389,7 @@ fn check<S: Subject>(
 }
 
 fn model_properties<S: Subject>() -> Vec<stateright::Property<RouterModel<S>>> {
-    crate::properties::all::<S>()
+    crate::properties::all::<S, RouterModel<S>>()
 }
 
 fn kind(e: &Expectation) -> &'static str {

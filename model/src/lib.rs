@@ -11,14 +11,18 @@
 //! - [`model::RouterModel`]: the model, generic over the machine under check ([`Subject`]).
 //! - [`properties`]: the named properties (ids M1..M10, V1..V6, see docs/properties.md).
 //! - [`mutants`]: deliberately broken machines, each caught by at least one property.
-//! - [`trace`]: counterexamples as readable inputs and actions.
+//! - [`trace`]: each step of a counterexample as readable inputs and actions
+//!   ([`RouterModel::render`] prints a whole path).
+//! - [`config`], [`step`]: the model's bounds and its steps (the world's actions).
 //!
 //! See docs/model.md for the bounds and why every path is finite and acyclic.
 
 pub mod cli;
+pub mod config;
 pub mod model;
 pub mod mutants;
 pub mod properties;
+pub mod step;
 pub mod subject;
 pub mod trace;
 pub mod world;

@@ -2,111 +2,17 @@
 //! controller, the builds, the retry timers, admission changes and the requests.
 
 use std::fmt;
+use std::fmt::Write as _;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 use prefill_router::lifecycle::{Action, BuildId, Input, Lifecycle, RetryPolicy};
 use stateright::{Expectation, Model, Property};
 
+pub use crate::config::Config;
+pub use crate::step::Step;
 use crate::subject::{Subject, Target};
 use crate::world::{bit, fault, seen, Binding, Build, Outcome, Request, State, Timer};
-
-/// The bounds of one model configuration. Every bound is a budget the world spends, which is
-/// what keeps every path finite and acyclic (see docs/model.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Config {
-    /// Number of real targets (the controller also has `None`).
-    pub targets: u8,
-    /// Calls the controller may make (`SetTarget`, and `Shutdown` when enabled).
-    pub retargets: u8,
-    /// Build failures the world may inject (over the whole run).
-    pub failures: u8,
-    /// Requests, each one load, dispatch or bypass, finish.
-    pub requests: u8,
-    /// Whether the controller may shut the hop down (once, at any time; it spends a retarget).
-    pub shutdown: bool,
-    /// Admission changes the world may make: each empties the admission set of one retired
-    /// binding (upstream publishes an empty set before dropping a retired binding's sender).
-    pub admission_changes: u8,
-}
-
-impl Config {
-    /// The standard configuration of issue 3: targets {None, A, B}, 4 retargets, builds that may
-    /// fail twice, 2 concurrent requests, shutdown possible, one admission change.
-    pub const STANDARD: Config = Config {
-        targets: 2,
-        retargets: 4,
-        failures: 2,
-        requests: 2,
-        shutdown: true,
-        admission_changes: 1,
-    };
-
-    /// Checks the bounds: build ids must fit the model's 64-bit masks.
-    pub fn validate(&self) -> Result<(), String> {
-        // Each StartBuild follows a SetTarget or a failure's retry, so ids stay <= their sum.
-        let max_builds = u32::from(self.retargets) + u32::from(self.failures);
-        if max_builds > 62 {
-            return Err(format!(
-                "retargets + failures = {max_builds}: at most 62 builds fit the model's masks"
-            ));
-        }
-        if self.targets == 0 || self.targets > 26 {
-            return Err("targets must be 1..=26".into());
-        }
-        Ok(())
-    }
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config::STANDARD
-    }
-}
-
-/// One step of the world.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Step {
-    /// The controller calls `set_target`.
-    SetTarget(Option<Target>),
-    /// The controller shuts the hop down.
-    Shutdown,
-    /// A started build (possibly cancelled) reports success.
-    BuildSucceeds(BuildId),
-    /// A started build (possibly cancelled) reports failure.
-    BuildFails(BuildId),
-    /// An armed retry timer (possibly cancelled) fires.
-    RetryFires(BuildId),
-    /// The admission set of the (retired) binding of this build empties.
-    EmptyAdmission(BuildId),
-    /// Request slot `i` loads the snapshot.
-    Load(usize),
-    /// Request slot `i` dispatches on the binding it loaded, or fails when that binding's
-    /// admission is empty.
-    Dispatch(usize),
-    /// Request slot `i` bypasses prefill (its snapshot had no binding).
-    Bypass(usize),
-    /// Request slot `i` finishes on its binding.
-    Finish(usize),
-}
-
-impl fmt::Display for Step {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Step::SetTarget(Some(t)) => write!(f, "set_target({t})"),
-            Step::SetTarget(None) => write!(f, "set_target(None)"),
-            Step::Shutdown => write!(f, "shutdown"),
-            Step::BuildSucceeds(b) => write!(f, "build {b} succeeds"),
-            Step::BuildFails(b) => write!(f, "build {b} fails"),
-            Step::RetryFires(b) => write!(f, "retry timer after {b} fires"),
-            Step::EmptyAdmission(b) => write!(f, "admission of binding {b} empties"),
-            Step::Load(i) => write!(f, "request {i} loads the snapshot"),
-            Step::Dispatch(i) => write!(f, "request {i} dispatches"),
-            Step::Bypass(i) => write!(f, "request {i} bypasses prefill"),
-            Step::Finish(i) => write!(f, "request {i} finishes"),
-        }
-    }
-}
 
 /// The model, generic over the machine under check (the real one or a mutant).
 pub struct RouterModel<S> {
@@ -170,7 +76,7 @@ impl<S: Subject> RouterModel<S> {
     /// property says so in its outcome, with the same command. The states and the steps are
     /// those of [`RouterModel::new`].
     pub fn for_explorer(config: Config, check_command: String) -> Self {
-        let names = crate::properties::all::<S>()
+        let names = crate::properties::all::<S, Self>()
             .into_iter()
             .filter(|p| p.expectation != Expectation::Sometimes)
             .map(|p| {
@@ -191,6 +97,26 @@ impl<S: Subject> RouterModel<S> {
 }
 
 impl<S: Subject> RouterModel<S> {
+    /// The whole path from the initial state, one numbered line per step, replayed through the
+    /// model so the printed actions are the ones the checker saw.
+    pub fn render(&self, steps: &[Step]) -> String {
+        let mut out = String::new();
+        let Some(mut state) = self.init_states().into_iter().next() else {
+            return out;
+        };
+        for (i, step) in steps.iter().enumerate() {
+            let (next, actions) = self.apply(&state, *step);
+            let _ = writeln!(
+                out,
+                "  {:>2}. {}",
+                i + 1,
+                crate::trace::describe(&state, *step, &actions, &next)
+            );
+            state = next;
+        }
+        out
+    }
+
     /// Applies one step and returns the next state with the machine's actions (the trace printer
     /// replays paths through this too, so traces show exactly what the checker saw). Steps are
     /// meant to come from [`Model::actions`]; a request step that does not fit its request's
@@ -550,7 +476,7 @@ impl<S: Subject> Model for RouterModel<S> {
         let mut text = crate::trace::describe(s, step, &actions, &n);
         if let Some(hint) = &self.hint {
             // The Explorer's link may run past the violation: mark the step where it happens.
-            for p in crate::properties::all::<S>() {
+            for p in crate::properties::all::<S, Self>() {
                 if p.expectation == Expectation::Always
                     && (p.condition)(self, s)
                     && !(p.condition)(self, &n)
@@ -566,7 +492,7 @@ impl<S: Subject> Model for RouterModel<S> {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        let mut properties = crate::properties::all();
+        let mut properties = crate::properties::all::<S, Self>();
         if let Some(hint) = &self.hint {
             for p in &mut properties {
                 if let Some((_, shown)) = hint.names.iter().find(|(name, _)| *name == p.name) {

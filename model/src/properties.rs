@@ -2,9 +2,8 @@
 //! docs/properties.md; the names below are the ones the checker reports.
 
 use prefill_router::lifecycle::Lifecycle;
-use stateright::Property;
+use stateright::{Model, Property};
 
-use crate::model::RouterModel;
 use crate::subject::Subject;
 use crate::world::{fault, seen, Request, State};
 
@@ -46,54 +45,59 @@ pub const SOMETIMES_REUSED: &str = "V5 sometimes a held binding is reused";
 pub const SOMETIMES_ADMISSION_FAILS: &str =
     "V6 sometimes a retired binding's request fails after its admission emptied";
 
-/// Every property, in report order.
-pub fn all<S: Subject>() -> Vec<Property<RouterModel<S>>> {
+/// Every property, in report order, for a model over [`State`]s (generic so this module
+/// needs only the world, not the model that steps it: `all::<S, RouterModel<S>>()`).
+pub fn all<S: Subject, M: Model<State = State<S>>>() -> Vec<Property<M>> {
     vec![
-        Property::always(ACTIVE_SERVES_DESIRED, active_serves_desired),
-        Property::always(STALE_BUILD_NEVER_PUBLISHED, |_, s: &State<S>| {
+        Property::always(ACTIVE_SERVES_DESIRED, |_: &M, s: &State<S>| {
+            active_serves_desired(s)
+        }),
+        Property::always(STALE_BUILD_NEVER_PUBLISHED, |_: &M, s: &State<S>| {
             s.faults & fault::STALE_PUBLISHED == 0
         }),
-        Property::always(AT_MOST_ONE_BUILD, at_most_one_build),
-        Property::always(RETIRED_ONCE, |_, s: &State<S>| {
+        Property::always(AT_MOST_ONE_BUILD, |_: &M, s: &State<S>| {
+            at_most_one_build(s)
+        }),
+        Property::always(RETIRED_ONCE, |_: &M, s: &State<S>| {
             s.faults & fault::BAD_RETIRE == 0
         }),
-        Property::always(RETIRED_NEVER_REPUBLISHED, |_, s: &State<S>| {
+        Property::always(RETIRED_NEVER_REPUBLISHED, |_: &M, s: &State<S>| {
             s.faults & fault::REPUBLISHED == 0
         }),
-        Property::always(CLEARING_IS_SYNCHRONOUS, |_, s: &State<S>| {
+        Property::always(CLEARING_IS_SYNCHRONOUS, |_: &M, s: &State<S>| {
             s.faults & fault::STALE_DISPATCH == 0
         }),
-        Property::always(NO_REQUEST_LOST, |_, s: &State<S>| {
+        Property::always(NO_REQUEST_LOST, |_: &M, s: &State<S>| {
             s.faults & fault::REQUEST_LOST == 0
         }),
-        Property::always(NO_LEAKED_RETRY, no_leaked_retry),
-        Property::eventually(SETTLES, settles),
-        Property::always(NO_DISPATCH_OUTSIDE_ADMISSION, |_, s: &State<S>| {
+        Property::always(NO_LEAKED_RETRY, |_: &M, s: &State<S>| no_leaked_retry(s)),
+        Property::eventually(SETTLES, |_: &M, s: &State<S>| settles(s)),
+        Property::always(NO_DISPATCH_OUTSIDE_ADMISSION, |_: &M, s: &State<S>| {
             s.faults & fault::OUTSIDE_ADMISSION == 0
         }),
-        Property::sometimes(SOMETIMES_ACTIVE, |_, s: &State<S>| {
+        Property::sometimes(SOMETIMES_ACTIVE, |_: &M, s: &State<S>| {
             s.snapshot().lifecycle == Lifecycle::Active
         }),
-        Property::sometimes(SOMETIMES_RETRY_ACTIVE, |_, s: &State<S>| {
+        Property::sometimes(SOMETIMES_RETRY_ACTIVE, |_: &M, s: &State<S>| {
             s.seen & seen::RETRY_ACTIVE != 0
         }),
-        Property::sometimes(SOMETIMES_RETIRED_SERVES, |_, s: &State<S>| {
+        Property::sometimes(SOMETIMES_RETIRED_SERVES, |_: &M, s: &State<S>| {
             s.seen & seen::RETIRED_SERVED != 0
         }),
-        Property::sometimes(SOMETIMES_STALE_REJECTED, |_, s: &State<S>| {
+        Property::sometimes(SOMETIMES_STALE_REJECTED, |_: &M, s: &State<S>| {
             s.seen & seen::STALE_REJECTED != 0
         }),
-        Property::sometimes(SOMETIMES_REUSED, |_, s: &State<S>| {
+        Property::sometimes(SOMETIMES_REUSED, |_: &M, s: &State<S>| {
             s.seen & seen::REUSED != 0
         }),
-        Property::sometimes(SOMETIMES_ADMISSION_FAILS, |_, s: &State<S>| {
+        Property::sometimes(SOMETIMES_ADMISSION_FAILS, |_: &M, s: &State<S>| {
             s.seen & seen::ADMISSION_FAILED != 0
         }),
     ]
 }
 
 /// M1: Active ⇒ the snapshot's binding really serves the controller's desired target.
-pub fn active_serves_desired<S: Subject>(_: &RouterModel<S>, s: &State<S>) -> bool {
+pub fn active_serves_desired<S: Subject>(s: &State<S>) -> bool {
     let snap = s.snapshot();
     if snap.lifecycle != Lifecycle::Active {
         return true;
@@ -105,7 +109,7 @@ pub fn active_serves_desired<S: Subject>(_: &RouterModel<S>, s: &State<S>) -> bo
 }
 
 /// M3: at most one uncancelled build, and only for the desired target.
-pub fn at_most_one_build<S: Subject>(_: &RouterModel<S>, s: &State<S>) -> bool {
+pub fn at_most_one_build<S: Subject>(s: &State<S>) -> bool {
     let mut live = s.builds.iter().filter(|b| !b.cancelled);
     match (live.next(), live.next()) {
         (None, _) => true,
@@ -115,7 +119,7 @@ pub fn at_most_one_build<S: Subject>(_: &RouterModel<S>, s: &State<S>) -> bool {
 }
 
 /// M8: an uncancelled timer exists only after a failure of the desired target's build.
-pub fn no_leaked_retry<S: Subject>(_: &RouterModel<S>, s: &State<S>) -> bool {
+pub fn no_leaked_retry<S: Subject>(s: &State<S>) -> bool {
     let mut armed = s.timers.iter().filter(|t| !t.cancelled);
     match (armed.next(), armed.next()) {
         (None, _) => true,
@@ -126,7 +130,7 @@ pub fn no_leaked_retry<S: Subject>(_: &RouterModel<S>, s: &State<S>) -> bool {
 
 /// M9: the controller is done (retargets spent or shut down), the hop shows its last decision,
 /// and every request has finished.
-pub fn settles<S: Subject>(_: &RouterModel<S>, s: &State<S>) -> bool {
+pub fn settles<S: Subject>(s: &State<S>) -> bool {
     let done = s.retargets_left == 0 || s.shut_down;
     let snap = s.snapshot();
     let shows_decision = match (s.shut_down, s.desired) {

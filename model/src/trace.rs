@@ -3,9 +3,8 @@
 use std::fmt::Write as _;
 
 use prefill_router::lifecycle::Action;
-use stateright::Model;
 
-use crate::model::{RouterModel, Step};
+use crate::step::Step;
 use crate::subject::{Subject, Target};
 use crate::world::{Request, State};
 
@@ -75,24 +74,4 @@ pub fn describe<S: Subject>(
     }
     line.push(']');
     line
-}
-
-/// The whole path from the initial state, one numbered line per step, replayed through the
-/// model so the printed actions are the ones the checker saw.
-pub fn render<S: Subject>(model: &RouterModel<S>, steps: &[Step]) -> String {
-    let mut out = String::new();
-    let Some(mut state) = model.init_states().into_iter().next() else {
-        return out;
-    };
-    for (i, step) in steps.iter().enumerate() {
-        let (next, actions) = model.apply(&state, *step);
-        let _ = writeln!(
-            out,
-            "  {:>2}. {}",
-            i + 1,
-            describe(&state, *step, &actions, &next)
-        );
-        state = next;
-    }
-    out
 }

@@ -38,7 +38,7 @@ fn edges<S: Subject>(config: Config, stop: fn(&Edge) -> bool) -> (Vec<Edge>, usi
             };
             let edge = Edge {
                 rank: (model.rank(&s), model.rank(&n)),
-                settled: (settles(&model, &s), settles(&model, &n)),
+                settled: (settles(&s), settles(&n)),
             };
             out.push(edge);
             if stop(&edge) {

@@ -8,7 +8,7 @@ use prefill_router_model::mutants::{
     RetireOnClear, ReuseForOtherTarget, ReuseRetired, SecondBuildInFlight,
 };
 use prefill_router_model::properties::*;
-use prefill_router_model::{trace, Config, RouterModel, Subject};
+use prefill_router_model::{Config, RouterModel, Subject};
 use stateright::{Checker, HasDiscoveries, Model};
 
 /// Runs BFS on mutant `S` until `property` has a discovery, and returns its trace.
@@ -26,7 +26,7 @@ fn counterexample<S: Subject>(property: &'static str) -> String {
             checker.unique_state_count()
         )
     });
-    trace::render(checker.model(), &path.into_actions())
+    checker.model().render(&path.into_actions())
 }
 
 #[test]

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::config::timing;
-use super::world::World;
-use crate::discovery::InstanceEvent;
+use super::world::{instance, World};
+use crate::discovery::{InstanceEvent, InstanceId};
 
 /// Key part of instance-event deliveries.
 const FEED_INSTANCES: u64 = 1;
@@ -87,6 +87,29 @@ pub(crate) fn resync_instances(world: &World) {
     for (_, view) in world.live_views() {
         for event in &events {
             view.apply(event.clone());
+        }
+    }
+}
+
+// Worker liveness lives here rather than in `world.rs` because every change of it goes out
+// through the faulty feed; the world itself only records it.
+impl World {
+    /// Worker `id` crashed: down at once; discovery learns it through the faulty feed.
+    pub(crate) fn crash(self: &Arc<Self>, id: InstanceId) {
+        self.set_worker(id, false);
+    }
+
+    /// Bring worker `id` up or down, and tell discovery.
+    pub(crate) fn set_worker(self: &Arc<Self>, id: InstanceId, up: bool) {
+        let changed = self.with(|s| s.workers.insert(id, up) != Some(up));
+        if changed {
+            self.trace(&[4, id, u64::from(up)]);
+            let event = if up {
+                InstanceEvent::Added(instance(id))
+            } else {
+                InstanceEvent::Removed(id)
+            };
+            publish_instance_event(self, event, &[id, u64::from(up)]);
         }
     }
 }

@@ -292,24 +292,3 @@ impl World {
         }
     }
 }
-
-impl World {
-    /// Worker `id` crashed: down at once; discovery learns it through the faulty feed.
-    pub(crate) fn crash(self: &Arc<Self>, id: InstanceId) {
-        self.set_worker(id, false);
-    }
-
-    /// Bring worker `id` up or down, and tell discovery.
-    pub(crate) fn set_worker(self: &Arc<Self>, id: InstanceId, up: bool) {
-        let changed = self.with(|s| s.workers.insert(id, up) != Some(up));
-        if changed {
-            self.trace(&[4, id, u64::from(up)]);
-            let event = if up {
-                InstanceEvent::Added(instance(id))
-            } else {
-                InstanceEvent::Removed(id)
-            };
-            super::feed::publish_instance_event(self, event, &[id, u64::from(up)]);
-        }
-    }
-}

@@ -7,16 +7,18 @@
 //! - `replay`: a request trace in virtual time through the router, per routing policy.
 //!
 //! Adding a subcommand: a module with `USAGE`, an options struct with `parse(&[String])` and
-//! `async fn run(options) -> ExitCode`, and one arm in [`Command`].
+//! `async fn run(options) -> ExitCode`, and one arm in [`Command`] (`commands.rs`); shared parsing helpers are in `args.rs`.
 
 use std::process::ExitCode;
 
-mod cli;
+mod args;
+mod commands;
 mod demo;
 mod replay;
 mod simulate;
 
-use cli::{CliError, Command};
+use args::CliError;
+use commands::Command;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -27,7 +29,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(CliError::Usage(message)) => {
-            eprintln!("error: {message}\n\n{}", cli::USAGE);
+            eprintln!("error: {message}\n\n{}", commands::USAGE);
             return ExitCode::from(2);
         }
     };

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use crate::cli::{CliError, Flags};
+use crate::args::{CliError, Flags};
 
 /// Usage of `prefill-router replay`.
 pub const USAGE: &str = "\
@@ -100,7 +100,7 @@ impl ReplayOptions {
 
 /// Run the replays (each on its own paused runtime, off the CLI's runtime).
 pub async fn run(options: ReplayOptions) -> ExitCode {
-    crate::cli::off_runtime("replay", move || run_blocking(&options)).await
+    crate::args::off_runtime("replay", move || run_blocking(&options)).await
 }
 
 fn run_blocking(options: &ReplayOptions) -> ExitCode {

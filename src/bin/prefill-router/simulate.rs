@@ -5,7 +5,7 @@
 
 use std::process::ExitCode;
 
-use crate::cli::{CliError, Flags};
+use crate::args::{CliError, Flags};
 
 /// Usage of `prefill-router simulate`.
 pub const USAGE: &str = "\
@@ -61,7 +61,7 @@ impl SimulateOptions {
 
 /// Run the simulations (each on its own paused runtime, off the CLI's runtime).
 pub async fn run(options: SimulateOptions) -> ExitCode {
-    crate::cli::off_runtime("simulator", move || run_blocking(&options)).await
+    crate::args::off_runtime("simulator", move || run_blocking(&options)).await
 }
 
 fn run_blocking(options: &SimulateOptions) -> ExitCode {

@@ -24,7 +24,7 @@ use prefill_router::topology::TopologyWatcher;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{CliError, Flags};
+use crate::args::{CliError, Flags};
 use cluster::{decode_endpoint, prefill_card, Cluster, NAMESPACE};
 use report::Row;
 use traffic::{converse, Frontend, Tally, TrafficShape, DECODE_IDS};

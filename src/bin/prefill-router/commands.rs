@@ -1,7 +1,8 @@
-//! Hand-rolled argument parsing: one enum arm per subcommand.
+//! The command table: one enum arm per subcommand, the top-level usage and `help`.
 
 use std::process::ExitCode;
 
+use crate::args::CliError;
 use crate::{demo, replay, simulate};
 
 /// Top-level usage.
@@ -13,14 +14,6 @@ commands:
   simulate run the deterministic simulator (see `prefill-router simulate --help`)
   replay   replay a request trace in virtual time, per routing policy (see `prefill-router replay --help`)
   help     show this text, or `help COMMAND` that command's (as `COMMAND --help` does)";
-
-/// Why parsing stopped.
-pub enum CliError {
-    /// Help was asked for: print this and exit 0.
-    Help(String),
-    /// Bad arguments: print this with the usage and exit 2.
-    Usage(String),
-}
 
 /// A parsed command line.
 pub enum Command {
@@ -57,18 +50,6 @@ impl Command {
     }
 }
 
-/// Runs `job` on a blocking thread: the simulator and the replay build their own paused
-/// runtimes, which cannot nest inside the CLI's.
-pub async fn off_runtime(what: &str, job: impl FnOnce() -> ExitCode + Send + 'static) -> ExitCode {
-    match tokio::task::spawn_blocking(job).await {
-        Ok(code) => code,
-        Err(error) => {
-            eprintln!("error: {what} task failed: {error}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
 /// The usage `help [COMMAND]` prints: the program's, or that command's.
 fn help_on(topic: Option<&String>) -> Result<&'static str, CliError> {
     match topic.map(String::as_str) {
@@ -77,38 +58,6 @@ fn help_on(topic: Option<&String>) -> Result<&'static str, CliError> {
         Some("simulate") => Ok(simulate::USAGE),
         Some("replay") => Ok(replay::USAGE),
         Some(other) => Err(CliError::Usage(format!("no help on `{other}`"))),
-    }
-}
-
-/// Options common to the subcommands' parsers: iterate `--flag [value]` pairs.
-pub struct Flags<'a> {
-    args: std::slice::Iter<'a, String>,
-}
-
-impl<'a> Flags<'a> {
-    /// Over `args`.
-    pub fn new(args: &'a [String]) -> Self {
-        Flags { args: args.iter() }
-    }
-
-    /// The next flag, if any.
-    pub fn next_flag(&mut self) -> Option<&'a str> {
-        self.args.next().map(String::as_str)
-    }
-
-    /// The value of `flag`.
-    pub fn value(&mut self, flag: &str) -> Result<&'a str, CliError> {
-        self.args
-            .next()
-            .map(String::as_str)
-            .ok_or_else(|| CliError::Usage(format!("{flag} needs a value")))
-    }
-
-    /// The value of `flag`, parsed.
-    pub fn parsed<T: std::str::FromStr>(&mut self, flag: &str) -> Result<T, CliError> {
-        let raw = self.value(flag)?;
-        raw.parse()
-            .map_err(|_| CliError::Usage(format!("invalid value `{raw}` for {flag}")))
     }
 }
 
