@@ -1,5 +1,4 @@
 //! The KV selector alone: prefix hashing, scoring, ties, bounded memory.
-#![cfg(feature = "runtime")]
 
 use prefill_router::advert::KvRouterConfig;
 use prefill_router::push::{block_hashes, KvSelector};

@@ -1,17 +1,14 @@
 //! The request plane on loopback: streaming, multiplexing, cancellation, deadlines, errors.
-#![cfg(feature = "runtime")]
-
-mod support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::*;
 use futures_util::StreamExt;
 use prefill_router::transport::{
     ClientConfig, Connection, GenerateRequest, RemoteError, TransportError,
 };
-use support::*;
 use tokio::time::{timeout, Instant};
 
 async fn connect(handle: &prefill_router::transport::ServerHandle) -> Connection {

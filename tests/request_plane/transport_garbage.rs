@@ -1,18 +1,15 @@
 //! Hostile peers: garbage and oversized frames close that one connection with a typed error;
 //! the worker keeps serving everyone else.
-#![cfg(feature = "runtime")]
-
-mod support;
 
 use std::time::Duration;
 
+use crate::support::*;
 use futures_util::StreamExt;
 use prefill_router::transport::{
     decode_frame, encode_frame, ClientConfig, Connection, Frame, FrameError, GenerateRequest,
     GenerateResponse, TransportError, DEFAULT_MAX_FRAME_LEN,
 };
 use proptest::prelude::*;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;

@@ -1,5 +1,4 @@
 //! Shared helpers of the request-plane and push-router tests: engines and loopback workers.
-#![allow(dead_code)] // each test binary uses a different subset
 
 use std::collections::{BTreeSet, HashSet};
 use std::net::SocketAddr;

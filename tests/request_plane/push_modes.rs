@@ -1,16 +1,13 @@
 //! Push router modes on loopback workers: round robin, random, direct, KV.
-#![cfg(feature = "runtime")]
-
-mod support;
 
 use std::collections::BTreeMap;
 
+use crate::support::*;
 use futures_util::StreamExt;
 use prefill_router::advert::KvRouterConfig;
 use prefill_router::discovery::InstanceId;
 use prefill_router::push::{PushConfig, PushError, PushMode, PushRouter};
 use prefill_router::transport::{GenerateRequest, PrefillInfo, ServerHandle};
-use support::*;
 use tokio::time::timeout;
 
 const BLOCK: u32 = 4;

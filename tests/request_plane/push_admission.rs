@@ -1,19 +1,16 @@
 //! The routable view under the router: admission changes, discovery changes, inhibition after
 //! a failed connection, and a worker killed mid-stream.
-#![cfg(feature = "runtime")]
-
-mod support;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::*;
 use futures_util::StreamExt;
 use prefill_router::discovery::InstanceId;
 use prefill_router::push::{InstanceStatus, PushConfig, PushError, PushMode, PushRouter};
 use prefill_router::transport::{GenerateRequest, TransportError};
-use support::*;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::time::{timeout, Instant};

@@ -1,0 +1,17 @@
+//! The request plane and the push routers, in one test binary (each module was a binary of its
+//! own; one link of the crate instead of five). A module is named after the binary it was, so
+//! `cargo test --test request_plane push_modes` runs what `--test push_modes` ran.
+//!
+//! - `transport_stream`: streaming, multiplexing, cancellation, deadlines, errors on loopback.
+//! - `transport_garbage`: hostile peers (garbage, oversized frames).
+//! - `push_modes`: round robin, random, direct, KV on loopback workers.
+//! - `push_admission`: the routable view under admission and discovery changes.
+//! - `push_kv_selector`: the KV selector alone (hashing, scoring, ties, bounded memory).
+#![cfg(feature = "runtime")]
+
+mod push_admission;
+mod push_kv_selector;
+mod push_modes;
+mod support;
+mod transport_garbage;
+mod transport_stream;
