@@ -3,7 +3,7 @@
 //!
 //! Upstream keeps the lifecycle in an `AtomicU8` and the binding in a separate
 //! `ArcSwapOption`: a request can pass the gate as Active and then load a binding that was
-//! already withdrawn, or a binding for a different target (weakness W1). Here the pair is
+//! already withdrawn, or a binding for a different target. Here the pair is
 //! published together, so it can only be observed together.
 //!
 //! The hot path reads through a guard ([`RouteCell::load`]) without touching any reference

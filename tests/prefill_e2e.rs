@@ -29,7 +29,7 @@ fn active_on(router: &Router, generation: u64) -> bool {
             .is_some_and(|id| id.generation == generation)
 }
 
-/// Upstream's integration scenario (PR 14632's test): a committed KV card at block size 64
+/// Upstream's integration scenario for committed targets: a committed KV card at block size 64
 /// overrides the workers' raw round-robin cards; admission {w1} -> {w1,w2} -> {w2} is followed
 /// without a rebuild and never routes to an unadmitted worker; generation 2 at block size 32
 /// rebuilds; the retired binding fails promptly once its admission set empties.
@@ -128,7 +128,7 @@ async fn first_wins_scenario(discovery: Arc<dyn Discovery>) {
     fe.until("generation 2 active", |r| active_on(r, 2)).await;
     assert_eq!(
         watcher.view().borrow().target,
-        Some((GROUP.to_owned(), 2)),
+        Some(WorkerSetTargetId::new(GROUP, 2)),
         "the view follows set_target"
     );
     for seed in 20..30 {

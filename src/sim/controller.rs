@@ -161,7 +161,7 @@ impl Controller {
     }
 
     /// The prefill pool disappears: the target clears and its admission empties, the two
-    /// reported in a seeded order (upstream W12, both orders).
+    /// reported in a seeded order (the watcher may deliver either one first).
     pub(crate) fn clear(self: &Arc<Self>) {
         let current = {
             let mut state = self.state.lock();
@@ -285,7 +285,7 @@ impl Controller {
                     }
                     let target = match g {
                         None => {
-                            // Which W12 order this clear took: did the admission set of the
+                            // Which order this clear took: did the admission set of the
                             // generation being cleared empty before the clear arrived?
                             let emptied_first = match state.believed {
                                 Some(Some(current)) => state

@@ -33,10 +33,9 @@ pub struct SimStats {
     /// Prefill dispatches to a worker.
     pub dispatches: u64,
     /// Clears the controller applied after the cleared generation's admission set had
-    /// already emptied (upstream W12, one order).
+    /// already emptied (one of the two orders a clear and its admission change may arrive in).
     pub clears_after_admission_emptied: u64,
-    /// Clears applied while the cleared generation still admitted workers (W12, the other
-    /// order).
+    /// Clears applied while the cleared generation still admitted workers (the other order).
     pub clears_before_admission_emptied: u64,
     /// `set_target` calls.
     pub retargets: u64,

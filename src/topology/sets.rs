@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use super::kind::{worker_kind, WorkerKind};
 use crate::advert::ModelCard;
 use crate::discovery::{EndpointId, Instance, InstanceId, NamespaceEvent};
+use crate::router::{WorkerSetTarget, WorkerSetTargetId};
 
 /// Dormant selections (sets whose instances all left) remembered for reuse, at most: a pool that
 /// returns with the same card gets its old generation back (so the router reuses its binding);
@@ -41,26 +42,11 @@ struct WorkerSet {
     dormant_since: Option<u64>,
 }
 
-/// What a prefill target is made of (the watcher wraps it into a router target).
-#[derive(Clone, Debug)]
-pub struct SelectedSet {
-    /// The group: the endpoint's `namespace/component/endpoint`.
-    pub group: String,
-    /// Bumped whenever the selected card changes.
-    pub generation: u64,
-    /// The prefill endpoint.
-    pub endpoint: EndpointId,
-    /// The selected (first-admitted) card.
-    pub card: Arc<ModelCard>,
-    /// The admitted instances of this generation.
-    pub admitted: watch::Receiver<BTreeSet<InstanceId>>,
-}
-
 /// The topology as the watcher publishes it after every change.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TopologyView {
-    /// `(group, generation)` of the prefill target, if the rule gives one.
-    pub target: Option<(String, u64)>,
+    /// The prefill target's identity, if the rule gives one.
+    pub target: Option<WorkerSetTargetId>,
     /// Prefill sets with at least one admitted instance.
     pub prefill_sets: Vec<EndpointId>,
     /// Decode sets with at least one instance.
@@ -287,16 +273,18 @@ impl Topology {
     /// The target rule: exactly one live prefill set and exactly one live decode set give that
     /// prefill set's selection; anything else (none, or two of either, e.g. a blue/green
     /// rollout) gives `None`, and the hop bypasses.
-    pub fn target(&self) -> Option<SelectedSet> {
+    pub fn target(&self) -> Option<WorkerSetTarget> {
         let mut prefill = self.live_prefill();
         let (endpoint, set) = prefill.next()?;
         if prefill.next().is_some() || self.live_decode().count() != 1 {
             return None;
         }
         let sel = set.selection.as_ref()?;
-        Some(SelectedSet {
-            group: endpoint.to_string(),
-            generation: sel.generation,
+        Some(WorkerSetTarget {
+            id: WorkerSetTargetId {
+                group: endpoint.to_string(),
+                generation: sel.generation,
+            },
             endpoint: endpoint.clone(),
             card: Arc::clone(&sel.card),
             admitted: sel.admitted.subscribe(),
@@ -307,7 +295,7 @@ impl Topology {
     pub fn view(&self) -> TopologyView {
         let decode_sets: Vec<EndpointId> = self.live_decode().cloned().collect();
         TopologyView {
-            target: self.target().map(|t| (t.group, t.generation)),
+            target: self.target().map(|t| t.id),
             prefill_sets: self.live_prefill().map(|(e, _)| e.clone()).collect(),
             decode: (decode_sets.len() == 1).then(|| decode_sets[0].clone()),
             decode_sets,

@@ -7,7 +7,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::sets::{SelectedSet, Topology, TopologyView};
+use super::sets::{Topology, TopologyView};
 use crate::discovery::{Discovery, DiscoveryError};
 use crate::router::{BindingFactory, PrefillRouter, WorkerSetTarget, WorkerSetTargetId};
 
@@ -26,18 +26,6 @@ impl<F: BindingFactory> TargetSink for PrefillRouter<F> {
 impl<S: TargetSink + ?Sized> TargetSink for Arc<S> {
     fn set_target(&self, target: Option<WorkerSetTarget>) {
         (**self).set_target(target);
-    }
-}
-
-fn into_target(set: SelectedSet) -> WorkerSetTarget {
-    WorkerSetTarget {
-        id: WorkerSetTargetId {
-            group: set.group,
-            generation: set.generation,
-        },
-        endpoint: set.endpoint,
-        card: set.card,
-        admitted: set.admitted,
     }
 }
 
@@ -68,7 +56,7 @@ impl TopologyWatcher {
         let namespace = namespace.to_owned();
         let task = tokio::spawn(async move {
             let mut topology = Topology::new();
-            let mut current: Option<(String, u64)> = None;
+            let mut current: Option<WorkerSetTargetId> = None;
             loop {
                 let event = tokio::select! {
                     biased;
@@ -88,10 +76,10 @@ impl TopologyWatcher {
                     change.apply();
                 }
                 let target = topology.target();
-                let id = target.as_ref().map(|t| (t.group.clone(), t.generation));
+                let id = target.as_ref().map(|t| t.id.clone());
                 if id != current {
                     tracing::info!(namespace, target = ?id, "prefill target changed");
-                    sink.set_target(target.map(into_target));
+                    sink.set_target(target);
                     current = id;
                 }
                 // Shrinks after: requests already see the new target when instances leave it.

@@ -163,7 +163,7 @@ impl Run {
                 // has a target; a watcher still showing none has not caught up yet.
                 let view = watcher.view();
                 let target = view.borrow().target.clone();
-                target.map(|(group, generation)| Some(WorkerSetTargetId { group, generation }))
+                target.map(Some)
             }
         }
     }

@@ -51,7 +51,7 @@ fn one_prefill_and_one_decode_set_give_a_target() {
     up(&mut t, "decode", 9, 16);
     let target = t.target().unwrap();
     assert_eq!(
-        (target.group.as_str(), target.generation),
+        (target.id.group.as_str(), target.id.generation),
         ("ns/prefill/generate", 1)
     );
     assert_eq!(target.card.kv_cache_block_size, 16);
@@ -104,7 +104,7 @@ fn admission_follows_membership_without_a_new_generation() {
     assert_eq!(*rx.borrow(), BTreeSet::from([1, 2]));
     down(&mut t, "prefill", 1);
     assert_eq!(*rx.borrow(), BTreeSet::from([2]));
-    assert_eq!(t.target().unwrap().generation, 1);
+    assert_eq!(t.target().unwrap().id.generation, 1);
 }
 
 #[test]
@@ -114,11 +114,11 @@ fn card_change_after_the_old_card_leaves_is_a_new_generation() {
     up(&mut t, "prefill", 1, 64);
     let old = t.target().unwrap().admitted;
     up(&mut t, "prefill", 2, 32); // rejected while 1 holds the selection
-    assert_eq!(t.target().unwrap().generation, 1);
+    assert_eq!(t.target().unwrap().id.generation, 1);
     let changes = down(&mut t, "prefill", 1);
     let target = t.target().unwrap();
     assert_eq!(
-        (target.generation, target.card.kv_cache_block_size),
+        (target.id.generation, target.card.kv_cache_block_size),
         (2, 32)
     );
     assert_eq!(*target.admitted.borrow(), BTreeSet::from([2]));
@@ -146,7 +146,7 @@ fn a_pool_that_returns_with_the_same_card_keeps_its_generation() {
     up(&mut t, "prefill", 4, 64);
     let after = t.target().unwrap();
     assert_eq!(
-        after.generation, before.generation,
+        after.id.generation, before.id.generation,
         "same id: the router reuses"
     );
     assert_eq!(*before.admitted.borrow(), BTreeSet::from([4]));
@@ -159,7 +159,7 @@ fn a_pool_that_returns_with_another_card_is_a_new_generation() {
     up(&mut t, "prefill", 1, 64);
     down(&mut t, "prefill", 1);
     let changes = up(&mut t, "prefill", 1, 32);
-    assert_eq!(t.target().unwrap().generation, 2);
+    assert_eq!(t.target().unwrap().id.generation, 2);
     assert_eq!(changes.retired.len(), 1);
 }
 
