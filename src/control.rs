@@ -279,9 +279,8 @@ where
 
     /// Whether the control lock is held right now (tests use it from a binding's `Drop` to show
     /// that bindings are never dropped under the lock).
-    #[cfg(not(prefill_loom))]
-    #[doc(hidden)]
-    pub fn lock_is_held(&self) -> bool {
+    #[cfg(all(test, not(prefill_loom)))]
+    pub(crate) fn lock_is_held(&self) -> bool {
         self.inner.is_locked()
     }
 

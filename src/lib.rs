@@ -60,7 +60,3 @@ mod sync;
 pub mod topology;
 #[cfg(feature = "runtime")]
 pub mod transport;
-
-#[cfg(feature = "testkit")]
-#[doc(hidden)]
-pub mod testkit;
