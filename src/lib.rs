@@ -43,6 +43,7 @@ pub mod batch;
 pub mod binding;
 pub mod control;
 pub mod discovery;
+mod hooks;
 pub mod lifecycle;
 #[cfg(feature = "runtime")]
 pub mod mock;
