@@ -71,7 +71,7 @@ impl<B> RouterHooks<B> {
 /// The binding factory's hooks: views honour the admission set.
 #[cfg(feature = "runtime")]
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct FactoryHooks;
+pub(crate) struct FactoryHooks(());
 
 #[cfg(feature = "runtime")]
 impl FactoryHooks {
@@ -84,7 +84,7 @@ impl FactoryHooks {
 
 /// The discovery watchers' known-set hooks: a resync diffs against what is known.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct KnownHooks;
+pub(crate) struct KnownHooks(());
 
 impl KnownHooks {
     /// Whether a resync forgets what is known before diffing: never.
