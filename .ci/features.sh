@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Default features serve embedders: a dependent that writes `prefill-router = "..."` in its
 # Cargo.toml gets the library and its tokio runtime, and none of the CLI, the simulator,
-# tokio's test clock, tracing-subscriber or the fuzz support. This reads the feature graph of a
+# tokio's test clock, tracing-subscriber or the fuzz support (`arbitrary`: only the testkit
+# package, `testkit/`, depends on it, and the library never depends on the testkit). This reads the feature graph of a
 # default (non-dev) build from `cargo tree -e features` and fails if any of them shows up.
 # It also proves the detector bites: the `cli` build must show them.
 set -euo pipefail
@@ -27,6 +28,10 @@ if ! tree --features cli | grep -qE "$forbidden"; then
 fi
 if ! tree --features cli | grep -q 'tokio feature "test-util"'; then
     echo "features: the detector is blind to tokio's test-util"
+    exit 1
+fi
+if ! cargo tree -p prefill-router-testkit -e normal --prefix none | grep -qE '^arbitrary '; then
+    echo "features: the detector is blind to arbitrary: the testkit package should show it"
     exit 1
 fi
 # The model checks a pure machine: it must not compile the tokio runtime.

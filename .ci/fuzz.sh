@@ -3,7 +3,7 @@
 # toolchain (no sanitizer: the library is safe Rust, and ASan would cost ~10x throughput; see
 # docs/fuzzing.md for the deeper AddressSanitizer run). A crash fails the script and leaves its
 # input in fuzz/artifacts/<target>/; keep it there (commit it) once fixed, and
-# tests/fuzz_corpus_replay.rs replays it on every `cargo test`.
+# testkit/tests/fuzz_corpus_replay.rs replays it on every `cargo test`.
 #
 # Cost on 2 shared cores: cargo-fuzz install ~50 s (skipped when installed), build 1-2.5 min,
 # then FUZZ_SECONDS (default 30) per target: 5 targets, about 5 min in all from clean.

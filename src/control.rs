@@ -49,19 +49,18 @@
 use std::fmt;
 use std::sync::Arc;
 
+use crate::hooks::ControlHooks;
 use crate::lifecycle::{Action, BuildId, Input, Lifecycle, Machine, RetryPolicy};
 use crate::route::{BypassReason, Route, RouteCell, Snapshot, SnapshotGuard};
 use crate::sync::Mutex;
 
 mod effects;
-#[cfg(prefill_loom)]
-mod mutant;
 mod retired;
 
+// The deliberate mutants of the core (`crate::hooks`), for the loom suite and the unit tests.
+#[cfg(any(test, prefill_loom))]
+pub use crate::hooks::Mutant;
 pub use effects::{Effect, Effects, EffectsIntoIter};
-#[cfg(prefill_loom)]
-#[doc(hidden)]
-pub use mutant::Mutant;
 
 use retired::Retired;
 
@@ -165,12 +164,8 @@ struct Report {
 pub struct Control<T, B> {
     inner: Mutex<Inner<T, B>>,
     cell: RouteCell<T, B>,
-    #[cfg(prefill_loom)]
-    mutant: mutant::State<T, B>,
-    /// Test-only mutant: drop bindings while still holding the lock, to show that
-    /// `bindings_never_drop_under_the_lock` catches it.
-    #[cfg(all(test, not(prefill_loom)))]
-    drop_under_lock: bool,
+    /// Where the deliberate mutants break the publication protocol; zero-sized in normal builds.
+    hooks: ControlHooks<T, B>,
 }
 
 impl<T, B> Control<T, B>
@@ -191,19 +186,16 @@ where
                 retired: Retired::new(),
             }),
             cell: RouteCell::new(initial),
-            #[cfg(prefill_loom)]
-            mutant: mutant::State::new(Mutant::None),
-            #[cfg(all(test, not(prefill_loom)))]
-            drop_under_lock: false,
+            hooks: ControlHooks::default(),
         }
     }
 
-    /// A core with a deliberately broken publication protocol, for the loom suite only.
-    #[cfg(prefill_loom)]
-    #[doc(hidden)]
+    /// A core running a deliberate mutant of its protocol (the loom suite and the unit tests
+    /// show that their checks catch each).
+    #[cfg(any(test, prefill_loom))]
     pub fn with_mutant(policy: RetryPolicy, mutant: Mutant) -> Self {
         let mut control = Control::new(policy);
-        control.mutant = mutant::State::new(mutant);
+        control.hooks = ControlHooks::new(mutant);
         control
     }
 
@@ -242,11 +234,7 @@ where
     /// the routing decision; do not hold it across an `.await`.
     #[inline]
     pub fn load(&self) -> SnapshotGuard<T, B> {
-        #[cfg(prefill_loom)]
-        if let Some(snapshot) = self.mutant.load() {
-            return SnapshotGuard::detached(snapshot);
-        }
-        self.cell.load()
+        self.hooks.load(&self.cell)
     }
 
     /// The route for one request: one lock-free load, plus one `Arc` clone when prefilling.
@@ -279,9 +267,8 @@ where
 
     /// Whether the control lock is held right now (tests use it from a binding's `Drop` to show
     /// that bindings are never dropped under the lock).
-    #[cfg(not(prefill_loom))]
-    #[doc(hidden)]
-    pub fn lock_is_held(&self) -> bool {
+    #[cfg(all(test, not(prefill_loom)))]
+    pub(crate) fn lock_is_held(&self) -> bool {
         self.inner.is_locked()
     }
 
@@ -345,24 +332,15 @@ where
                     }
                 }
             }
-            if let Some(next) = next_snapshot(inner) {
+            let next = next_snapshot(inner);
+            if let Some(next) = &next {
                 report.epoch = Some((next.epoch(), next.lifecycle()));
                 inner.counters.snapshots = next.epoch();
-                #[cfg(prefill_loom)]
-                if self.mutant.publishes_outside_lock() {
-                    drop(guard);
-                    trash.old_snapshot = Some(self.cell.swap(next));
-                    return self.finish(effects, trash, report, built);
-                }
-                #[cfg(prefill_loom)]
-                self.mutant.publish_two_cells(&next);
-                trash.old_snapshot = Some(self.cell.swap(next));
             }
-            #[cfg(all(test, not(prefill_loom)))]
-            if self.drop_under_lock {
-                drop(std::mem::take(&mut trash));
-                drop(built.take());
-            }
+            self.hooks.before_unlock(&mut trash, &mut built);
+            // Publish while the lock is held, so snapshots land in step order; the replaced
+            // one drops after the lock, with the rest of the trash.
+            trash.old_snapshot = self.hooks.publish_and_unlock(&self.cell, next, guard);
         }
         self.finish(effects, trash, report, built)
     }

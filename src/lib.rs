@@ -43,6 +43,7 @@ pub mod batch;
 pub mod binding;
 pub mod control;
 pub mod discovery;
+mod hooks;
 pub mod lifecycle;
 #[cfg(feature = "runtime")]
 pub mod mock;
@@ -60,7 +61,3 @@ mod sync;
 pub mod topology;
 #[cfg(feature = "runtime")]
 pub mod transport;
-
-#[cfg(feature = "testkit")]
-#[doc(hidden)]
-pub mod testkit;

@@ -40,10 +40,7 @@ use std::fmt;
 use std::time::Duration;
 
 mod actions;
-mod trace;
 pub use actions::{Actions, ActionsIntoIter};
-#[doc(hidden)]
-pub use trace::realistic_mix;
 
 /// The hop's routability, derived from the machine's state (never stored separately).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

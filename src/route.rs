@@ -174,7 +174,7 @@ impl<T, B> Snapshot<T, B> {
 pub struct SnapshotGuard<T, B>(CellGuard<Snapshot<T, B>>);
 
 impl<T, B> SnapshotGuard<T, B> {
-    /// A guard over a snapshot that is not in any cell (the loom suite's broken variants).
+    /// A guard over a snapshot that is not in any cell (the loom suite's `TwoCells` mutant).
     #[cfg(prefill_loom)]
     pub(crate) fn detached(snapshot: Arc<Snapshot<T, B>>) -> Self {
         SnapshotGuard(snapshot)

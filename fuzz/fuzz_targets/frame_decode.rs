@@ -1,11 +1,11 @@
 //! Arbitrary bytes, and cut, flipped or extended encodings of well-formed frames, through the
-//! request plane's payload decoder (harness: `prefill_router::testkit::frame_fuzz`).
+//! request plane's payload decoder (harness: `prefill_router_testkit::frame_fuzz`).
 #![no_main]
 
-use prefill_router::testkit::alloc_probe::CountingAllocator;
+use prefill_router_testkit::alloc_probe::CountingAllocator;
 
 // The harness measures the decoder's peak allocation through this allocator.
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| prefill_router::testkit::frame_fuzz::frame_decode(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| prefill_router_testkit::frame_fuzz::frame_decode(data));

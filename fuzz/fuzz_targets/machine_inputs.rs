@@ -1,5 +1,5 @@
 //! A sequence of lifecycle inputs through `Machine`, checked after every step against the
-//! reference model and I1..I6 (harness: `prefill_router::testkit::machine_fuzz`).
+//! reference model and I1..I6 (harness: `prefill_router_testkit::machine_fuzz`).
 //!
 //! `PREFILL_FUZZ_MUTANT=<Mutation>` (e.g. `PublishesStaleBuilds`) fuzzes a deliberately broken
 //! machine instead, to measure how fast the fuzzer finds a known bug (docs/fuzzing.md).
@@ -7,10 +7,10 @@
 
 use std::sync::OnceLock;
 
-use prefill_router::testkit::machine_fuzz::{
+use prefill_router_testkit::machine_fuzz::{
     check_script, check_script_against_mutant, MachineScript,
 };
-use prefill_router::testkit::mutants::Mutation;
+use prefill_router_testkit::mutants::Mutation;
 
 fn mutant() -> Option<Mutation> {
     static MUTANT: OnceLock<Option<Mutation>> = OnceLock::new();

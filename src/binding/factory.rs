@@ -12,6 +12,7 @@ use tracing::Instrument;
 
 use crate::advert::{self, DecodeDefaults, PrefillConfig};
 use crate::discovery::{Discovery, EndpointId, InstanceId};
+use crate::hooks::FactoryHooks;
 use crate::push::{PushConfig, PushMode, PushRouter, RoutableView};
 use crate::router::{
     BindingFactory, BuildError, Prefill, PrefillError, PrefillOutcome, WorkerSetTarget,
@@ -51,9 +52,9 @@ pub struct DefaultBindingFactory {
     discovery: Arc<dyn Discovery>,
     config: FactoryConfig,
     stats: Arc<BindingStats>,
-    /// Test-only mutant: build views without the admission set (the check must catch it).
-    #[cfg(test)]
-    mutant_ignore_admission: bool,
+    /// Where the mutant that ignores the admission set breaks views; zero-sized in normal
+    /// builds.
+    hooks: FactoryHooks,
 }
 
 impl std::fmt::Debug for DefaultBindingFactory {
@@ -71,8 +72,7 @@ impl DefaultBindingFactory {
             discovery,
             config,
             stats: Arc::default(),
-            #[cfg(test)]
-            mutant_ignore_admission: false,
+            hooks: FactoryHooks::default(),
         }
     }
 
@@ -109,17 +109,6 @@ impl BindingFactory for DefaultBindingFactory {
 }
 
 impl DefaultBindingFactory {
-    /// The mutant of the admission check's test: a view that ignores the admission set.
-    #[cfg(test)]
-    fn ignores_admission(&self) -> bool {
-        self.mutant_ignore_admission
-    }
-
-    #[cfg(not(test))]
-    fn ignores_admission(&self) -> bool {
-        false
-    }
-
     async fn build_inner(
         &self,
         target: WorkerSetTarget,
@@ -137,7 +126,7 @@ impl DefaultBindingFactory {
             .await
             .map_err(|e| BuildError::new(format!("watching {}: {e}", target.endpoint)))?;
         let feed = cancel.child_token();
-        let admission = if self.ignores_admission() {
+        let admission = if self.hooks.ignores_admission() {
             None
         } else {
             Some(target.admitted.clone())
@@ -297,7 +286,9 @@ mod tests {
         let _w2 = prefill_worker(&discovery, &endpoint, 2).await;
         let mut factory =
             DefaultBindingFactory::new(Arc::clone(&discovery), FactoryConfig::default());
-        factory.mutant_ignore_admission = mutant;
+        if mutant {
+            factory.hooks = FactoryHooks::ignore_admission();
+        }
         let (_admit, admitted) = watch::channel(BTreeSet::from([1]));
         let target = WorkerSetTarget::new(
             WorkerSetTargetId::new("t/prefill/generate", 1),

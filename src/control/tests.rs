@@ -218,9 +218,15 @@ fn drops_under_lock(drop_under_lock: bool) -> (usize, bool) {
         dropped_under_lock: Arc::clone(&under),
         drops: Arc::clone(&drops),
     };
-    let mut ctl = Control::<u8, Probe>::new(RetryPolicy::default());
-    ctl.drop_under_lock = drop_under_lock;
-    let ctl = Arc::new(ctl);
+    let mutant = if drop_under_lock {
+        Mutant::DropUnderLock
+    } else {
+        Mutant::None
+    };
+    let ctl = Arc::new(Control::<u8, Probe>::with_mutant(
+        RetryPolicy::default(),
+        mutant,
+    ));
     assert!(slot.set(Arc::downgrade(&ctl)).is_ok(), "set once");
     // Stale build: discarded.
     let b1 = started(&ctl.set_target(Some(1)));

@@ -62,9 +62,8 @@ pub(crate) struct KnownSet {
     records: BTreeMap<String, (Instance, ModelCard)>,
     /// Keys already reported as malformed: warn once per bad record, not once per resync.
     malformed: BTreeSet<String>,
-    /// Test-only mutant: a resync that replaces the known set without diffing it.
-    #[cfg(test)]
-    blind_resync: bool,
+    /// Where the blind-resync mutant breaks resyncs; zero-sized in normal builds.
+    hooks: crate::hooks::KnownHooks,
 }
 
 impl KnownSet {
@@ -73,8 +72,7 @@ impl KnownSet {
             scope,
             records: BTreeMap::new(),
             malformed: BTreeSet::new(),
-            #[cfg(test)]
-            blind_resync: false,
+            hooks: crate::hooks::KnownHooks::default(),
         }
     }
 
@@ -122,8 +120,7 @@ impl KnownSet {
                     }
                 }
                 self.malformed.retain(|key| seen.contains(key));
-                #[cfg(test)]
-                if self.blind_resync {
+                if self.hooks.is_blind_resync() {
                     self.records.clear();
                 }
                 let gone: Vec<String> = self
@@ -201,7 +198,7 @@ mod tests {
     #[test]
     fn blind_resync_mutant_is_caught() {
         let mut mutant = KnownSet::new(scope());
-        mutant.blind_resync = true;
+        mutant.hooks = crate::hooks::KnownHooks::blind_resync();
         let caught = std::panic::catch_unwind(move || check_resync_emits_only_what_changed(mutant));
         assert!(caught.is_err(), "a non-diffing resync went unnoticed");
     }

@@ -77,10 +77,7 @@ impl<F: BindingFactory> Driver<F> {
                     Some(Msg::Finished(build, effects)) => {
                         // Finished, not cancelled: its token must live on with its binding.
                         self.running.retain(|(id, _)| *id != build);
-                        #[cfg(test)]
-                        if let Some(lagging) = &self.shared.lagging_route {
-                            *lagging.lock() = self.shared.control.route();
-                        }
+                        self.shared.hooks.build_finished(|| self.shared.control.route());
                         self.carry_out(effects);
                     }
                     // Shared holds the sender and we hold Shared: unreachable, but ending is
@@ -229,7 +226,7 @@ pub(crate) fn deadline_after(delay: Duration) -> Instant {
 /// `delay` plus a uniform extra of up to `fraction * delay`.
 pub(crate) fn jittered(delay: Duration, fraction: f64, rng: &mut SplitMix) -> Duration {
     // No shortcut for a zero fraction or delay: the extra is exactly zero then anyway, and a
-    // redundant branch would only breed equivalent mutants.
+    // redundant branch would only breed equivalent mutations.
     let extra = delay.as_secs_f64() * fraction * rng.unit();
     // `extra` is finite and non-negative for a configured fraction (clamped to [0, 1], unit in
     // [0, 1)); anything else adds nothing. A delay so large that adding overflows keeps the

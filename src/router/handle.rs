@@ -20,6 +20,7 @@ use super::shared::{Announced, Msg, Shared};
 use super::status::{bump, RouterStatus, Tally};
 use super::target::WorkerSetTarget;
 use crate::control::Control;
+use crate::hooks::RouterHooks;
 use crate::lifecycle::Lifecycle;
 use crate::route::{BypassReason, Route, SnapshotGuard};
 use crate::transport::{GenerateRequest, GenerateResponse};
@@ -44,18 +45,16 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// # Panics
     /// If called outside a tokio runtime (like `tokio::spawn`).
     pub fn new(factory: F, config: PrefillRouterConfig) -> Self {
-        Self::build(factory, config, false)
+        Self::build(factory, config, RouterHooks::default())
     }
 
-    /// A router whose request path reads a lagging copy of the route (test-only mutant).
+    /// A router whose request path reads a lagging copy of the route (a deliberate mutant).
     #[cfg(test)]
     pub(crate) fn with_lagging_route_mutant(factory: F, config: PrefillRouterConfig) -> Self {
-        Self::build(factory, config, true)
+        Self::build(factory, config, RouterHooks::lagging_route())
     }
 
-    fn build(factory: F, config: PrefillRouterConfig, lagging: bool) -> Self {
-        #[cfg(not(test))]
-        let _ = lagging;
+    fn build(factory: F, config: PrefillRouterConfig, hooks: RouterHooks<F::Binding>) -> Self {
         let (to_driver, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             control: Control::new(config.retry),
@@ -71,9 +70,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             shut_down: Default::default(),
-            #[cfg(test)]
-            lagging_route: lagging
-                .then(|| parking_lot::Mutex::new(Route::Bypass(BypassReason::NotYetTargeted))),
+            hooks,
         });
         let driver = Driver::new(Arc::clone(&shared), rx);
         shared.tracker.spawn(driver.run());
@@ -94,11 +91,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// even if it is retired meanwhile), or bypass and why. One lock-free load.
     #[inline]
     pub fn route(&self) -> Route<F::Binding> {
-        #[cfg(test)]
-        if let Some(lagging) = &self.shared.lagging_route {
-            return lagging.lock().clone();
-        }
-        self.shared.control.route()
+        self.shared.hooks.route(|| self.shared.control.route())
     }
 
     /// The current snapshot, pinned (for decisions that need the target or epoch too). Do not

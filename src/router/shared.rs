@@ -46,11 +46,8 @@ pub(crate) struct Shared<F: BindingFactory> {
     /// Every task the router spawns (driver, builds).
     pub(crate) tracker: TaskTracker,
     pub(crate) shut_down: AtomicBool,
-    /// Test-only mutant: requests read a route the driver refreshes when a build finishes,
-    /// not the cell `set_target` publishes into (upstream's asynchronous binding store). The
-    /// request-path race test must catch it.
-    #[cfg(test)]
-    pub(crate) lagging_route: Option<parking_lot::Mutex<crate::route::Route<F::Binding>>>,
+    /// Where the lagging-route mutant breaks the request path; zero-sized in normal builds.
+    pub(crate) hooks: crate::hooks::RouterHooks<F::Binding>,
 }
 
 impl<F: BindingFactory> Shared<F> {

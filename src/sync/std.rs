@@ -18,6 +18,7 @@ impl<T> Mutex<T> {
     }
 
     /// Whether some thread holds the lock (for tests that check where work happens).
+    #[cfg(test)]
     pub(crate) fn is_locked(&self) -> bool {
         self.0.is_locked()
     }

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use arbitrary::{Arbitrary, Unstructured};
 
-use super::branches::{Branch, BranchSet};
-use super::ledger::Ledger;
-use super::reference::{MachineView, Reference};
-use crate::lifecycle::{Action, BuildId, Input, Machine, RetryPolicy};
+use crate::branches::{Branch, BranchSet};
+use crate::ledger::Ledger;
+use crate::reference::{MachineView, Reference};
+use prefill_router::lifecycle::{Action, BuildId, Input, Machine, RetryPolicy};
 
 /// Targets are small integers; [`TargetPick::Other`] folds onto this many of them.
 pub const TARGET_ALPHABET: u8 = 4;
@@ -155,7 +155,7 @@ impl Step {
     }
 }
 
-/// A machine under test: the real one, or a [mutant](super::mutants) of it.
+/// A machine under test: the real one, or a [mutant](crate::mutants) of it.
 pub trait Stepper {
     /// Feed one input; the actions in order.
     fn step(&mut self, input: Input<u8>) -> Vec<Action<u8>>;
@@ -272,11 +272,11 @@ pub fn check_script(script: &MachineScript) {
     }
 }
 
-/// Run one decoded script through a [mutant](super::mutants::Mutant) machine; panics when a
+/// Run one decoded script through a [mutant](crate::mutants::Mutant) machine; panics when a
 /// check fails, which is the point: measures how fast the fuzzer finds a known bug.
-pub fn check_script_against_mutant(script: &MachineScript, mutation: super::mutants::Mutation) {
+pub fn check_script_against_mutant(script: &MachineScript, mutation: crate::mutants::Mutation) {
     let mut branches = BranchSet::default();
-    let make = |policy| super::mutants::Mutant::new(mutation, policy);
+    let make = |policy| crate::mutants::Mutant::new(mutation, policy);
     if let Err(failure) = run_script(script, make, Checks::ALL, &mut branches) {
         panic!("machine_inputs against {mutation:?}: {failure}");
     }

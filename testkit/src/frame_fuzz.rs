@@ -1,6 +1,6 @@
 //! Fuzz target `frame_decode`: arbitrary bytes, and encodings of well-formed frames cut,
 //! flipped or extended, through the request plane's payload decoder
-//! [`decode_frame`](crate::transport::decode_frame).
+//! [`decode_frame`](prefill_router::transport::decode_frame).
 //!
 //! Checked on every input: no panic; an error is the typed `FrameError::Malformed`; a decoded
 //! frame re-encodes to a payload that decodes to the same frame; a well-formed frame's encoding
@@ -8,12 +8,12 @@
 //! limit (`DEFAULT_MAX_FRAME_LEN`), nor more than [`proportional_bound`] of the payload length,
 //! measured by the [`CountingAllocator`] that the fuzz binary and the replay test install.
 //!
-//! [`CountingAllocator`]: super::alloc_probe::CountingAllocator
+//! [`CountingAllocator`]: crate::alloc_probe::CountingAllocator
 
 use arbitrary::{Arbitrary, Unstructured};
 
-use super::alloc_probe::peak_bytes;
-use crate::transport::{
+use crate::alloc_probe::peak_bytes;
+use prefill_router::transport::{
     decode_frame, encode_frame, FinishReason, Frame, FrameError, GenerateRequest, GenerateResponse,
     PrefillInfo, RemoteError, DEFAULT_MAX_FRAME_LEN,
 };

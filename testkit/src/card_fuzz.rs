@@ -15,7 +15,7 @@ use std::time::Duration;
 use arbitrary::{Arbitrary, Unstructured};
 use serde_json::{json, Map, Value};
 
-use crate::advert::{
+use prefill_router::advert::{
     parse_cards, resolve, resolve_raw, AdvertError, DecodeDefaults, KvRouterConfig, ModelCard,
     PrefillConfig, RouterConfig, RouterMode, RuntimeConfig,
 };

@@ -1,12 +1,11 @@
 //! A deterministic, realistic input mix for benchmarks and allocation tests.
 
-use super::{Input, Machine, RetryPolicy};
+use prefill_router::lifecycle::{BuildId, Input, Machine, RetryPolicy};
 
 /// Generate `len` inputs that a real driver could feed: retargets among `targets` targets (and
 /// `None`), successes and failures of the build in flight, retry firings, plus a share of stale,
 /// repeated and unknown completions. Deterministic (a fixed xorshift seed), allocation only for
 /// the returned vector.
-#[doc(hidden)]
 pub fn realistic_mix(len: usize, targets: u32) -> Vec<Input<u32>> {
     let mut rng = 0x9E37_79B9_7F4A_7C15u64;
     let mut next = || {
@@ -24,7 +23,7 @@ pub fn realistic_mix(len: usize, targets: u32) -> Vec<Input<u32>> {
                 0..=59 => Input::BuildSucceeded(b),
                 60..=79 => Input::BuildFailed(b),
                 80..=89 => Input::SetTarget(Some((next() % targets as u64) as u32)),
-                _ => Input::BuildSucceeded(super::BuildId(b.0.saturating_sub(1))), // stale
+                _ => Input::BuildSucceeded(BuildId(b.0.saturating_sub(1))), // stale
             }
         } else if let Some(after) = m.retry_armed() {
             match roll {
@@ -35,7 +34,7 @@ pub fn realistic_mix(len: usize, targets: u32) -> Vec<Input<u32>> {
             match roll {
                 0..=79 => Input::SetTarget(Some((next() % targets as u64) as u32)),
                 80..=89 => Input::SetTarget(None),
-                _ => Input::BuildSucceeded(super::BuildId(next() % 64)), // unknown / repeated
+                _ => Input::BuildSucceeded(BuildId(next() % 64)), // unknown / repeated
             }
         };
         let _ = m.handle(input.clone());

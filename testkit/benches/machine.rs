@@ -1,14 +1,15 @@
 //! Throughput of `Machine::handle` over a realistic input mix (inputs per second).
 //!
-//! Run: `cargo bench --bench machine`. The allocation side is guarded by the test
-//! `tests/machine_no_alloc.rs` (a counting allocator), not timed here.
+//! Run: `cargo bench -p prefill-router-testkit --bench machine`. The allocation side is guarded by
+//! the test `testkit/tests/machine_no_alloc.rs` (a counting allocator), not timed here.
 
 #![allow(missing_docs)] // criterion_group! generates undocumented public items
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use prefill_router::lifecycle::{realistic_mix, Machine, RetryPolicy};
+use prefill_router::lifecycle::{Machine, RetryPolicy};
+use prefill_router_testkit::realistic_mix;
 
 fn handle_mix(c: &mut Criterion) {
     let trace = realistic_mix(4096, 3);

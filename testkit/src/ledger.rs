@@ -6,8 +6,8 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use super::reference::MachineView;
-use crate::lifecycle::{Action, BuildId, Input, Lifecycle};
+use crate::reference::MachineView;
+use prefill_router::lifecycle::{Action, BuildId, Input, Lifecycle};
 
 /// Bookkeeping of one history; feed it every step with [`Ledger::observe`].
 #[derive(Clone, Debug)]

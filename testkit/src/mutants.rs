@@ -2,15 +2,15 @@
 //! that shows the checks (and the corpus) can fail.
 //!
 //! - [`Mutant`]: wraps the real [`Machine`] and corrupts what a driver observes in one way
-//!   (judged by [`run_script`](super::machine_fuzz::run_script));
+//!   (judged by [`run_script`](crate::machine_fuzz::run_script));
 //! - [`CARD_MUTANTS`]: broken card resolvers (judged by
-//!   [`check_cards_with`](super::card_fuzz::check_cards_with)).
+//!   [`check_cards_with`](crate::card_fuzz::check_cards_with)).
 
-use super::card_fuzz::Resolver;
-use super::machine_fuzz::Stepper;
-use super::reference::MachineView;
-use crate::advert::{resolve, AdvertError, DecodeDefaults, ModelCard, PrefillConfig};
-use crate::lifecycle::{Action, Input, Lifecycle, Machine, RetryPolicy};
+use crate::card_fuzz::Resolver;
+use crate::machine_fuzz::Stepper;
+use crate::reference::MachineView;
+use prefill_router::advert::{resolve, AdvertError, DecodeDefaults, ModelCard, PrefillConfig};
+use prefill_router::lifecycle::{Action, Input, Lifecycle, Machine, RetryPolicy};
 
 /// The ways a mutant breaks the machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,18 +135,16 @@ fn no_card_resolves_to_defaults(
     resolve(cards, decode)
 }
 
-#[cfg(not(prefill_loom))]
 pub use control::{ControlMutant, ControlMutation};
 
-#[cfg(not(prefill_loom))]
 mod control {
     use std::cell::RefCell;
     use std::sync::Arc;
 
-    use crate::control::{Control, ControlStatus, Effect};
-    use crate::lifecycle::{BuildId, RetryPolicy};
-    use crate::route::Route;
-    use crate::testkit::control_fuzz::{ControlApi, TestBinding, TestSnapshot};
+    use crate::control_fuzz::{ControlApi, TestBinding, TestSnapshot};
+    use prefill_router::control::{Control, ControlStatus, Effect};
+    use prefill_router::lifecycle::{BuildId, RetryPolicy};
+    use prefill_router::route::Route;
 
     /// The ways a control mutant breaks the core.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -238,16 +236,14 @@ mod control {
 }
 
 /// Broken payload decoders, by name (judged by
-/// [`check_frame_script_with`](super::frame_fuzz::check_frame_script_with)).
-#[cfg(feature = "runtime")]
-pub const FRAME_MUTANTS: &[(&str, super::frame_fuzz::Decoder)] = &[
+/// [`check_frame_script_with`](crate::frame_fuzz::check_frame_script_with)).
+pub const FRAME_MUTANTS: &[(&str, crate::frame_fuzz::Decoder)] = &[
     ("reserves a whole frame up front", frame::greedy),
     ("drops the session key", frame::lossy),
 ];
 
-#[cfg(feature = "runtime")]
 mod frame {
-    use crate::transport::{decode_frame, Frame, FrameError, DEFAULT_MAX_FRAME_LEN};
+    use prefill_router::transport::{decode_frame, Frame, FrameError, DEFAULT_MAX_FRAME_LEN};
 
     /// Reserves more than the frame limit before decoding (a decoder trusting a length field).
     pub(super) fn greedy(payload: &[u8]) -> Result<Frame, FrameError> {
@@ -278,8 +274,8 @@ mod frame {
 }
 
 /// Broken record readers, by name (judged by
-/// [`check_record_script`](super::record_fuzz::check_record_script)).
-pub const RECORD_MUTANTS: &[(&str, super::record_fuzz::Reader)] = &[
+/// [`check_record_script`](crate::record_fuzz::check_record_script)).
+pub const RECORD_MUTANTS: &[(&str, crate::record_fuzz::Reader)] = &[
     ("accepts a record under any key", record::any_key),
     (
         "drops the advertised router config",
@@ -288,8 +284,8 @@ pub const RECORD_MUTANTS: &[(&str, super::record_fuzz::Reader)] = &[
 ];
 
 mod record {
-    use crate::advert::ModelCard;
-    use crate::discovery::{decode_record, Instance, RecordError};
+    use prefill_router::advert::ModelCard;
+    use prefill_router::discovery::{decode_record, Instance, RecordError};
 
     /// Trusts the document over the key it was found under.
     pub(super) fn any_key(key: &str, bytes: &[u8]) -> Result<(Instance, ModelCard), RecordError> {

@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use prefill_router::lifecycle::{Action, BuildId, Input, Machine, RetryPolicy};
-use prefill_router::testkit::ledger::Ledger;
-use prefill_router::testkit::{MachineView, Reference};
+use prefill_router_testkit::ledger::Ledger;
+use prefill_router_testkit::{MachineView, Reference};
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 

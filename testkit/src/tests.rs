@@ -2,13 +2,13 @@
 
 use std::time::Duration;
 
-use super::branches::{Branch, BranchSet};
-use super::machine_fuzz::{
+use crate::branches::{Branch, BranchSet};
+use crate::machine_fuzz::{
     run_script, Checks, IdPick, MachineScript, PolicySeed, Step, TargetPick,
 };
-use super::mutants::{Mutant, Mutation};
-use super::reference::{documented_delay, MachineView};
-use crate::lifecycle::{BuildId, Machine, RetryPolicy};
+use crate::mutants::{Mutant, Mutation};
+use crate::reference::{documented_delay, MachineView};
+use prefill_router::lifecycle::{BuildId, Machine, RetryPolicy};
 
 #[test]
 fn branch_list_matches_the_enum_order() {
@@ -76,12 +76,12 @@ fn generated_policies_stay_where_the_machine_follows_its_documented_backoff() {
 #[test]
 fn id_picks_resolve_relative_to_the_state() {
     let mut m = Machine::new(RetryPolicy::default());
-    let _ = m.handle(crate::lifecycle::Input::SetTarget(Some(2u8)));
-    let _ = m.handle(crate::lifecycle::Input::SetTarget(Some(3u8)));
+    let _ = m.handle(prefill_router::lifecycle::Input::SetTarget(Some(2u8)));
+    let _ = m.handle(prefill_router::lifecycle::Input::SetTarget(Some(3u8)));
     let view = MachineView::of(&m);
     assert_eq!(view.in_flight, Some((BuildId(2), 3)));
     let resolve = |pick| match Step::Succeed(pick).resolve(&view) {
-        crate::lifecycle::Input::BuildSucceeded(b) => b.0,
+        prefill_router::lifecycle::Input::BuildSucceeded(b) => b.0,
         other => panic!("{other:?}"),
     };
     assert_eq!(resolve(IdPick::InFlight), 2);
@@ -92,7 +92,7 @@ fn id_picks_resolve_relative_to_the_state() {
     assert_eq!(resolve(IdPick::RetryArmed), 2);
     assert_eq!(
         Step::SetTarget(Some(TargetPick::Other(9))).resolve(&view),
-        crate::lifecycle::Input::SetTarget(Some(1))
+        prefill_router::lifecycle::Input::SetTarget(Some(1))
     );
 }
 

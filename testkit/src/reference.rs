@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::lifecycle::{Action, BuildId, Input, Lifecycle, Machine, RetryPolicy};
+use prefill_router::lifecycle::{Action, BuildId, Input, Lifecycle, Machine, RetryPolicy};
 
 /// Everything a driver can observe of a machine, as one comparable value.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

@@ -2,7 +2,7 @@
 //!
 //! ```sh
 //! cargo fuzz cmin --sanitizer none machine_inputs /tmp/big      # optional: drop redundant files
-//! cargo run --example fuzz_seed_select --features testkit -- machine_inputs /tmp/big fuzz/corpus/machine_inputs 30
+//! cargo run --release -p prefill-router-testkit --example fuzz_seed_select -- machine_inputs /tmp/big fuzz/corpus/machine_inputs 30
 //! ```
 //!
 //! Files are first chosen greedily until every feature the big corpus reaches is covered (for
@@ -21,16 +21,16 @@ use std::{env, fs, process};
 
 use prefill_router::control::Control;
 use prefill_router::lifecycle::Machine;
-use prefill_router::testkit::alloc_probe::CountingAllocator;
-use prefill_router::testkit::branches::{Branch, BranchSet};
-use prefill_router::testkit::card_fuzz;
-use prefill_router::testkit::control_fuzz;
-use prefill_router::testkit::frame_fuzz;
-use prefill_router::testkit::machine_fuzz::{self, run_script, Checks};
-use prefill_router::testkit::mutants::{
+use prefill_router_testkit::alloc_probe::CountingAllocator;
+use prefill_router_testkit::branches::{Branch, BranchSet};
+use prefill_router_testkit::card_fuzz;
+use prefill_router_testkit::control_fuzz;
+use prefill_router_testkit::frame_fuzz;
+use prefill_router_testkit::machine_fuzz::{self, run_script, Checks};
+use prefill_router_testkit::mutants::{
     ControlMutant, ControlMutation, Mutant, Mutation, CARD_MUTANTS, FRAME_MUTANTS, RECORD_MUTANTS,
 };
-use prefill_router::testkit::record_fuzz;
+use prefill_router_testkit::record_fuzz;
 
 // The frame_decode harness measures peak allocation through this allocator.
 #[global_allocator]

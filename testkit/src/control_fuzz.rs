@@ -16,11 +16,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use arbitrary::{Arbitrary, Unstructured};
 
-use super::machine_fuzz::{PolicySeed, Step};
-use super::reference::MachineView;
-use crate::control::{Control, ControlStatus, Effect};
-use crate::lifecycle::{Action, BuildId, Input, Lifecycle, Machine, RetryPolicy};
-use crate::route::{BypassReason, Route, Snapshot};
+use crate::machine_fuzz::{PolicySeed, Step};
+use crate::reference::MachineView;
+use prefill_router::control::{Control, ControlStatus, Effect};
+use prefill_router::lifecycle::{Action, BuildId, Input, Lifecycle, Machine, RetryPolicy};
+use prefill_router::route::{BypassReason, Route, Snapshot};
 
 /// At most this many requests hold a binding at once (bounds the harness's memory).
 const MAX_REQUESTS: usize = 16;

@@ -1,8 +1,9 @@
 //! `Machine::handle` is a plain value-type step: it must not allocate (measured with the
 //! testkit's counting global allocator over a realistic input mix).
 
-use prefill_router::lifecycle::{realistic_mix, Machine, RetryPolicy};
-use prefill_router::testkit::alloc_probe::{peak_bytes, CountingAllocator};
+use prefill_router::lifecycle::{Machine, RetryPolicy};
+use prefill_router_testkit::alloc_probe::{peak_bytes, CountingAllocator};
+use prefill_router_testkit::realistic_mix;
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;

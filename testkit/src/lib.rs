@@ -1,17 +1,18 @@
-//! Test and fuzz support (cargo feature `testkit`; not a public API, hence `#[doc(hidden)]`).
+//! Test and fuzz support for `prefill_router`, a workspace package of its own so the library
+//! carries none of it (and a default build of the library never links `arbitrary`).
 //!
 //! One copy of everything the randomized checks share, so that the proptest suite, the
-//! cargo-fuzz targets (crate `fuzz/`) and the stable corpus replay (`tests/fuzz_corpus_replay.rs`)
-//! judge the machine by the same rules:
+//! cargo-fuzz targets (crate `fuzz/`) and the stable corpus replay
+//! (`testkit/tests/fuzz_corpus_replay.rs`) judge the machine by the same rules:
 //!
 //! - [`reference`](mod@reference): a reference model of the lifecycle machine, written from the transition
 //!   rules of `docs/design.md`, and [`MachineView`], the observable state both expose;
 //! - [`ledger`]: the history invariants I1..I6 checked after every step;
-//! - [`machine_fuzz`], [`card_fuzz`], `control_fuzz`, `frame_fuzz` (feature `runtime`),
-//!   [`record_fuzz`]: the fuzz harnesses, plain functions over bytes;
+//! - [`machine_fuzz`], [`card_fuzz`], [`control_fuzz`], [`frame_fuzz`], [`record_fuzz`]: the fuzz harnesses, plain functions over bytes;
 //! - [`alloc_probe`]: peak-allocation measurement for the decoder's memory bound;
 //! - [`branches`]: which branches of `Machine::handle` a step exercised (coverage of a corpus);
-//! - [`mutants`]: deliberately broken code under test that the checks must reject.
+//! - [`mutants`]: deliberately broken code under test that the checks must reject;
+//! - [`realistic_mix`]: a deterministic, realistic input mix for benchmarks and allocation tests.
 //!
 //! [`TARGETS`] names every fuzz target with its harness: the replay test runs every corpus and
 //! artifact file through the harness listed there (the very function the fuzz binary calls), and
@@ -20,18 +21,17 @@
 pub mod alloc_probe;
 pub mod branches;
 pub mod card_fuzz;
-// Under loom the core's cell and lock are loom types, usable only inside a loom model.
-#[cfg(not(prefill_loom))]
 pub mod control_fuzz;
-#[cfg(feature = "runtime")]
 pub mod frame_fuzz;
 pub mod ledger;
 pub mod machine_fuzz;
 pub mod mutants;
 pub mod record_fuzz;
 pub mod reference;
+mod trace;
 
 pub use reference::{MachineView, Reference};
+pub use trace::realistic_mix;
 
 /// A fuzz target: its cargo-fuzz name and the harness that judges one input.
 #[derive(Clone, Copy, Debug)]
@@ -52,12 +52,10 @@ pub const TARGETS: &[FuzzTarget] = &[
         name: "card_json",
         run: card_fuzz::card_json,
     },
-    #[cfg(not(prefill_loom))]
     FuzzTarget {
         name: "control_ops",
         run: control_fuzz::control_ops,
     },
-    #[cfg(feature = "runtime")]
     FuzzTarget {
         name: "frame_decode",
         run: frame_fuzz::frame_decode,

@@ -1,5 +1,5 @@
 //! Replays every checked-in fuzz input, on stable and without a fuzzer, through the very harness
-//! functions the cargo-fuzz targets call (`prefill_router::testkit::TARGETS`): the seed corpus in
+//! functions the cargo-fuzz targets call (`prefill_router_testkit::TARGETS`): the seed corpus in
 //! `fuzz/corpus/<target>/` and the crashes kept as regressions in `fuzz/artifacts/<target>/`.
 //! A crash artifact that still crashes fails this test.
 
@@ -8,28 +8,26 @@ use std::panic;
 use std::path::{Path, PathBuf};
 
 use prefill_router::control::Control;
-use prefill_router::testkit::alloc_probe::{peak_bytes, CountingAllocator};
-use prefill_router::testkit::branches::{Branch, BranchSet};
-use prefill_router::testkit::card_fuzz::{self, check_cards, check_cards_with, CardStats};
-use prefill_router::testkit::control_fuzz::{self, run_control_script, ControlStats};
-#[cfg(feature = "runtime")]
-use prefill_router::testkit::frame_fuzz::{self, check_frame_script_with};
-use prefill_router::testkit::machine_fuzz::{self, run_script, Checks};
-#[cfg(feature = "runtime")]
-use prefill_router::testkit::mutants::FRAME_MUTANTS;
-use prefill_router::testkit::mutants::RECORD_MUTANTS;
-use prefill_router::testkit::mutants::{
+use prefill_router_testkit::alloc_probe::{peak_bytes, CountingAllocator};
+use prefill_router_testkit::branches::{Branch, BranchSet};
+use prefill_router_testkit::card_fuzz::{self, check_cards, check_cards_with, CardStats};
+use prefill_router_testkit::control_fuzz::{self, run_control_script, ControlStats};
+use prefill_router_testkit::frame_fuzz::{self, check_frame_script_with};
+use prefill_router_testkit::machine_fuzz::{self, run_script, Checks};
+use prefill_router_testkit::mutants::FRAME_MUTANTS;
+use prefill_router_testkit::mutants::RECORD_MUTANTS;
+use prefill_router_testkit::mutants::{
     ControlMutant, ControlMutation, Mutant, Mutation, CARD_MUTANTS,
 };
-use prefill_router::testkit::record_fuzz::{self, check_record_script};
-use prefill_router::testkit::{target, TARGETS};
+use prefill_router_testkit::record_fuzz::{self, check_record_script};
+use prefill_router_testkit::{target, TARGETS};
 
 // frame_decode measures the decoder's peak allocation through this allocator.
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
 fn fuzz_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz")
 }
 
 /// The files of `dir` (none if it does not exist), sorted for a stable order.
@@ -235,7 +233,6 @@ fn alloc_probe_sees_the_peak_of_a_known_allocation() {
     assert!((1 << 20..(1 << 20) + 4096).contains(&peak), "peak {peak}");
 }
 
-#[cfg(feature = "runtime")]
 #[test]
 fn frame_checks_reject_every_decoder_mutant_on_the_seed_corpus() {
     let scripts: Vec<_> = corpus("frame_decode")
@@ -252,7 +249,6 @@ fn frame_checks_reject_every_decoder_mutant_on_the_seed_corpus() {
 
 /// The decoder's memory stays bounded on the corpus; prints the worst peak for
 /// docs/performance.md (the harness itself fails any input above the frame limit).
-#[cfg(feature = "runtime")]
 #[test]
 fn frame_decode_peak_allocation_stays_below_the_frame_limit_on_the_corpus() {
     let mut worst = (0usize, 0usize);

@@ -6,8 +6,8 @@
 
 use std::fmt;
 
-use super::reference::MachineView;
-use crate::lifecycle::{Action, Input, RetryPolicy};
+use crate::reference::MachineView;
+use prefill_router::lifecycle::{Action, Input, RetryPolicy};
 
 /// A branch of the machine's transition function.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

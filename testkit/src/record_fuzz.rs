@@ -1,6 +1,6 @@
 //! Fuzz target `discovery_record`: arbitrary bytes, under arbitrary or matching keys, read as a
 //! discovery record (the JSON document the file store and etcd keep per instance) through
-//! [`decode_record`](crate::discovery::decode_record).
+//! [`decode_record`](prefill_router::discovery::decode_record).
 //!
 //! Checked on every input: no panic; a failure is a typed `RecordError` (`Malformed`, or
 //! `KeyMismatch` naming the key it was found under and a different expected key), so the
@@ -14,9 +14,9 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use arbitrary::{Arbitrary, Unstructured};
 use serde_json::{json, Value};
 
-use super::card_fuzz::{CardSeed, Junk};
-use crate::advert::ModelCard;
-use crate::discovery::{
+use crate::card_fuzz::{CardSeed, Junk};
+use prefill_router::advert::ModelCard;
+use prefill_router::discovery::{
     decode_record, encode_record, record_key, EndpointId, Instance, RecordError,
 };
 

@@ -1,0 +1,193 @@
+//! Test and loom builds: the hooks of `off.rs` (same API), each able to run a mutant.
+
+// Under loom only the control core's mutants are exercised.
+#![cfg_attr(prefill_loom, allow(dead_code))]
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+#[cfg(feature = "runtime")]
+use crate::route::{BypassReason, Route};
+use crate::route::{RouteCell, Snapshot, SnapshotGuard};
+
+#[cfg(prefill_loom)]
+mod two_cells;
+
+/// Which deliberate mutant a [`Control`](crate::control::Control) runs (see
+/// `Control::with_mutant`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mutant {
+    /// The correct protocol.
+    None,
+    /// Upstream's layout: the lifecycle (with target and bypass reason) and the binding live in
+    /// two cells, written in upstream's order (publish: binding then lifecycle; retarget:
+    /// clear binding then lifecycle; clear: lifecycle only, binding retained) and read as
+    /// lifecycle gate then binding. Loom only (its reads hand out loom's cell guard).
+    #[cfg(prefill_loom)]
+    TwoCells,
+    /// The machine steps under the lock but the snapshot is stored after the lock is released.
+    PublishOutsideLock,
+    /// Bindings taken out by a step are dropped while the lock is still held.
+    DropUnderLock,
+}
+
+/// The control core's hooks, with the mutant it runs.
+pub(crate) struct ControlHooks<T, B> {
+    mutant: Mutant,
+    #[cfg(prefill_loom)]
+    two_cells: two_cells::TwoCells<T, B>,
+    _types: PhantomData<fn() -> (T, B)>,
+}
+
+impl<T: Clone, B> Default for ControlHooks<T, B> {
+    fn default() -> Self {
+        ControlHooks::new(Mutant::None)
+    }
+}
+
+impl<T: Clone, B> ControlHooks<T, B> {
+    /// Hooks running `mutant`.
+    pub(crate) fn new(mutant: Mutant) -> Self {
+        ControlHooks {
+            mutant,
+            #[cfg(prefill_loom)]
+            two_cells: two_cells::TwoCells::new(),
+            _types: PhantomData,
+        }
+    }
+}
+
+impl<T: Clone, B> ControlHooks<T, B> {
+    /// A request's load of the published snapshot (`TwoCells`: the upstream two-cell read).
+    #[inline]
+    pub(crate) fn load(&self, cell: &RouteCell<T, B>) -> SnapshotGuard<T, B> {
+        #[cfg(prefill_loom)]
+        if self.mutant == Mutant::TwoCells {
+            return SnapshotGuard::detached(self.two_cells.load());
+        }
+        cell.load()
+    }
+
+    /// The end of a step's critical section (`DropUnderLock`: drop what it took out, here).
+    pub(crate) fn before_unlock<X: Default, Y>(&self, trash: &mut X, built: &mut Option<Y>) {
+        if self.mutant == Mutant::DropUnderLock {
+            drop(std::mem::take(trash));
+            drop(built.take());
+        }
+    }
+
+    /// Publish `next` (if any) under the lock `guard` holds, then release it
+    /// (`PublishOutsideLock`: release first; `TwoCells`: also mirror into the two cells).
+    pub(crate) fn publish_and_unlock<G>(
+        &self,
+        cell: &RouteCell<T, B>,
+        next: Option<Arc<Snapshot<T, B>>>,
+        guard: G,
+    ) -> Option<Arc<Snapshot<T, B>>> {
+        let Some(next) = next else {
+            drop(guard);
+            return None;
+        };
+        if self.mutant == Mutant::PublishOutsideLock {
+            drop(guard);
+            return Some(cell.swap(next));
+        }
+        #[cfg(prefill_loom)]
+        if self.mutant == Mutant::TwoCells {
+            self.two_cells.publish(&next);
+        }
+        let old = cell.swap(next);
+        drop(guard);
+        Some(old)
+    }
+}
+
+/// The prefill router's hooks. The mutant (`lagging_route`): requests read a route the driver
+/// refreshes when a build finishes, not the cell `set_target` publishes into (upstream's
+/// asynchronous binding store); the request-path race test must catch it.
+#[cfg(feature = "runtime")]
+pub(crate) struct RouterHooks<B> {
+    lagging: Option<std::sync::Mutex<Route<B>>>,
+}
+
+#[cfg(feature = "runtime")]
+impl<B> Default for RouterHooks<B> {
+    fn default() -> Self {
+        RouterHooks { lagging: None }
+    }
+}
+
+#[cfg(feature = "runtime")]
+impl<B> RouterHooks<B> {
+    /// Hooks running the lagging-route mutant.
+    pub(crate) fn lagging_route() -> Self {
+        RouterHooks {
+            lagging: Some(std::sync::Mutex::new(Route::Bypass(
+                BypassReason::NotYetTargeted,
+            ))),
+        }
+    }
+
+    fn lagging(&self) -> Option<std::sync::MutexGuard<'_, Route<B>>> {
+        let lagging = self.lagging.as_ref()?;
+        Some(lagging.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The route for one request: the real one, or the lagging copy.
+    #[inline]
+    pub(crate) fn route(&self, real: impl FnOnce() -> Route<B>) -> Route<B> {
+        match self.lagging() {
+            Some(lagging) => lagging.clone(),
+            None => real(),
+        }
+    }
+
+    /// A build finished: the lagging copy catches up with `route`.
+    pub(crate) fn build_finished(&self, route: impl FnOnce() -> Route<B>) {
+        if let Some(mut lagging) = self.lagging() {
+            *lagging = route();
+        }
+    }
+}
+
+/// The binding factory's hooks. The mutant: views ignore the admission set (the admission
+/// check must catch it).
+#[cfg(feature = "runtime")]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct FactoryHooks {
+    ignore_admission: bool,
+}
+
+#[cfg(feature = "runtime")]
+impl FactoryHooks {
+    /// Hooks running the mutant that ignores the admission set.
+    pub(crate) fn ignore_admission() -> Self {
+        FactoryHooks {
+            ignore_admission: true,
+        }
+    }
+
+    /// Whether views ignore the admission set.
+    pub(crate) fn ignores_admission(&self) -> bool {
+        self.ignore_admission
+    }
+}
+
+/// The discovery watchers' known-set hooks. The mutant: a resync replaces the known set without
+/// diffing it (the resync test must catch it).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct KnownHooks {
+    blind_resync: bool,
+}
+
+impl KnownHooks {
+    /// Hooks running the blind-resync mutant.
+    pub(crate) fn blind_resync() -> Self {
+        KnownHooks { blind_resync: true }
+    }
+
+    /// Whether a resync forgets what is known before diffing.
+    pub(crate) fn is_blind_resync(&self) -> bool {
+        self.blind_resync
+    }
+}
