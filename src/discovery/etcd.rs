@@ -24,7 +24,7 @@ use tokio::sync::oneshot;
 use super::api::Lease;
 use super::known::RawEvent;
 use super::record::encode_record;
-use super::store::{Backend, Gap, Listing};
+use super::store::{Backend, Gap, Leased, Listing};
 use super::{DiscoveryError, Instance};
 use crate::advert::ModelCard;
 
@@ -480,12 +480,7 @@ impl Backend for EtcdDiscovery {
         self.config.retry_interval
     }
 
-    async fn put_leased(
-        &self,
-        key: String,
-        instance: &Instance,
-        card: &ModelCard,
-    ) -> Result<Box<dyn Lease>, DiscoveryError> {
+    async fn put_leased(&self, key: String, instance: &Instance, card: &ModelCard) -> Leased {
         let mut client = self.client.clone();
         let config = &self.config;
         let key = self.full_key(&key);

@@ -29,7 +29,7 @@ use tokio::sync::broadcast;
 use super::api::{fresh_owner, Lease, StopFlag};
 use super::known::RawEvent;
 use super::record::{decode_owned_record, encode_owned_record};
-use super::store::{Backend, Gap, Listing, Reaper};
+use super::store::{Backend, Gap, Leased, Listing, Reaper};
 use super::{DiscoveryError, Instance};
 use crate::advert::ModelCard;
 
@@ -486,12 +486,7 @@ impl Backend for FileDiscovery {
             .max(Duration::from_millis(10))
     }
 
-    async fn put_leased(
-        &self,
-        key: String,
-        instance: &Instance,
-        card: &ModelCard,
-    ) -> Result<Box<dyn Lease>, DiscoveryError> {
+    async fn put_leased(&self, key: String, instance: &Instance, card: &ModelCard) -> Leased {
         let name = key_to_name(&key);
         let path = self.inner.dir.join(&name);
         let owner = fresh_owner();

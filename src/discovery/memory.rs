@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use super::api::{fresh_owner, Lease, StopFlag};
 use super::known::RawEvent;
 use super::record::encode_record;
-use super::store::{Backend, Gap, Listing, Reaper};
+use super::store::{Backend, Gap, Leased, Listing, Reaper};
 use super::{DiscoveryError, Instance};
 use crate::advert::ModelCard;
 
@@ -299,12 +299,7 @@ impl Backend for MemoryDiscovery {
         Duration::ZERO
     }
 
-    async fn put_leased(
-        &self,
-        key: String,
-        instance: &Instance,
-        card: &ModelCard,
-    ) -> Result<Box<dyn Lease>, DiscoveryError> {
+    async fn put_leased(&self, key: String, instance: &Instance, card: &ModelCard) -> Leased {
         let bytes = encode_record(instance, card);
         let owner = fresh_owner();
         let ttl = self.inner.config.ttl;

@@ -25,6 +25,9 @@ use crate::advert::ModelCard;
 /// Records as a backend stores them: (key relative to the backend's root, bytes), any order.
 pub(crate) type Listing = Vec<(String, Vec<u8>)>;
 
+/// What publishing a record yields: the backend's hold on its lease.
+pub(crate) type Leased = Result<Box<dyn Lease>, DiscoveryError>;
+
 /// Why a watch's change feed stopped before its next change.
 #[derive(Debug)]
 pub(crate) enum Gap {
@@ -92,7 +95,7 @@ pub(crate) trait Backend: Clone + Send + Sync + 'static {
         key: String,
         instance: &Instance,
         card: &ModelCard,
-    ) -> impl Future<Output = Result<Box<dyn Lease>, DiscoveryError>> + Send;
+    ) -> impl Future<Output = Leased> + Send;
 
     /// Start this process's reaper of expired records if the backend needs one (see
     /// [`Reaper`]); called on every register and watch. The default does nothing: the store
