@@ -33,6 +33,8 @@ mod etcd;
 mod file;
 #[cfg(feature = "runtime")]
 mod memory;
+#[cfg(feature = "runtime")]
+mod store;
 
 #[cfg(feature = "runtime")]
 pub use api::{Discovery, InstanceStream, NamespaceStream, Registration};

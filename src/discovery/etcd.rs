@@ -19,15 +19,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
-use super::api::{
-    cards_of, instance_stream, instances_of, namespace_of, namespace_stream, Discovery,
-    InstanceStream, Lease, NamespaceStream, Registration, FEED_CAPACITY,
-};
+use super::api::Lease;
 use super::known::RawEvent;
-use super::record::{encode_record, endpoint_prefix, namespace_prefix, record_key, validate};
-use super::{DiscoveryError, EndpointId, Instance, InstanceId};
+use super::record::encode_record;
+use super::store::{Backend, Gap, Leased, Listing};
+use super::{DiscoveryError, Instance};
 use crate::advert::ModelCard;
 
 /// How to reach etcd, where the records live, and lease timing.
@@ -137,43 +135,10 @@ impl EtcdDiscovery {
     pub fn client(&self) -> Client {
         self.client.clone()
     }
-
-    async fn list(&self, key_prefix: &str) -> Result<Vec<(String, Vec<u8>)>, DiscoveryError> {
-        let mut client = self.client.clone();
-        let full = format!("{}{key_prefix}", self.config.root);
-        let resp = bounded(
-            self.config.request_timeout,
-            client.get(full, Some(GetOptions::new().with_prefix())),
-        )
-        .await?;
-        Ok(relative_kvs(&self.config.root, resp.kvs()))
-    }
-
-    fn feed(&self, key_prefix: &str) -> mpsc::Receiver<RawEvent> {
-        let (tx, rx) = mpsc::channel(FEED_CAPACITY);
-        let mut client = self.client.clone();
-        let config = Arc::clone(&self.config);
-        let full = format!("{}{key_prefix}", config.root);
-        tokio::spawn(async move {
-            loop {
-                if let Err(error) = watch_once(&mut client, &config, &full, &tx).await {
-                    if matches!(error, DiscoveryError::Closed) {
-                        return;
-                    }
-                    tracing::warn!(prefix = full, %error, "etcd watch interrupted; will resync");
-                }
-                tokio::select! {
-                    _ = tx.closed() => return,
-                    _ = tokio::time::sleep(config.retry_interval) => {}
-                }
-            }
-        });
-        rx
-    }
 }
 
 /// Keys relative to `root` with their values; keys outside it or not UTF-8 are skipped.
-fn relative_kvs(root: &str, kvs: &[etcd_client::KeyValue]) -> Vec<(String, Vec<u8>)> {
+fn relative_kvs(root: &str, kvs: &[etcd_client::KeyValue]) -> Listing {
     kvs.iter()
         .filter_map(|kv| relative_key(root, kv.key()).map(|k| (k, kv.value().to_vec())))
         .collect()
@@ -188,69 +153,6 @@ fn relative_key(root: &str, key: &[u8]) -> Option<String> {
         None => {
             tracing::warn!(key = %String::from_utf8_lossy(key), "skipping foreign etcd key");
             None
-        }
-    }
-}
-
-/// One list-then-watch cycle. Returns `Err(Closed)` when the consumer is gone, another error
-/// when the cycle must restart from a fresh listing.
-async fn watch_once(
-    client: &mut Client,
-    config: &EtcdConfig,
-    prefix: &str,
-    tx: &mpsc::Sender<RawEvent>,
-) -> Result<(), DiscoveryError> {
-    let resp = bounded(
-        config.request_timeout,
-        client.get(prefix, Some(GetOptions::new().with_prefix())),
-    )
-    .await?;
-    let revision = resp.header().map_or(0, |h| h.revision());
-    let listing = relative_kvs(&config.root, resp.kvs());
-    tx.send(RawEvent::Resync(listing))
-        .await
-        .map_err(|_| DiscoveryError::Closed)?;
-    let options = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(revision + 1);
-    let mut stream = bounded(config.request_timeout, client.watch(prefix, Some(options))).await?;
-    loop {
-        let message = tokio::select! {
-            _ = tx.closed() => {
-                // Half-close so etcd ends the call; dropping it open would reset the stream
-                // (see `close_keepalive`).
-                let (requests, mut responses) = stream.split();
-                drop(requests);
-                let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                    while let Ok(Some(_)) = responses.message().await {}
-                })
-                .await;
-                return Err(DiscoveryError::Closed);
-            }
-            message = stream.message() => message,
-        };
-        let resp = match message {
-            Ok(Some(resp)) => resp,
-            Ok(None) => return Err(DiscoveryError::Etcd("watch stream ended".into())),
-            Err(error) => return Err(etcd_err(error)),
-        };
-        if resp.canceled() || resp.compact_revision() > 0 {
-            return Err(DiscoveryError::Etcd(format!(
-                "watch cancelled (compacted at {}): {}",
-                resp.compact_revision(),
-                resp.cancel_reason()
-            )));
-        }
-        for event in resp.events() {
-            let Some(kv) = event.kv() else { continue };
-            let Some(key) = relative_key(&config.root, kv.key()) else {
-                continue;
-            };
-            let raw = match event.event_type() {
-                EventType::Put => RawEvent::Put(key, kv.value().to_vec()),
-                EventType::Delete => RawEvent::Delete(key),
-            };
-            tx.send(raw).await.map_err(|_| DiscoveryError::Closed)?;
         }
     }
 }
@@ -468,22 +370,121 @@ impl Lease for EtcdLease {
     }
 }
 
-#[async_trait::async_trait]
-impl Discovery for EtcdDiscovery {
-    async fn register(
-        &self,
-        instance: Instance,
-        card: ModelCard,
-    ) -> Result<Registration, DiscoveryError> {
-        validate(&instance)?;
+/// One watch of a key prefix: after each listing at revision R, a watch stream from R + 1
+/// (no gap between the two).
+pub(crate) struct EtcdCursor {
+    /// The full prefix, root included.
+    prefix: String,
+    client: Client,
+    stream: Option<etcd_client::WatchStream>,
+}
+
+impl EtcdDiscovery {
+    fn full_key(&self, key: &str) -> String {
+        format!("{}{key}", self.config.root)
+    }
+}
+
+impl Backend for EtcdDiscovery {
+    type Cursor = EtcdCursor;
+
+    async fn list(&self, prefix: &str) -> Result<Listing, DiscoveryError> {
+        let mut client = self.client.clone();
+        let resp = bounded(
+            self.config.request_timeout,
+            client.get(self.full_key(prefix), Some(GetOptions::new().with_prefix())),
+        )
+        .await?;
+        Ok(relative_kvs(&self.config.root, resp.kvs()))
+    }
+
+    fn subscribe(&self, prefix: String) -> EtcdCursor {
+        EtcdCursor {
+            prefix: self.full_key(&prefix),
+            client: self.client.clone(),
+            stream: None,
+        }
+    }
+
+    async fn resync(&self, cursor: &mut EtcdCursor) -> Result<Listing, DiscoveryError> {
+        // A broken or cancelled stream is not worth closing politely: it is over already.
+        cursor.stream = None;
+        let limit = self.config.request_timeout;
+        let resp = bounded(
+            limit,
+            cursor.client.get(
+                cursor.prefix.as_str(),
+                Some(GetOptions::new().with_prefix()),
+            ),
+        )
+        .await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let stream = bounded(
+            limit,
+            cursor.client.watch(cursor.prefix.as_str(), Some(options)),
+        )
+        .await?;
+        cursor.stream = Some(stream);
+        Ok(relative_kvs(&self.config.root, resp.kvs()))
+    }
+
+    async fn changes(&self, cursor: &mut EtcdCursor, out: &mut Vec<RawEvent>) -> Result<(), Gap> {
+        let Some(stream) = cursor.stream.as_mut() else {
+            return Err(Gap::Missed);
+        };
+        let resp = match stream.message().await {
+            Ok(Some(resp)) => resp,
+            Ok(None) => {
+                return Err(Gap::Broken(DiscoveryError::Etcd(
+                    "watch stream ended".into(),
+                )))
+            }
+            Err(error) => return Err(Gap::Broken(etcd_err(error))),
+        };
+        if resp.canceled() || resp.compact_revision() > 0 {
+            return Err(Gap::Broken(DiscoveryError::Etcd(format!(
+                "watch cancelled (compacted at {}): {}",
+                resp.compact_revision(),
+                resp.cancel_reason()
+            ))));
+        }
+        for event in resp.events() {
+            let Some(kv) = event.kv() else { continue };
+            let Some(key) = relative_key(&self.config.root, kv.key()) else {
+                continue;
+            };
+            out.push(match event.event_type() {
+                EventType::Put => RawEvent::Put(key, kv.value().to_vec()),
+                EventType::Delete => RawEvent::Delete(key),
+            });
+        }
+        Ok(())
+    }
+
+    async fn close(&self, cursor: EtcdCursor) {
+        let Some(stream) = cursor.stream else { return };
+        // Half-close so etcd ends the call; dropping it open would reset the stream (see
+        // `close_keepalive`).
+        let (requests, mut responses) = stream.split();
+        drop(requests);
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            while let Ok(Some(_)) = responses.message().await {}
+        })
+        .await;
+    }
+
+    fn retry_interval(&self) -> Duration {
+        self.config.retry_interval
+    }
+
+    async fn put_leased(&self, key: String, instance: &Instance, card: &ModelCard) -> Leased {
         let mut client = self.client.clone();
         let config = &self.config;
-        let key = format!(
-            "{}{}",
-            config.root,
-            record_key(&instance.endpoint, instance.instance_id)
-        );
-        let bytes = encode_record(&instance, &card);
+        let key = self.full_key(&key);
+        let bytes = encode_record(instance, card);
         let lease = bounded(
             config.request_timeout,
             client.lease_grant(config.ttl_secs(), None),
@@ -515,53 +516,9 @@ impl Discovery for EtcdDiscovery {
             },
             stop_rx,
         ));
-        Ok(Registration::new(
-            instance,
-            Box::new(EtcdLease {
-                stop: Some(stop),
-                timeout: config.request_timeout,
-            }),
-        ))
-    }
-
-    async fn list_instances(&self, endpoint: &EndpointId) -> Result<Vec<Instance>, DiscoveryError> {
-        Ok(instances_of(
-            endpoint,
-            self.list(&endpoint_prefix(endpoint)).await?,
-        ))
-    }
-
-    async fn list_cards(
-        &self,
-        endpoint: &EndpointId,
-    ) -> Result<Vec<(InstanceId, ModelCard)>, DiscoveryError> {
-        Ok(cards_of(
-            endpoint,
-            self.list(&endpoint_prefix(endpoint)).await?,
-        ))
-    }
-
-    async fn list_namespace(
-        &self,
-        namespace: &str,
-    ) -> Result<Vec<(Instance, ModelCard)>, DiscoveryError> {
-        Ok(namespace_of(
-            namespace,
-            self.list(&namespace_prefix(namespace)).await?,
-        ))
-    }
-
-    async fn watch(&self, endpoint: &EndpointId) -> Result<InstanceStream, DiscoveryError> {
-        Ok(instance_stream(
-            endpoint,
-            self.feed(&endpoint_prefix(endpoint)),
-        ))
-    }
-
-    async fn watch_namespace(&self, namespace: &str) -> Result<NamespaceStream, DiscoveryError> {
-        Ok(namespace_stream(
-            namespace,
-            self.feed(&namespace_prefix(namespace)),
-        ))
+        Ok(Box::new(EtcdLease {
+            stop: Some(stop),
+            timeout: config.request_timeout,
+        }))
     }
 }

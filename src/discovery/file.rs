@@ -19,24 +19,18 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use notify::event::ModifyKind;
 use notify::{EventKind, RecursiveMode, Watcher};
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::broadcast;
 
-use super::api::{
-    cards_of, fresh_owner, instance_stream, instances_of, namespace_of, namespace_stream,
-    Discovery, InstanceStream, Lease, NamespaceStream, Registration, StopFlag, FEED_CAPACITY,
-};
+use super::api::{fresh_owner, Lease, StopFlag};
 use super::known::RawEvent;
-use super::record::{
-    decode_owned_record, encode_owned_record, endpoint_prefix, namespace_prefix, record_key,
-    validate,
-};
-use super::{DiscoveryError, EndpointId, Instance, InstanceId};
+use super::record::{decode_owned_record, encode_owned_record};
+use super::store::{Backend, Gap, Leased, Listing, Reaper};
+use super::{DiscoveryError, Instance};
 use crate::advert::ModelCard;
 
 /// Where a [`FileDiscovery`] keeps its records, and its lease timing.
@@ -111,7 +105,7 @@ struct Inner {
     dir: PathBuf,
     /// The shared watcher, created by the first watch. `None` inside once creation failed.
     watcher: Mutex<Option<WatcherSlot>>,
-    reaper_started: AtomicBool,
+    reaper: Reaper,
 }
 
 enum WatcherSlot {
@@ -329,7 +323,7 @@ impl Inner {
         })
     }
 
-    async fn list(&self, key_prefix: &str) -> Result<Vec<(String, Vec<u8>)>, DiscoveryError> {
+    async fn list(&self, key_prefix: &str) -> Result<Listing, DiscoveryError> {
         let dir = self.dir.clone();
         let prefix = key_to_name(key_prefix);
         let ttl = self.config.ttl;
@@ -349,7 +343,7 @@ impl FileDiscovery {
                 config,
                 dir,
                 watcher: Mutex::new(None),
-                reaper_started: AtomicBool::new(false),
+                reaper: Reaper::default(),
             }),
         }
     }
@@ -358,126 +352,29 @@ impl FileDiscovery {
     pub fn records_dir(&self) -> &Path {
         &self.inner.dir
     }
-
-    /// Start this process's reaper (once). It also sweeps right away, so stale files left by
-    /// processes that died while nobody was running are cleared at start-up.
-    fn ensure_reaper(&self) {
-        if self.inner.reaper_started.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
-        let period = self
-            .inner
-            .config
-            .reap_interval
-            .max(Duration::from_millis(1));
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            loop {
-                tick.tick().await;
-                let Some(inner) = weak.upgrade() else { return };
-                let (dir, ttl) = (inner.dir.clone(), inner.config.ttl);
-                drop(inner);
-                if blocking(move || reap(&dir, ttl)).await.is_err() {
-                    return;
-                }
-            }
-        });
-    }
-
-    fn feed(&self, key_prefix: String) -> mpsc::Receiver<RawEvent> {
-        self.ensure_reaper();
-        let (tx, rx) = mpsc::channel(FEED_CAPACITY);
-        // Subscribe before the first listing: no change in between is missed (and a change
-        // replayed after it is re-read, so it reports the current state, never a stale one).
-        let signals = self.inner.subscribe();
-        tokio::spawn(run_feed(Arc::clone(&self.inner), key_prefix, signals, tx));
-        rx
-    }
-}
-
-/// One watch's feed: a listing first, then re-reads of changed names, and a fresh listing
-/// after any gap or at every `resync_interval`.
-async fn run_feed(
-    inner: Arc<Inner>,
-    key_prefix: String,
-    mut signals: Option<broadcast::Receiver<FsSignal>>,
-    tx: mpsc::Sender<RawEvent>,
-) {
-    let name_prefix = key_to_name(&key_prefix);
-    let period = inner.config.resync_interval.max(Duration::from_millis(10));
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut resync_due = true;
-    loop {
-        if std::mem::take(&mut resync_due) {
-            match inner.list(&key_prefix).await {
-                Ok(listing) => {
-                    if tx.send(RawEvent::Resync(listing)).await.is_err() {
-                        return;
-                    }
-                }
-                // Never send an empty listing for a failed one: that would remove every
-                // instance. The next tick tries again.
-                Err(error) => tracing::warn!(%error, "file discovery resync failed"),
-            }
-        }
-        tokio::select! {
-            _ = tx.closed() => return,
-            _ = tick.tick() => resync_due = true,
-            signal = next_signal(&mut signals) => match signal {
-                Ok(FsSignal::Changed(names)) => {
-                    let relevant = names.into_iter().filter(|n| n.starts_with(&name_prefix));
-                    match reread(&inner, relevant, &tx).await {
-                        Reread::Done => {}
-                        Reread::Failed => resync_due = true,
-                        Reread::Closed => return,
-                    }
-                }
-                Ok(FsSignal::Rescan) => resync_due = true,
-                Err(broadcast::error::RecvError::Lagged(missed)) => {
-                    tracing::debug!(missed, "file discovery watch lagged; resyncing");
-                    resync_due = true;
-                }
-                // The watcher is gone (store dropped mid-flight): keep polling.
-                Err(broadcast::error::RecvError::Closed) => signals = None,
-            },
-        }
-    }
-}
-
-/// How re-reading changed names went.
-enum Reread {
-    Done,
-    /// A read failed: only a full listing can tell what is there now.
-    Failed,
-    /// The watch's consumer is gone.
-    Closed,
 }
 
 /// Re-read each changed record: its current state, whatever the event said, becomes a `Put`
-/// (fresh record) or a `Delete` (gone or expired).
+/// (fresh record) or a `Delete` (gone or expired). A failed read is a gap: only a full listing
+/// can tell what is there now.
 async fn reread(
     inner: &Arc<Inner>,
-    names: impl Iterator<Item = String>,
-    tx: &mpsc::Sender<RawEvent>,
-) -> Reread {
+    names: Vec<String>,
+    out: &mut Vec<RawEvent>,
+) -> Result<(), Gap> {
     for name in names {
         let (path, ttl) = (inner.dir.join(&name), inner.config.ttl);
-        let event = match blocking(move || read_fresh(&path, ttl)).await {
-            Ok(Ok(Some(bytes))) => RawEvent::Put(name_to_key(&name), bytes),
-            Ok(Ok(None)) => RawEvent::Delete(name_to_key(&name)),
+        match blocking(move || read_fresh(&path, ttl)).await {
+            Ok(Ok(Some(bytes))) => out.push(RawEvent::Put(name_to_key(&name), bytes)),
+            Ok(Ok(None)) => out.push(RawEvent::Delete(name_to_key(&name))),
             Ok(Err(error)) => {
                 tracing::warn!(name, %error, "cannot read discovery record; resyncing");
-                return Reread::Failed;
+                return Err(Gap::Missed);
             }
-            Err(_) => return Reread::Closed,
-        };
-        if tx.send(event).await.is_err() {
-            return Reread::Closed;
+            Err(_) => return Err(Gap::Closed),
         }
     }
-    Reread::Done
+    Ok(())
 }
 
 /// The next inotify signal, or never if this watch polls.
@@ -514,20 +411,86 @@ impl Lease for FileLease {
     }
 }
 
-#[async_trait::async_trait]
-impl Discovery for FileDiscovery {
-    async fn register(
-        &self,
-        instance: Instance,
-        card: ModelCard,
-    ) -> Result<Registration, DiscoveryError> {
-        validate(&instance)?;
+/// One watch's share of the inotify watcher, and its safety-net timer.
+pub(crate) struct FileCursor {
+    key_prefix: String,
+    name_prefix: String,
+    /// `None`: inotify is unavailable or gone; the timer alone drives resyncs (polling).
+    signals: Option<broadcast::Receiver<FsSignal>>,
+    tick: tokio::time::Interval,
+}
+
+impl Backend for FileDiscovery {
+    type Cursor = FileCursor;
+
+    async fn list(&self, prefix: &str) -> Result<Listing, DiscoveryError> {
+        // Lists start the reaper too: a frontend that only lists still clears dead workers.
         self.ensure_reaper();
-        let key = record_key(&instance.endpoint, instance.instance_id);
+        self.inner.list(prefix).await
+    }
+
+    fn subscribe(&self, key_prefix: String) -> FileCursor {
+        // Subscribed before the first listing: no change in between is missed (and a change
+        // replayed after it is re-read, so it reports the current state, never a stale one).
+        let signals = self.inner.subscribe();
+        let period = self
+            .inner
+            .config
+            .resync_interval
+            .max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        FileCursor {
+            name_prefix: key_to_name(&key_prefix),
+            key_prefix,
+            signals,
+            tick,
+        }
+    }
+
+    async fn resync(&self, cursor: &mut FileCursor) -> Result<Listing, DiscoveryError> {
+        self.list(&cursor.key_prefix).await
+    }
+
+    async fn changes(&self, cursor: &mut FileCursor, out: &mut Vec<RawEvent>) -> Result<(), Gap> {
+        loop {
+            tokio::select! {
+                _ = cursor.tick.tick() => return Err(Gap::Missed),
+                signal = next_signal(&mut cursor.signals) => match signal {
+                    Ok(FsSignal::Changed(names)) => {
+                        let relevant: Vec<String> = names
+                            .into_iter()
+                            .filter(|n| n.starts_with(&cursor.name_prefix))
+                            .collect();
+                        if !relevant.is_empty() {
+                            return reread(&self.inner, relevant, out).await;
+                        }
+                    }
+                    Ok(FsSignal::Rescan) => return Err(Gap::Missed),
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        tracing::debug!(missed, "file discovery watch lagged; resyncing");
+                        return Err(Gap::Missed);
+                    }
+                    // The watcher is gone (store dropped mid-flight): keep polling.
+                    Err(broadcast::error::RecvError::Closed) => cursor.signals = None,
+                },
+            }
+        }
+    }
+
+    fn retry_interval(&self) -> Duration {
+        // A failed listing is retried at the safety net's pace.
+        self.inner
+            .config
+            .resync_interval
+            .max(Duration::from_millis(10))
+    }
+
+    async fn put_leased(&self, key: String, instance: &Instance, card: &ModelCard) -> Leased {
         let name = key_to_name(&key);
         let path = self.inner.dir.join(&name);
         let owner = fresh_owner();
-        let bytes: Arc<[u8]> = encode_owned_record(&instance, &card, owner).into();
+        let bytes: Arc<[u8]> = encode_owned_record(instance, card, owner).into();
         let dir = self.inner.dir.clone();
         {
             let (dir, name, bytes) = (dir.clone(), name.clone(), Arc::clone(&bytes));
@@ -577,58 +540,23 @@ impl Discovery for FileDiscovery {
                     DiscoveryError::io("starting the heartbeat thread", e)
                 })?;
         }
-        Ok(Registration::new(
-            instance,
-            Box::new(FileLease {
-                path,
-                key,
-                owner,
-                stop,
-            }),
-        ))
+        Ok(Box::new(FileLease {
+            path,
+            key,
+            owner,
+            stop,
+        }))
     }
 
-    async fn list_instances(&self, endpoint: &EndpointId) -> Result<Vec<Instance>, DiscoveryError> {
-        self.ensure_reaper();
-        Ok(instances_of(
-            endpoint,
-            self.inner.list(&endpoint_prefix(endpoint)).await?,
-        ))
-    }
-
-    async fn list_cards(
-        &self,
-        endpoint: &EndpointId,
-    ) -> Result<Vec<(InstanceId, ModelCard)>, DiscoveryError> {
-        self.ensure_reaper();
-        Ok(cards_of(
-            endpoint,
-            self.inner.list(&endpoint_prefix(endpoint)).await?,
-        ))
-    }
-
-    async fn list_namespace(
-        &self,
-        namespace: &str,
-    ) -> Result<Vec<(Instance, ModelCard)>, DiscoveryError> {
-        self.ensure_reaper();
-        Ok(namespace_of(
-            namespace,
-            self.inner.list(&namespace_prefix(namespace)).await?,
-        ))
-    }
-
-    async fn watch(&self, endpoint: &EndpointId) -> Result<InstanceStream, DiscoveryError> {
-        Ok(instance_stream(
-            endpoint,
-            self.feed(endpoint_prefix(endpoint)),
-        ))
-    }
-
-    async fn watch_namespace(&self, namespace: &str) -> Result<NamespaceStream, DiscoveryError> {
-        Ok(namespace_stream(
-            namespace,
-            self.feed(namespace_prefix(namespace)),
-        ))
+    /// This process's reaper. It also sweeps right away, so stale files left by processes
+    /// that died while nobody was running are cleared at start-up.
+    fn ensure_reaper(&self) {
+        let period = self.inner.config.reap_interval;
+        self.inner.reaper.start(&self.inner, period, |inner| {
+            let (dir, ttl) = (inner.dir.clone(), inner.config.ttl);
+            // Not held across the sweep: the store may be dropped meanwhile.
+            drop(inner);
+            async move { blocking(move || reap(&dir, ttl)).await.is_ok() }
+        });
     }
 }

@@ -1,21 +1,18 @@
 //! `MemoryDiscovery`: an in-process store with leases, for single-process deployments and tests.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::api::{
-    cards_of, fresh_owner, instance_stream, instances_of, namespace_of, namespace_stream,
-    Discovery, InstanceStream, Lease, NamespaceStream, Registration, StopFlag, FEED_CAPACITY,
-};
+use super::api::{fresh_owner, Lease, StopFlag};
 use super::known::RawEvent;
-use super::record::{encode_record, endpoint_prefix, namespace_prefix, record_key, validate};
-use super::{DiscoveryError, EndpointId, Instance, InstanceId};
+use super::record::encode_record;
+use super::store::{Backend, Gap, Leased, Listing, Reaper};
+use super::{DiscoveryError, Instance};
 use crate::advert::ModelCard;
 
 /// Lease timing of a [`MemoryDiscovery`].
@@ -65,7 +62,7 @@ struct Inner {
     records: Mutex<BTreeMap<String, Slot>>,
     /// Every put and delete, sent while holding `records` so that order is the store's order.
     events: broadcast::Sender<RawEvent>,
-    reaper_started: AtomicBool,
+    reaper: Reaper,
 }
 
 #[derive(Debug)]
@@ -195,7 +192,7 @@ impl MemoryDiscovery {
                 config,
                 records: Mutex::new(BTreeMap::new()),
                 events,
-                reaper_started: AtomicBool::new(false),
+                reaper: Reaper::default(),
             }),
         }
     }
@@ -211,66 +208,6 @@ impl MemoryDiscovery {
                 expires: None,
             },
         );
-    }
-
-    fn ensure_reaper(&self) {
-        if self.inner.reaper_started.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
-        let period = self
-            .inner
-            .config
-            .reap_interval
-            .max(Duration::from_millis(1));
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            loop {
-                tick.tick().await;
-                match weak.upgrade() {
-                    Some(inner) => inner.reap(),
-                    None => return,
-                }
-            }
-        });
-    }
-
-    fn feed(&self, prefix: String) -> mpsc::Receiver<RawEvent> {
-        self.ensure_reaper();
-        let (tx, rx) = mpsc::channel(FEED_CAPACITY);
-        let (mut events, first) = self.inner.subscribe_with_snapshot(&prefix);
-        let inner = Arc::clone(&self.inner);
-        tokio::spawn(async move {
-            if tx.send(RawEvent::Resync(first)).await.is_err() {
-                return;
-            }
-            loop {
-                let event = tokio::select! {
-                    _ = tx.closed() => return,
-                    event = events.recv() => event,
-                };
-                let raw = match event {
-                    Ok(RawEvent::Put(key, bytes)) if key.starts_with(&prefix) => {
-                        RawEvent::Put(key, bytes)
-                    }
-                    Ok(RawEvent::Delete(key)) if key.starts_with(&prefix) => RawEvent::Delete(key),
-                    Ok(_) => continue,
-                    Err(broadcast::error::RecvError::Lagged(missed)) => {
-                        tracing::debug!(missed, "memory discovery watch lagged; resyncing");
-                        // Start over from a fresh subscription: the old one would replay
-                        // events older than the new listing.
-                        let (fresh, listing) = inner.subscribe_with_snapshot(&prefix);
-                        events = fresh;
-                        RawEvent::Resync(listing)
-                    }
-                    Err(broadcast::error::RecvError::Closed) => return,
-                };
-                if tx.send(raw).await.is_err() {
-                    return;
-                }
-            }
-        });
-        rx
     }
 }
 
@@ -301,17 +238,69 @@ impl Lease for MemoryLease {
     }
 }
 
-#[async_trait::async_trait]
-impl Discovery for MemoryDiscovery {
-    async fn register(
-        &self,
-        instance: Instance,
-        card: ModelCard,
-    ) -> Result<Registration, DiscoveryError> {
-        validate(&instance)?;
-        self.ensure_reaper();
-        let key = record_key(&instance.endpoint, instance.instance_id);
-        let bytes = encode_record(&instance, &card);
+/// One watch's subscription to the store's broadcast of puts and deletes.
+pub(crate) struct MemoryCursor {
+    prefix: String,
+    events: broadcast::Receiver<RawEvent>,
+    /// The listing taken together with `events`, not yet sent.
+    first: Option<Listing>,
+}
+
+impl Backend for MemoryDiscovery {
+    type Cursor = MemoryCursor;
+
+    async fn list(&self, prefix: &str) -> Result<Listing, DiscoveryError> {
+        Ok(self.inner.snapshot(prefix))
+    }
+
+    fn subscribe(&self, prefix: String) -> MemoryCursor {
+        let (events, first) = self.inner.subscribe_with_snapshot(&prefix);
+        MemoryCursor {
+            prefix,
+            events,
+            first: Some(first),
+        }
+    }
+
+    async fn resync(&self, cursor: &mut MemoryCursor) -> Result<Listing, DiscoveryError> {
+        if let Some(first) = cursor.first.take() {
+            return Ok(first);
+        }
+        // Start over from a fresh subscription: the old one would replay events older than
+        // the new listing.
+        let (fresh, listing) = self.inner.subscribe_with_snapshot(&cursor.prefix);
+        cursor.events = fresh;
+        Ok(listing)
+    }
+
+    async fn changes(&self, cursor: &mut MemoryCursor, out: &mut Vec<RawEvent>) -> Result<(), Gap> {
+        loop {
+            match cursor.events.recv().await {
+                Ok(RawEvent::Put(key, bytes)) if key.starts_with(&cursor.prefix) => {
+                    out.push(RawEvent::Put(key, bytes));
+                    return Ok(());
+                }
+                Ok(RawEvent::Delete(key)) if key.starts_with(&cursor.prefix) => {
+                    out.push(RawEvent::Delete(key));
+                    return Ok(());
+                }
+                Ok(_) => continue,
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    tracing::debug!(missed, "memory discovery watch lagged; resyncing");
+                    return Err(Gap::Missed);
+                }
+                Err(broadcast::error::RecvError::Closed) => return Err(Gap::Closed),
+            }
+        }
+    }
+
+    fn retry_interval(&self) -> Duration {
+        // Listing a map cannot fail; a resync is never retried.
+        Duration::ZERO
+    }
+
+    async fn put_leased(&self, key: String, instance: &Instance, card: &ModelCard) -> Leased {
+        let bytes = encode_record(instance, card);
         let owner = fresh_owner();
         let ttl = self.inner.config.ttl;
         self.inner.put(
@@ -347,56 +336,22 @@ impl Discovery for MemoryDiscovery {
                 }
             }
         });
-        Ok(Registration::new(
-            instance,
-            Box::new(MemoryLease {
-                inner: Arc::clone(&self.inner),
-                key,
-                owner,
-                stop,
-                keepalive,
-            }),
-        ))
+        Ok(Box::new(MemoryLease {
+            inner: Arc::clone(&self.inner),
+            key,
+            owner,
+            stop,
+            keepalive,
+        }))
     }
 
-    async fn list_instances(&self, endpoint: &EndpointId) -> Result<Vec<Instance>, DiscoveryError> {
-        Ok(instances_of(
-            endpoint,
-            self.inner.snapshot(&endpoint_prefix(endpoint)),
-        ))
-    }
-
-    async fn list_cards(
-        &self,
-        endpoint: &EndpointId,
-    ) -> Result<Vec<(InstanceId, ModelCard)>, DiscoveryError> {
-        Ok(cards_of(
-            endpoint,
-            self.inner.snapshot(&endpoint_prefix(endpoint)),
-        ))
-    }
-
-    async fn list_namespace(
-        &self,
-        namespace: &str,
-    ) -> Result<Vec<(Instance, ModelCard)>, DiscoveryError> {
-        Ok(namespace_of(
-            namespace,
-            self.inner.snapshot(&namespace_prefix(namespace)),
-        ))
-    }
-
-    async fn watch(&self, endpoint: &EndpointId) -> Result<InstanceStream, DiscoveryError> {
-        Ok(instance_stream(
-            endpoint,
-            self.feed(endpoint_prefix(endpoint)),
-        ))
-    }
-
-    async fn watch_namespace(&self, namespace: &str) -> Result<NamespaceStream, DiscoveryError> {
-        Ok(namespace_stream(
-            namespace,
-            self.feed(namespace_prefix(namespace)),
-        ))
+    fn ensure_reaper(&self) {
+        let period = self.inner.config.reap_interval;
+        self.inner
+            .reaper
+            .start(&self.inner, period, |inner| async move {
+                inner.reap();
+                true
+            });
     }
 }
