@@ -678,7 +678,11 @@ fn lifecycles_and_build_ids_render_as_trace_labels() {
 fn held_binding_is_for_the_desired_target_in_every_reachable_state() {
     // The invariant that makes `lifecycle()`'s `h == t` guard always true when it is reached
     // (.cargo/mutants.toml excludes that mutant as equivalent): explored over every state
-    // reachable with at most four builds, deduplicated, so the search is finite and small.
+    // reachable with at most four builds, deduplicated, so the search is finite and small (67
+    // states).
+    // The state cap keeps a broken machine whose ids stop increasing (an unbounded search)
+    // from spinning: it fails here instead.
+    const STATE_CAP: usize = 1_000;
     let ids = || (1..=5).map(BuildId);
     let mut inputs = vec![
         SetTarget(None),
@@ -695,6 +699,7 @@ fn held_binding_is_for_the_desired_target_in_every_reachable_state() {
         if !seen.insert(m.clone()) {
             continue;
         }
+        assert!(seen.len() <= STATE_CAP, "the search did not close");
         if let (Some(desired), Some((_, held))) = (m.desired(), m.held()) {
             assert_eq!(held, desired, "{m:?}");
         }
