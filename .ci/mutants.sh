@@ -2,11 +2,11 @@
 # Mutation testing of the core with cargo-mutants (scope, exclusions and the judging tests are
 # in .cargo/mutants.toml; counts and the full-run command in docs/properties.md).
 #
-# The whole scope takes about 30 min on 2 shared cores, over CI's budget, so CI tests only the
-# mutants in code the last commit changed (HEAD against its first parent: for a merge into main
-# that is the whole merged branch). MUTANTS_FULL=1 runs the whole scope. A missed mutant or a
-# timeout fails the script; unviable ones (the mutation does not compile) do not. The report is
-# left in target/mutants/mutants.out/.
+# The whole scope takes about 15 min on 2 shared cores (docs/properties.md), inside CI's budget,
+# so CI runs all of it. MUTANTS_DIFF=1 tests only the mutants in code the last commit changed
+# (HEAD against its first parent: for a merge into main, the whole merged branch), for a quick
+# check. A missed mutant or a timeout fails the script; unviable ones (the mutation does not
+# compile) do not. The report is left in target/mutants/mutants.out/.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export CARGO_TERM_COLOR=never
@@ -18,7 +18,7 @@ out=target/mutants
 mkdir -p "$out"
 args=(--output "$out")
 
-if [ "${MUTANTS_FULL:-0}" = 1 ]; then
+if [ "${MUTANTS_DIFF:-0}" != 1 ]; then
     echo "=== cargo mutants: the whole scope"
 else
     # A shallow clone has no parent commit: deepen it if a remote is reachable, else run the
