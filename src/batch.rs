@@ -152,6 +152,21 @@ mod tests {
     }
 
     #[test]
+    fn owned_iterator_reports_exactly_what_is_left() {
+        // Drivers size their work from `len()` mid-iteration: it must count down to zero.
+        for n in 0..=4u8 {
+            let mut owned = batch_of(n).into_iter();
+            for left in (0..usize::from(n)).rev() {
+                assert!(owned.next().is_some());
+                assert_eq!(owned.len(), left, "n = {n}");
+                assert_eq!(owned.size_hint(), (left, Some(left)));
+            }
+            assert_eq!(owned.next(), None);
+            assert_eq!(owned.len(), 0);
+        }
+    }
+
+    #[test]
     #[should_panic(expected = "output batch overflow")]
     fn batch_refuses_a_fifth_order() {
         let mut batch = batch_of(4);

@@ -253,3 +253,6 @@ where
         f.debug_tuple("RouteCell").field(snapshot).finish()
     }
 }
+
+#[cfg(test)]
+mod tests;

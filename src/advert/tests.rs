@@ -75,6 +75,52 @@ fn rule4_first_card_wins_and_disagreements_are_counted() {
     assert_eq!(cfg.total_cards, 4);
 }
 
+/// Counts the warnings logged while `f` runs on this thread.
+fn warnings_during(f: impl FnOnce()) -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Level, Metadata};
+
+    struct CountWarnings(Arc<AtomicUsize>);
+    impl tracing::Subscriber for CountWarnings {
+        fn enabled(&self, _: &Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &Attributes<'_>) -> Id {
+            Id::from_u64(1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, event: &Event<'_>) {
+            if *event.metadata().level() == Level::WARN {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        fn enter(&self, _: &Id) {}
+        fn exit(&self, _: &Id) {}
+    }
+
+    let count = Arc::new(AtomicUsize::new(0));
+    tracing::subscriber::with_default(CountWarnings(Arc::clone(&count)), f);
+    count.load(Ordering::SeqCst)
+}
+
+#[test]
+fn rule4_disagreement_is_logged_once_and_agreement_not_at_all() {
+    let one_disagrees = [advertised(RouterMode::KV), ModelCard::named("llama")];
+    let all_agree = [advertised(RouterMode::KV), advertised(RouterMode::KV)];
+    let alone = [advertised(RouterMode::KV)];
+    let warned = |cards: &[ModelCard]| {
+        warnings_during(|| {
+            resolve(cards, &decode_rr()).unwrap();
+        })
+    };
+    assert_eq!(warned(&one_disagrees), 1);
+    assert_eq!(warned(&all_agree), 0);
+    assert_eq!(warned(&alone), 0);
+}
+
 #[test]
 fn rule5_advertised_tuning_replaces_decode_tuning_whole() {
     let mut decode = decode_rr();
@@ -263,5 +309,21 @@ mod never_panics {
                 "router_config":{{"router_mode":{mode:?},"session_affinity_ttl_secs":{ttl}}}}}"#);
             let _ = resolve_raw([doc.as_bytes()], &DecodeDefaults::default());
         }
+    }
+}
+
+#[test]
+fn router_modes_display_as_names_a_card_accepts() {
+    // Logs show the mode in the spelling an operator would write in a card.
+    let modes = [
+        (RouterMode::RoundRobin, "round-robin"),
+        (RouterMode::Random, "random"),
+        (RouterMode::KV, "kv"),
+        (RouterMode::Direct, "direct"),
+    ];
+    for (mode, name) in modes {
+        assert_eq!(mode.to_string(), name);
+        let parsed: RouterMode = serde_json::from_str(&format!("\"{name}\"")).unwrap();
+        assert_eq!(parsed, mode);
     }
 }

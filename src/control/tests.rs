@@ -189,6 +189,77 @@ fn retired_tracking_is_bounded() {
     assert_eq!(c.retired_untracked as usize, total - 1 - retired::TRACK_CAP);
 }
 
+#[test]
+fn stray_results_before_the_first_decision_leave_it_not_yet_targeted() {
+    // A late result or timer from a previous process life must not make requests see
+    // "building" before the controller has decided anything.
+    let ctl: Control<u8, Bind> = Control::new(RetryPolicy::default());
+    let before = ctl.load();
+    let _ = ctl.build_failed(BuildId(4), "late");
+    let _ = ctl.retry_elapsed(BuildId(4));
+    let _ = ctl.build_succeeded(
+        BuildId(5),
+        Bind {
+            target: 1,
+            build: BuildId(5),
+        },
+    );
+    assert_eq!(ctl.route().bypass(), Some(BypassReason::NotYetTargeted));
+    assert!(SnapshotGuard::same_snapshot(&before, &ctl.load()));
+    assert_eq!(ctl.status().epoch, 0);
+}
+
+#[test]
+fn every_published_change_advances_the_epoch_by_one() {
+    let ctl: Control<u8, Bind> = Control::new(RetryPolicy::default());
+    assert_eq!(ctl.load().epoch(), 0);
+    let b = started(&ctl.set_target(Some(1)));
+    assert_eq!(ctl.load().epoch(), 1);
+    let _ = ctl.build_succeeded(
+        b,
+        Bind {
+            target: 1,
+            build: b,
+        },
+    );
+    assert_eq!(ctl.load().epoch(), 2);
+    let _ = ctl.set_target(None);
+    assert_eq!(ctl.load().epoch(), 3);
+    let _ = ctl.shutdown();
+    let s = ctl.load();
+    assert_eq!((s.epoch(), s.bypass()), (4, Some(BypassReason::ShutDown)));
+    assert_eq!(ctl.status().counters.snapshots, 4);
+}
+
+#[test]
+fn dead_retired_bindings_are_pruned_not_counted_as_untracked() {
+    // Retirements whose requests have ended must not fill the list: only a caller that keeps
+    // retired bindings alive past the cap makes the core lose track of them.
+    let ctl: Control<u8, Bind> = Control::new(RetryPolicy::default());
+    let total = retired::TRACK_CAP + 5;
+    for i in 0..total {
+        let target = (i % 2) as u8;
+        let b = started(&ctl.set_target(Some(target)));
+        let _ = ctl.build_succeeded(b, Bind { target, build: b });
+    }
+    let c = ctl.status().counters;
+    assert_eq!(c.retired as usize, total - 1);
+    assert_eq!((c.retired_alive, c.retired_untracked), (0, 0));
+}
+
+#[test]
+fn debug_output_shows_the_status() {
+    let ctl: Control<u8, Bind> = Control::new(RetryPolicy::default());
+    let b = started(&ctl.set_target(Some(9)));
+    let text = format!("{ctl:?}");
+    assert!(text.starts_with("Control"), "{text}");
+    assert!(text.contains("lifecycle: Pending"), "{text}");
+    assert!(
+        text.contains(&format!("in_flight: Some(({b:?}, 9))")),
+        "{text}"
+    );
+}
+
 /// A binding that records whether the control lock was held when it dropped.
 struct Probe {
     ctl: Arc<OnceLock<Weak<Control<u8, Probe>>>>,

@@ -654,3 +654,66 @@ fn rule6_delay_keeps_doubling_past_32_attempts() {
     assert_eq!(p.delay(200), Duration::from_secs(1000));
     assert_eq!(RetryPolicy::fixed(Duration::ZERO).delay(5), Duration::ZERO);
 }
+
+#[test]
+fn policy_returns_the_policy_the_machine_was_built_with() {
+    let policy = RetryPolicy {
+        initial: Duration::from_millis(3),
+        max: Duration::from_millis(70),
+    };
+    assert_ne!(policy, RetryPolicy::default());
+    assert_eq!(Machine::<&str>::new(policy).policy(), policy);
+    assert_eq!(machine().policy(), RetryPolicy::default());
+}
+
+#[test]
+fn lifecycles_and_build_ids_render_as_trace_labels() {
+    assert_eq!(Lifecycle::Pending.to_string(), "pending");
+    assert_eq!(Lifecycle::Active.to_string(), "active");
+    assert_eq!(Lifecycle::Unavailable.to_string(), "unavailable");
+    assert_eq!(BuildId(42).to_string(), "#42");
+}
+
+#[test]
+fn held_binding_is_for_the_desired_target_in_every_reachable_state() {
+    // The invariant that makes `lifecycle()`'s `h == t` guard always true when it is reached
+    // (.cargo/mutants.toml excludes that mutant as equivalent): explored over every state
+    // reachable with at most four builds, deduplicated, so the search is finite and small (67
+    // states).
+    // The state cap keeps a broken machine whose ids stop increasing (an unbounded search)
+    // from spinning: it fails here instead.
+    const STATE_CAP: usize = 1_000;
+    let ids = || (1..=5).map(BuildId);
+    let mut inputs = vec![
+        SetTarget(None),
+        SetTarget(Some(A)),
+        SetTarget(Some(B)),
+        Shutdown,
+    ];
+    for id in ids() {
+        inputs.extend([BuildSucceeded(id), BuildFailed(id), RetryElapsed(id)]);
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut frontier = vec![machine()];
+    while let Some(m) = frontier.pop() {
+        if !seen.insert(m.clone()) {
+            continue;
+        }
+        assert!(seen.len() <= STATE_CAP, "the search did not close");
+        if let (Some(desired), Some((_, held))) = (m.desired(), m.held()) {
+            assert_eq!(held, desired, "{m:?}");
+        }
+        for input in &inputs {
+            let mut next = m.clone();
+            let _ = next.handle(input.clone());
+            if next.next_build_id() <= BuildId(5) {
+                frontier.push(next);
+            }
+        }
+    }
+    assert!(
+        seen.len() > 50,
+        "the search reached only {} states",
+        seen.len()
+    );
+}
