@@ -1,5 +1,5 @@
 //! Frontend throughput at saturation: `PrefillRouter::generate` (prefill hop on the active
-//! binding, then decode) vs the same two calls made back to back on bare push routers, without
+//! binding, then decode) vs the same two calls made back to back on bare dispatchers, without
 //! the router. Loopback mock workers with zero compute cost, so only the frontend's overhead
 //! differs. The two paths run interleaved in rounds in one process (ratios side by side).
 //!
@@ -13,13 +13,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use prefill_router::advert::{DecodeDefaults, ModelCard, RouterConfig, RouterMode};
-use prefill_router::binding::{DecodeRouter, DefaultBindingFactory, FactoryConfig};
+use prefill_router::advert::{DecodeDefaults, ModelCard, RouterConfig, SelectionMode};
+use prefill_router::binding::{DecodePool, DefaultBindingFactory, FactoryConfig};
 use prefill_router::discovery::{
     Discovery, EndpointId, Instance, InstanceId, MemoryConfig, MemoryDiscovery, Registration,
 };
 use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
-use prefill_router::push::{PushConfig, PushMode, PushRouter, RoutableView};
+use prefill_router::push::{Dispatcher, PushConfig, PushMode, RoutableView};
 use prefill_router::router::{
     Decode, PrefillOutcome, PrefillRouter, PrefillRouterConfig, WorkerSetTarget, WorkerSetTargetId,
 };
@@ -67,10 +67,10 @@ fn prompt(n: u64) -> Vec<u32> {
         .collect()
 }
 
-/// The baseline: prefill on a bare push router, collect, then decode; no PrefillRouter.
+/// The baseline: prefill on a bare dispatcher, collect, then decode; no PrefillRouter.
 struct Bare {
-    prefill: PushRouter,
-    decode: DecodeRouter,
+    prefill: Dispatcher,
+    decode: DecodePool,
 }
 
 impl Bare {
@@ -141,7 +141,7 @@ fn main() {
 
 async fn router_leg(
     router: &Arc<PrefillRouter<DefaultBindingFactory>>,
-    decode: &Arc<DecodeRouter>,
+    decode: &Arc<DecodePool>,
     concurrency: u64,
     secs: Duration,
 ) -> f64 {
@@ -181,7 +181,7 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64) {
     let card = ModelCard {
         kv_cache_block_size: 16,
         router_config: Some(RouterConfig {
-            router_mode: RouterMode::RoundRobin,
+            router_mode: SelectionMode::RoundRobin,
             ..RouterConfig::default()
         }),
         ..ModelCard::named("bench")
@@ -218,7 +218,7 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64) {
             feeds.clone(),
         );
         view.wait_for(|r| !r.is_empty()).await;
-        DecodeRouter::new(PushRouter::new(
+        DecodePool::new(Dispatcher::new(
             view,
             PushMode::RoundRobin,
             PushConfig::default(),
@@ -230,7 +230,7 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64) {
         Arc::clone(&discovery),
         FactoryConfig {
             decode: DecodeDefaults {
-                router_mode: RouterMode::RoundRobin,
+                router_mode: SelectionMode::RoundRobin,
                 block_size: 16,
                 ..DecodeDefaults::default()
             },
@@ -248,7 +248,7 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64) {
     router.wait_active(Duration::from_secs(10)).await.unwrap();
     let routed_decode = Arc::new(decode_view().await);
 
-    // The bare path: the same push routers, no PrefillRouter.
+    // The bare path: the same dispatchers, no PrefillRouter.
     let prefill_view = RoutableView::spawn(
         discovery.watch(&prefill_ep).await.unwrap(),
         None,
@@ -258,7 +258,7 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64) {
         .wait_for(|r| r.len() == PREFILL_WORKERS as usize)
         .await;
     let bare = Arc::new(Bare {
-        prefill: PushRouter::new(prefill_view, PushMode::RoundRobin, PushConfig::default()),
+        prefill: Dispatcher::new(prefill_view, PushMode::RoundRobin, PushConfig::default()),
         decode: decode_view().await,
     });
 

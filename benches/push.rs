@@ -1,4 +1,4 @@
-//! Request plane and push routers: round trip through `PushRouter` vs a bare tokio echo with the
+//! Request plane and dispatchers: round trip through `Dispatcher` vs a bare tokio echo with the
 //! same framing (req/s, p50/p99), KV selector hit rate vs round robin and random on a synthetic
 //! multi-turn workload, and selection cost with 64 workers.
 //!
@@ -17,7 +17,7 @@ use futures_util::{stream, SinkExt, StreamExt};
 use prefill_router::advert::KvRouterConfig;
 use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use prefill_router::push::{
-    block_hashes, KvSelector, PushConfig, PushMode, PushRouter, RoutableView,
+    block_hashes, Dispatcher, KvSelector, PushConfig, PushMode, RoutableView,
 };
 use prefill_router::transport::{
     decode_frame, encode_frame, serve, Engine, EngineStream, FinishReason, Frame, GenerateRequest,
@@ -103,7 +103,7 @@ fn round_trip_table(rt: &tokio::runtime::Runtime) {
         std::mem::forget(worker); // lives for the whole bench process
         let view = RoutableView::spawn(stream::pending(), None, CancellationToken::new());
         view.apply(InstanceEvent::Added(instance(1, addr)));
-        let router = PushRouter::new(view, PushMode::RoundRobin, PushConfig::default());
+        let router = Dispatcher::new(view, PushMode::RoundRobin, PushConfig::default());
         (Arc::new(router), bare_echo_server().await)
     });
     let rounds = 6;
@@ -170,7 +170,7 @@ fn round_trip_table(rt: &tokio::runtime::Runtime) {
         rounds * per_round
     );
     println!("| path | req/s | p50 µs | p99 µs |\n|---|---|---|---|");
-    let (rr, rp50, rp99) = show("PushRouter (RoundRobin, 1 worker)", router_lat, router_time);
+    let (rr, rp50, rp99) = show("Dispatcher (RoundRobin, 1 worker)", router_lat, router_time);
     let (er, ep50, ep99) = show("bare tokio echo, same framing", echo_lat, echo_time);
     println!(
         "\nthroughput ratio router/echo: {:.2}x; added latency p50 {:+.1} µs, p99 {:+.1} µs",
@@ -183,7 +183,7 @@ fn round_trip_table(rt: &tokio::runtime::Runtime) {
 
 /// 16 callers at once: through the router they share one multiplexed connection; the bare
 /// echo gets one connection per caller (it cannot multiplex).
-fn concurrent_table(rt: &tokio::runtime::Runtime, router: &Arc<PushRouter>, echo_addr: SocketAddr) {
+fn concurrent_table(rt: &tokio::runtime::Runtime, router: &Arc<Dispatcher>, echo_addr: SocketAddr) {
     const CALLERS: usize = 16;
     const PER_CALLER: usize = 2000;
     let (router_rate, echo_rate) = rt.block_on(async {
@@ -241,7 +241,7 @@ fn concurrent_table(rt: &tokio::runtime::Runtime, router: &Arc<PushRouter>, echo
     });
     println!("\n### {CALLERS} concurrent callers, {PER_CALLER} requests each");
     println!("| path | req/s |\n|---|---|");
-    println!("| PushRouter, one multiplexed connection | {router_rate:.0} |");
+    println!("| Dispatcher, one multiplexed connection | {router_rate:.0} |");
     println!("| bare tokio echo, one connection per caller | {echo_rate:.0} |");
     println!("\nratio router/echo: {:.2}x", router_rate / echo_rate);
 }
@@ -402,8 +402,8 @@ fn selection(c: &mut Criterion) {
         block_size: 16,
         config: KvRouterConfig::default(),
     };
-    let kv_router = PushRouter::new(view.clone(), kv_mode, PushConfig::default());
-    let rr_router = PushRouter::new(view.clone(), PushMode::RoundRobin, PushConfig::default());
+    let kv_router = Dispatcher::new(view.clone(), kv_mode, PushConfig::default());
+    let rr_router = Dispatcher::new(view.clone(), PushMode::RoundRobin, PushConfig::default());
     // Warm the KV index with a realistic history.
     let prompts = workload(400, 8, 8, 7);
     for p in &prompts {

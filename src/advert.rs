@@ -18,14 +18,18 @@ use std::time::Duration;
 
 mod card;
 pub use card::{
-    parse_cards, KvRouterConfig, ModelCard, ParsedCards, RouterConfig, RouterMode, RuntimeConfig,
+    parse_cards, KvRouterConfig, ModelCard, ParsedCards, RouterConfig, RuntimeConfig, SelectionMode,
 };
+
+/// The former name of [`SelectionMode`] (the card's `router_mode` field keeps its name).
+#[deprecated(since = "0.2.0", note = "renamed to `SelectionMode`")]
+pub type RouterMode = SelectionMode;
 
 /// What the decode side contributes when the prefill card is silent.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DecodeDefaults {
     /// The decode set's router mode, inherited by cards without a `router_config`.
-    pub router_mode: RouterMode,
+    pub router_mode: SelectionMode,
     /// The decode set's KV tuning, used when no card advertises a `router_config`.
     pub kv_router_config: Option<KvRouterConfig>,
     /// The decode set's block size, used when the prefill card declares 0.
@@ -37,8 +41,8 @@ pub struct DecodeDefaults {
 /// The resolved configuration of the prefill hop.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrefillConfig {
-    /// The mode the prefill push router uses.
-    pub router_mode: RouterMode,
+    /// The mode the prefill dispatcher uses.
+    pub router_mode: SelectionMode,
     /// KV tuning (advertised, with active-block tracking off; or the decode set's; or none).
     pub kv_router_config: Option<KvRouterConfig>,
     /// KV block size in tokens.
@@ -65,7 +69,7 @@ pub enum AdvertError {
 }
 
 /// The effective mode of one card: its advertised mode, else the decode set's.
-fn mode_of(card: &ModelCard, decode: &DecodeDefaults) -> RouterMode {
+fn mode_of(card: &ModelCard, decode: &DecodeDefaults) -> SelectionMode {
     card.router_config
         .as_ref()
         .map_or(decode.router_mode, |rc| rc.router_mode)

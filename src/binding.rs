@@ -1,5 +1,5 @@
 //! The default binding factory: what a prefill target becomes over real discovery and push
-//! routers, and the decode hop over a decode push router.
+//! routers, and the decode hop over a decode dispatcher.
 //!
 //! A build (see [`DefaultBindingFactory`]):
 //! 1. resolves the hop's configuration from exactly `[target.card]` (the committed, first-wins
@@ -8,16 +8,20 @@
 //!    target's admission set, its feed task bound to a token the binding cancels on drop;
 //! 3. waits until at least one admitted instance is routable (so activation means requests can
 //!    be served; an empty admission set makes the build wait until the router's build timeout);
-//! 4. builds the [`PushRouter`] in the resolved mode and block size;
+//! 4. builds the [`Dispatcher`] in the resolved mode and block size;
 //! 5. logs the resolved configuration in the `prefill_binding` span (as upstream logs it).
 //!
 //! [`RoutableView`]: crate::push::RoutableView
-//! [`PushRouter`]: crate::push::PushRouter
+//! [`Dispatcher`]: crate::push::Dispatcher
 
 mod decode;
 mod factory;
 
-pub use decode::DecodeRouter;
+pub use decode::DecodePool;
+
+/// The former name of [`DecodePool`].
+#[deprecated(since = "0.2.0", note = "renamed to `DecodePool`")]
+pub type DecodeRouter = DecodePool;
 pub use factory::{
     BindingStats, DefaultBindingFactory, FactoryConfig, PrefillBinding, DISCOVERY_CATCH_UP,
 };

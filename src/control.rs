@@ -14,12 +14,12 @@
 //! (cancel tasks, close channels) and must not extend the critical section or re-enter.
 //!
 //! Clearing is synchronous: once `set_target(None)` returns, every later
-//! [`load`](Control::load) or [`route`](Control::route) sees the cleared state.
+//! [`load`](Control::load) or [`snapshot`](Control::route) sees the cleared state.
 //!
 //! ```
 //! use prefill_router::control::{Control, Effect};
 //! use prefill_router::lifecycle::RetryPolicy;
-//! use prefill_router::route::{BypassReason, Route};
+//! use prefill_router::snapshot::{BypassReason, Route};
 //!
 //! let control: Control<&str, String> = Control::new(RetryPolicy::default());
 //! assert_eq!(control.route(), Route::Bypass(BypassReason::NotYetTargeted));
@@ -51,7 +51,7 @@ use std::sync::Arc;
 
 use crate::hooks::ControlHooks;
 use crate::lifecycle::{Action, BuildId, Input, Lifecycle, Machine, RetryPolicy};
-use crate::route::{BypassReason, Route, RouteCell, Snapshot, SnapshotGuard};
+use crate::snapshot::{BypassReason, Route, RouteCell, Snapshot, SnapshotGuard};
 use crate::sync::Mutex;
 
 mod effects;

@@ -5,8 +5,8 @@
 //!
 //! - [`lifecycle`]: the pure retarget state machine (Pending / Active / Unavailable, binding
 //!   reuse, stale-build rejection, retry with backoff). No I/O, no clock, no locks.
-//! - [`route`]: the published view requests read: one immutable snapshot per change in one
-//!   lock-free cell, answering [`route::Route`] (prefill on a binding, or bypass and why).
+//! - [`snapshot`]: the published view requests read: one immutable snapshot per change in one
+//!   lock-free cell, answering [`snapshot::Route`] (prefill on a binding, or bypass and why).
 //! - [`batch`]: the one inline output batch both the machine and the control core return.
 //! - [`control`]: the synchronous, thread-safe control core driving the machine and publishing
 //!   snapshots; loom-checked (`docs/concurrency.md`).
@@ -14,12 +14,12 @@
 //!   configuration (router mode, KV tuning, block size, session affinity).
 //! - [`transport`] (feature `runtime`): the TCP request plane; a worker serves an `Engine`, a
 //!   frontend multiplexes streamed requests over one connection per instance.
-//! - [`push`] (feature `runtime`): the routable-instance view and the push routers (round
+//! - [`push`] (feature `runtime`): the routable-instance view and the dispatchers (round
 //!   robin, random, direct, KV prefix-aware).
 //! - [`router`] (feature `runtime`): the tokio adapter, `PrefillRouter`, driving the control
 //!   core with real builds and timers, plus the request path and its fallback policy.
 //! - [`binding`] (feature `runtime`): the default binding factory (card resolution, routable
-//!   view with admission, push router) and the decode hop over a push router.
+//!   view with admission, dispatcher) and the decode hop over a dispatcher.
 //! - [`topology`] (feature `runtime`): the topology watcher turning a namespace's discovery
 //!   records into the prefill router's target (one prefill set, one decode set, first-wins
 //!   admission, generations).
@@ -51,7 +51,13 @@ pub mod mock;
 pub mod push;
 #[cfg(feature = "sim")]
 pub mod replay;
-pub mod route;
+pub mod snapshot;
+
+/// The former name of [`snapshot`] (renamed so that it does not read like the `router` module).
+#[deprecated(since = "0.2.0", note = "renamed to `snapshot`")]
+pub mod route {
+    pub use crate::snapshot::*;
+}
 #[cfg(feature = "runtime")]
 pub mod router;
 #[cfg(feature = "sim")]
@@ -61,3 +67,34 @@ mod sync;
 pub mod topology;
 #[cfg(feature = "runtime")]
 pub mod transport;
+
+#[cfg(all(test, feature = "runtime"))]
+mod renamed {
+    use std::any::TypeId;
+
+    /// Code written against the old names keeps compiling and means the same types.
+    #[test]
+    #[allow(deprecated)]
+    fn old_names_still_name_the_renamed_items() {
+        assert_eq!(
+            TypeId::of::<crate::push::PushRouter>(),
+            TypeId::of::<crate::push::Dispatcher>()
+        );
+        assert_eq!(
+            TypeId::of::<crate::binding::DecodeRouter>(),
+            TypeId::of::<crate::binding::DecodePool>()
+        );
+        assert_eq!(
+            TypeId::of::<crate::advert::RouterMode>(),
+            TypeId::of::<crate::advert::SelectionMode>()
+        );
+        assert_eq!(
+            TypeId::of::<crate::route::Route<u8>>(),
+            TypeId::of::<crate::snapshot::Route<u8>>()
+        );
+        assert_eq!(
+            crate::advert::RouterMode::KV,
+            crate::advert::SelectionMode::KV
+        );
+    }
+}

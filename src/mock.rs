@@ -7,7 +7,7 @@
 //! - [`MockDecode`]: emits tokens at a steady rate; without a prefill handoff it prefills the
 //!   prompt locally first (the aggregated fallback), at the same per-block cost.
 //!
-//! Block hashes are [`crate::push::block_hashes`], the ones the KV push router predicts with,
+//! Block hashes are [`crate::push::block_hashes`], the ones the KV dispatcher predicts with,
 //! so a request routed to the worker that prefilled its prefix really finds it cached.
 //!
 //! [`PrefillInfo`]: crate::transport::PrefillInfo

@@ -1,20 +1,24 @@
-//! Push routers: pick a routable worker instance for each request and send it over the request
+//! Dispatchers: pick a routable worker instance for each request and send it over the request
 //! plane ([`crate::transport`]).
 //!
 //! - [`RoutableView`]: instances from a discovery event stream, intersected with an optional
 //!   admission set, minus instances whose connection failed (until discovery re-adds them).
-//! - [`PushRouter`]: modes [`PushMode::RoundRobin`], [`PushMode::Random`],
+//! - [`Dispatcher`]: modes [`PushMode::RoundRobin`], [`PushMode::Random`],
 //!   [`PushMode::Direct`] and [`PushMode::Kv`] (approximate prefix-aware selection, see
 //!   [`KvSelector`]).
 
+mod dispatcher;
 mod error;
 mod kv;
-mod router;
 mod view;
 
+pub use dispatcher::{Dispatcher, PushConfig, PushMode, RoutedStream, Selection};
 pub use error::PushError;
 #[cfg(feature = "sim")]
 pub(crate) use kv::mix;
 pub use kv::{block_hashes, KvSelector};
-pub use router::{PushConfig, PushMode, PushRouter, RoutedStream, Selection};
+
+/// The former name of [`Dispatcher`] ("router" now names only the prefill router).
+#[deprecated(since = "0.2.0", note = "renamed to `Dispatcher`")]
+pub type PushRouter = Dispatcher;
 pub use view::{InstanceStatus, RoutableView};

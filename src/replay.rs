@@ -1,6 +1,6 @@
 //! Trace replay (feature `sim`): a request trace (the Mooncake conversation trace format)
 //! played in virtual time through the real [`PrefillRouter`](crate::router::PrefillRouter)
-//! and the real push routers, over in-process prefill workers with a bounded KV block cache
+//! and the real dispatchers, over in-process prefill workers with a bounded KV block cache
 //! and the cost model of [`CostModel`]. See `docs/replay.md`.
 //!
 //! Time is tokio's paused clock (as in [`crate::sim`]): the runtime jumps to the next timer

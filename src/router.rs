@@ -14,9 +14,9 @@
 mod config;
 mod driver;
 mod error;
-mod factory;
 mod fallback;
 mod handle;
+mod legs;
 pub mod metrics;
 mod shared;
 mod status;
@@ -24,12 +24,12 @@ mod target;
 
 pub use config::PrefillRouterConfig;
 pub use error::{GenerateError, WaitError};
-pub use factory::{
+pub use fallback::{AfterWait, FallbackPolicy};
+pub use handle::PrefillRouter;
+pub use legs::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
     PrefillOutcome,
 };
-pub use fallback::{AfterWait, FallbackPolicy};
-pub use handle::PrefillRouter;
 pub use status::{RouterCounters, RouterStatus};
 pub use target::{WorkerSetTarget, WorkerSetTargetId};
 

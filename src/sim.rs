@@ -6,7 +6,7 @@
 //! seeded controller through a faulty discovery feed, building bindings with a fake factory
 //! whose builds fail, hang past the timeout or outlive their cancellation; each binding picks
 //! workers with the real [`RoutableView`](crate::push::RoutableView) and
-//! [`PushRouter`](crate::push::PushRouter) over simulated workers that answer, reject, crash
+//! [`Dispatcher`](crate::push::Dispatcher) over simulated workers that answer, reject, crash
 //! mid-stream or hang. Oracles run throughout (see [`Violation`]) and a failing run prints the
 //! one-line command that replays it. See `docs/simulation.md`.
 //!

@@ -17,7 +17,7 @@ use loom::sync::Arc;
 use loom::thread;
 use prefill_router::control::{Control, Effect, Effects, Mutant};
 use prefill_router::lifecycle::{BuildId, Lifecycle, RetryPolicy};
-use prefill_router::route::{BypassReason, Route, Snapshot};
+use prefill_router::snapshot::{BypassReason, Route, Snapshot};
 
 /// A binding that counts its drops and remembers what it was built for.
 #[derive(Debug)]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use e2e::*;
-use prefill_router::advert::RouterMode;
+use prefill_router::advert::SelectionMode;
 use prefill_router::discovery::Discovery;
 use prefill_router::lifecycle::Lifecycle;
 use prefill_router::push::{PushError, PushMode};
@@ -35,8 +35,8 @@ fn active_on(router: &Router, generation: u64) -> bool {
 /// rebuilds; the retired binding fails promptly once its admission set empties.
 async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
     let _decode = start_decode(&discovery).await;
-    let _w1 = start_prefill(&discovery, 1, card(RouterMode::RoundRobin, 16)).await;
-    let _w2 = start_prefill(&discovery, 2, card(RouterMode::RoundRobin, 16)).await;
+    let _w1 = start_prefill(&discovery, 1, card(SelectionMode::RoundRobin, 16)).await;
+    let _w2 = start_prefill(&discovery, 2, card(SelectionMode::RoundRobin, 16)).await;
     let fe = frontend(&discovery).await;
 
     let (admit1, admitted1) = watch::channel(BTreeSet::from([1]));
@@ -44,7 +44,7 @@ async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
     fe.router.set_target(Some(WorkerSetTarget::new(
         gen1.clone(),
         prefill_ep(),
-        Arc::new(card(RouterMode::KV, 64)),
+        Arc::new(card(SelectionMode::KV, 64)),
         admitted1,
     )));
     fe.router.wait_active(WAIT).await.unwrap();
@@ -52,7 +52,7 @@ async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
     assert_eq!(binding1.id(), &gen1);
     assert_eq!(
         binding1.resolved().router_mode,
-        RouterMode::KV,
+        SelectionMode::KV,
         "the committed card wins"
     );
     assert!(matches!(
@@ -75,12 +75,12 @@ async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
     assert_eq!(fe.built(), 1, "admission changes never rebuild");
 
     // Generation 2: a successor on the same endpoint at block size 32.
-    let _w3 = start_prefill(&discovery, 3, card(RouterMode::RoundRobin, 32)).await;
+    let _w3 = start_prefill(&discovery, 3, card(SelectionMode::RoundRobin, 32)).await;
     let (_admit2, admitted2) = watch::channel(BTreeSet::from([3]));
     fe.router.set_target(Some(WorkerSetTarget::new(
         WorkerSetTargetId::new(GROUP, 2),
         prefill_ep(),
-        Arc::new(card(RouterMode::KV, 32)),
+        Arc::new(card(SelectionMode::KV, 32)),
         admitted2,
     )));
     fe.until("generation 2 active", |r| active_on(r, 2)).await;
@@ -118,9 +118,9 @@ async fn first_wins_scenario(discovery: Arc<dyn Discovery>) {
     let watcher = TopologyWatcher::start(Arc::clone(&discovery), "e2e", Arc::clone(&fe.router))
         .await
         .unwrap();
-    let mut w1 = start_prefill(&discovery, 1, card(RouterMode::KV, 16)).await;
+    let mut w1 = start_prefill(&discovery, 1, card(SelectionMode::KV, 16)).await;
     fe.until("generation 1 active", |r| active_on(r, 1)).await;
-    let _w2 = start_prefill(&discovery, 2, card(RouterMode::KV, 32)).await;
+    let _w2 = start_prefill(&discovery, 2, card(SelectionMode::KV, 32)).await;
     for seed in 0..20 {
         assert_eq!(fe.request(seed).await.unwrap(), Some(1), "2 is rejected");
     }
@@ -150,8 +150,8 @@ async fn pool_removal_and_return_scenario(discovery: Arc<dyn Discovery>) {
         .await
         .unwrap();
     assert_eq!(fe.request(0).await.unwrap(), None, "no pool: bypass");
-    let mut w1 = start_prefill(&discovery, 1, card(RouterMode::KV, 16)).await;
-    let mut w2 = start_prefill(&discovery, 2, card(RouterMode::KV, 16)).await;
+    let mut w1 = start_prefill(&discovery, 1, card(SelectionMode::KV, 16)).await;
+    let mut w2 = start_prefill(&discovery, 2, card(SelectionMode::KV, 16)).await;
     fe.until("active", |r| active_on(r, 1)).await;
     for seed in 1..10 {
         assert!(matches!(fe.request(seed).await.unwrap(), Some(1 | 2)));
@@ -165,7 +165,7 @@ async fn pool_removal_and_return_scenario(discovery: Arc<dyn Discovery>) {
     assert_eq!(watcher.view().borrow().target, None);
     assert_eq!(fe.request(10).await.unwrap(), None, "pool gone: bypass");
 
-    let _w1 = start_prefill(&discovery, 1, card(RouterMode::KV, 16)).await;
+    let _w1 = start_prefill(&discovery, 1, card(SelectionMode::KV, 16)).await;
     fe.until("active again", |r| active_on(r, 1)).await;
     assert_eq!(
         fe.built(),

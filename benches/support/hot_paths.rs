@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 use arc_swap::{ArcSwap, ArcSwapOption};
 use prefill_router::control::{Control, Effect};
 use prefill_router::lifecycle::{Lifecycle, RetryPolicy};
-use prefill_router::route::Route;
+use prefill_router::snapshot::Route;
 
 /// Stand-in for a binding: what a request reads before dispatching.
 #[derive(Debug)]

@@ -2,9 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
-/// How a push router picks a worker.
+/// How a dispatcher picks a worker.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum RouterMode {
+pub enum SelectionMode {
     /// Rotate over the routable instances.
     #[default]
     #[serde(alias = "round_robin", alias = "round-robin", alias = "roundrobin")]
@@ -20,13 +20,13 @@ pub enum RouterMode {
     Direct,
 }
 
-impl std::fmt::Display for RouterMode {
+impl std::fmt::Display for SelectionMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            RouterMode::RoundRobin => "round-robin",
-            RouterMode::Random => "random",
-            RouterMode::KV => "kv",
-            RouterMode::Direct => "direct",
+            SelectionMode::RoundRobin => "round-robin",
+            SelectionMode::Random => "random",
+            SelectionMode::KV => "kv",
+            SelectionMode::Direct => "direct",
         })
     }
 }
@@ -62,7 +62,7 @@ impl Default for KvRouterConfig {
 pub struct RouterConfig {
     /// The mode the prefill hop should use.
     #[serde(default)]
-    pub router_mode: RouterMode,
+    pub router_mode: SelectionMode,
     /// KV tuning; a card that names a mode without tuning gets the defaults.
     #[serde(default)]
     pub kv_router_config: KvRouterConfig,

@@ -4,14 +4,14 @@ use super::*;
 
 fn decode_rr() -> DecodeDefaults {
     DecodeDefaults {
-        router_mode: RouterMode::RoundRobin,
+        router_mode: SelectionMode::RoundRobin,
         kv_router_config: None,
         block_size: 16,
         session_affinity_ttl: Some(Duration::from_secs(300)),
     }
 }
 
-fn advertised(mode: RouterMode) -> ModelCard {
+fn advertised(mode: SelectionMode) -> ModelCard {
     ModelCard {
         router_config: Some(RouterConfig {
             router_mode: mode,
@@ -49,28 +49,28 @@ fn rule2_all_unreadable_falls_back_to_rule1() {
 #[test]
 fn rule3_silent_card_inherits_the_decode_mode_without_tuning() {
     let cfg = resolve(&[ModelCard::named("llama")], &decode_rr()).unwrap();
-    assert_eq!(cfg.router_mode, RouterMode::RoundRobin);
+    assert_eq!(cfg.router_mode, SelectionMode::RoundRobin);
     assert_eq!(cfg.kv_router_config, None);
     assert!(!cfg.advertised);
 }
 
 #[test]
 fn rule3_advertised_mode_overrides_the_decode_mode() {
-    let cfg = resolve(&[advertised(RouterMode::KV)], &decode_rr()).unwrap();
-    assert_eq!(cfg.router_mode, RouterMode::KV);
+    let cfg = resolve(&[advertised(SelectionMode::KV)], &decode_rr()).unwrap();
+    assert_eq!(cfg.router_mode, SelectionMode::KV);
     assert!(cfg.advertised);
 }
 
 #[test]
 fn rule4_first_card_wins_and_disagreements_are_counted() {
     let cards = vec![
-        advertised(RouterMode::KV),
+        advertised(SelectionMode::KV),
         ModelCard::named("llama"), // inherits RoundRobin: disagrees
-        advertised(RouterMode::KV),
-        advertised(RouterMode::Random), // disagrees
+        advertised(SelectionMode::KV),
+        advertised(SelectionMode::Random), // disagrees
     ];
     let cfg = resolve(&cards, &decode_rr()).unwrap();
-    assert_eq!(cfg.router_mode, RouterMode::KV);
+    assert_eq!(cfg.router_mode, SelectionMode::KV);
     assert_eq!(cfg.disagreeing_cards, 2);
     assert_eq!(cfg.total_cards, 4);
 }
@@ -108,9 +108,9 @@ fn warnings_during(f: impl FnOnce()) -> usize {
 
 #[test]
 fn rule4_disagreement_is_logged_once_and_agreement_not_at_all() {
-    let one_disagrees = [advertised(RouterMode::KV), ModelCard::named("llama")];
-    let all_agree = [advertised(RouterMode::KV), advertised(RouterMode::KV)];
-    let alone = [advertised(RouterMode::KV)];
+    let one_disagrees = [advertised(SelectionMode::KV), ModelCard::named("llama")];
+    let all_agree = [advertised(SelectionMode::KV), advertised(SelectionMode::KV)];
+    let alone = [advertised(SelectionMode::KV)];
     let warned = |cards: &[ModelCard]| {
         warnings_during(|| {
             resolve(cards, &decode_rr()).unwrap();
@@ -131,7 +131,7 @@ fn rule5_advertised_tuning_replaces_decode_tuning_whole() {
         router_track_active_blocks: false,
     });
     // The card names a mode without restating tuning: it gets the defaults, not a merge.
-    let cfg = resolve(&[advertised(RouterMode::KV)], &decode).unwrap();
+    let cfg = resolve(&[advertised(SelectionMode::KV)], &decode).unwrap();
     let kv = cfg.kv_router_config.unwrap();
     assert_eq!(kv.overlap_score_weight, 1.0);
     assert_eq!(kv.router_temperature, 0.0);
@@ -152,7 +152,7 @@ fn rule5_silent_card_uses_the_decode_tuning() {
 
 #[test]
 fn rule6_advertised_config_has_active_block_tracking_forced_off() {
-    let mut card = advertised(RouterMode::KV);
+    let mut card = advertised(SelectionMode::KV);
     card.router_config
         .as_mut()
         .unwrap()
@@ -175,13 +175,13 @@ fn rule7_block_size_zero_falls_back_to_the_decode_block_size() {
 
 #[test]
 fn rule8_advertised_config_without_ttl_means_no_affinity() {
-    let cfg = resolve(&[advertised(RouterMode::RoundRobin)], &decode_rr()).unwrap();
+    let cfg = resolve(&[advertised(SelectionMode::RoundRobin)], &decode_rr()).unwrap();
     assert_eq!(cfg.session_affinity_ttl, None);
 }
 
 #[test]
 fn rule8_advertised_ttl_is_taken_whole() {
-    let mut card = advertised(RouterMode::KV);
+    let mut card = advertised(SelectionMode::KV);
     card.router_config
         .as_mut()
         .unwrap()
@@ -216,14 +216,14 @@ fn committed_kv_card_at_block_64_overrides_round_robin_cards() {
     // Upstream's integration scenario, resolution half: the selected KV card (block 64) first.
     let kv = ModelCard {
         kv_cache_block_size: 64,
-        ..advertised(RouterMode::KV)
+        ..advertised(SelectionMode::KV)
     };
     let rr = ModelCard {
         kv_cache_block_size: 16,
-        ..advertised(RouterMode::RoundRobin)
+        ..advertised(SelectionMode::RoundRobin)
     };
     let cfg = resolve(&[kv, rr], &decode_rr()).unwrap();
-    assert_eq!((cfg.router_mode, cfg.block_size), (RouterMode::KV, 64));
+    assert_eq!((cfg.router_mode, cfg.block_size), (SelectionMode::KV, 64));
 }
 
 #[test]
@@ -246,7 +246,7 @@ fn real_looking_card_round_trips_through_json() {
     let card = ModelCard::from_json(json).unwrap();
     assert_eq!(card.kv_cache_block_size, 32);
     let rc = card.router_config.as_ref().unwrap();
-    assert_eq!(rc.router_mode, RouterMode::KV);
+    assert_eq!(rc.router_mode, SelectionMode::KV);
     assert_eq!(rc.kv_router_config.overlap_score_weight, 1.5);
     assert_eq!(rc.session_affinity_ttl_secs, Some(600));
     assert!(card.runtime_config.enable_eagle);
@@ -262,7 +262,7 @@ fn minimal_card_round_trips_and_defaults_apply() {
         ModelCard::from_json(br#"{"name":"m","router_config":{"router_mode":"round_robin"}}"#)
             .unwrap();
     let rc = partial.router_config.unwrap();
-    assert_eq!(rc.router_mode, RouterMode::RoundRobin);
+    assert_eq!(rc.router_mode, SelectionMode::RoundRobin);
     assert_eq!(rc.kv_router_config, KvRouterConfig::default());
 }
 
@@ -277,7 +277,7 @@ fn kv_router_config_defaults_match_upstream() {
 
 #[test]
 fn resolution_is_independent_of_the_order_of_identical_cards() {
-    let card = advertised(RouterMode::KV);
+    let card = advertised(SelectionMode::KV);
     let one = resolve(std::slice::from_ref(&card), &decode_rr()).unwrap();
     let three = resolve(&[card.clone(), card.clone(), card], &decode_rr()).unwrap();
     assert_eq!(
@@ -316,14 +316,14 @@ mod never_panics {
 fn router_modes_display_as_names_a_card_accepts() {
     // Logs show the mode in the spelling an operator would write in a card.
     let modes = [
-        (RouterMode::RoundRobin, "round-robin"),
-        (RouterMode::Random, "random"),
-        (RouterMode::KV, "kv"),
-        (RouterMode::Direct, "direct"),
+        (SelectionMode::RoundRobin, "round-robin"),
+        (SelectionMode::Random, "random"),
+        (SelectionMode::KV, "kv"),
+        (SelectionMode::Direct, "direct"),
     ];
     for (mode, name) in modes {
         assert_eq!(mode.to_string(), name);
-        let parsed: RouterMode = serde_json::from_str(&format!("\"{name}\"")).unwrap();
+        let parsed: SelectionMode = serde_json::from_str(&format!("\"{name}\"")).unwrap();
         assert_eq!(parsed, mode);
     }
 }

@@ -1,32 +1,32 @@
-//! The decode hop over a decode push router.
+//! The decode hop over a decode dispatcher.
 
 use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 
-use crate::push::PushRouter;
+use crate::push::Dispatcher;
 use crate::router::{Decode, DecodeError, DecodeStream, PrefillOutcome};
 use crate::transport::GenerateRequest;
 
-/// [`Decode`] over a push router of the decode set: the request (with its prefill handoff, if
+/// [`Decode`] over a dispatcher of the decode set: the request (with its prefill handoff, if
 /// any) goes to one decode worker and its responses stream back.
 #[derive(Debug)]
-pub struct DecodeRouter {
-    router: PushRouter,
+pub struct DecodePool {
+    router: Dispatcher,
 }
 
-impl DecodeRouter {
+impl DecodePool {
     /// The decode hop over `router`.
-    pub fn new(router: PushRouter) -> Self {
-        DecodeRouter { router }
+    pub fn new(router: Dispatcher) -> Self {
+        DecodePool { router }
     }
 
-    /// The push router.
-    pub fn router(&self) -> &PushRouter {
+    /// The dispatcher.
+    pub fn router(&self) -> &Dispatcher {
         &self.router
     }
 }
 
-impl Decode for DecodeRouter {
+impl Decode for DecodePool {
     fn decode(
         &self,
         mut request: GenerateRequest,

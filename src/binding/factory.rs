@@ -13,7 +13,7 @@ use tracing::Instrument;
 use crate::advert::{self, DecodeDefaults, PrefillConfig};
 use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::hooks::FactoryHooks;
-use crate::push::{PushConfig, PushMode, PushRouter, RoutableView};
+use crate::push::{Dispatcher, PushConfig, PushMode, RoutableView};
 use crate::router::{
     BindingFactory, BuildError, Prefill, PrefillError, PrefillOutcome, WorkerSetTarget,
     WorkerSetTargetId,
@@ -30,7 +30,7 @@ pub struct FactoryConfig {
     /// What the decode set contributes when the prefill card is silent (mode, KV tuning,
     /// block size, session-affinity TTL).
     pub decode: DecodeDefaults,
-    /// Settings of every prefill push router built.
+    /// Settings of every prefill dispatcher built.
     pub push: PushConfig,
 }
 
@@ -46,7 +46,7 @@ pub struct BindingStats {
     pub built: AtomicU64,
 }
 
-/// Builds [`PrefillBinding`]s over a discovery backend and push routers.
+/// Builds [`PrefillBinding`]s over a discovery backend and dispatchers.
 #[derive(Clone)]
 pub struct DefaultBindingFactory {
     discovery: Arc<dyn Discovery>,
@@ -136,9 +136,9 @@ impl DefaultBindingFactory {
         //    empty admission set this waits until the router's build timeout (a failure, so
         //    the machine retries), never forever.
         view.wait_for(|routable| !routable.is_empty()).await;
-        // 4. The push router in the resolved mode and block size.
+        // 4. The dispatcher in the resolved mode and block size.
         let mode = PushMode::from_prefill_config(&resolved, None);
-        let router = PushRouter::new(view, mode, self.config.push.clone());
+        let router = Dispatcher::new(view, mode, self.config.push.clone());
         // 5. The resolved configuration, once per activation (upstream's log line).
         tracing::info!(
             prefill_router_mode = %resolved.router_mode,
@@ -164,14 +164,14 @@ impl DefaultBindingFactory {
     }
 }
 
-/// One target's prefill push router. Retired bindings keep following their own admission set;
+/// One target's prefill dispatcher. Retired bindings keep following their own admission set;
 /// once it is empty a new prefill fails at once ([`crate::push::PushError::NoRoutableInstances`]).
 pub struct PrefillBinding {
     id: WorkerSetTargetId,
     endpoint: EndpointId,
     admitted: watch::Receiver<BTreeSet<InstanceId>>,
     resolved: PrefillConfig,
-    router: PushRouter,
+    router: Dispatcher,
     stats: Arc<BindingStats>,
     /// Stops the view's discovery feed when the binding goes.
     _feed: DropGuard,
@@ -198,8 +198,8 @@ impl PrefillBinding {
         &self.resolved
     }
 
-    /// The push router (mode, view).
-    pub fn router(&self) -> &PushRouter {
+    /// The dispatcher (mode, view).
+    pub fn router(&self) -> &Dispatcher {
         &self.router
     }
 }
@@ -239,7 +239,7 @@ impl Prefill for PrefillBinding {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::advert::{ModelCard, RouterConfig, RouterMode};
+    use crate::advert::{ModelCard, RouterConfig, SelectionMode};
     use crate::discovery::{Instance, MemoryConfig, MemoryDiscovery, Registration};
     use crate::mock::{MockConfig, MockPrefill};
     use crate::transport::{serve, ServerConfig, ServerHandle};
@@ -249,7 +249,7 @@ mod tests {
         ModelCard {
             kv_cache_block_size: 16,
             router_config: Some(RouterConfig {
-                router_mode: RouterMode::RoundRobin,
+                router_mode: SelectionMode::RoundRobin,
                 ..RouterConfig::default()
             }),
             ..ModelCard::named("m")

@@ -7,8 +7,8 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 #[cfg(feature = "runtime")]
-use crate::route::{BypassReason, Route};
-use crate::route::{RouteCell, Snapshot, SnapshotGuard};
+use crate::snapshot::{BypassReason, Route};
+use crate::snapshot::{RouteCell, Snapshot, SnapshotGuard};
 
 #[cfg(prefill_loom)]
 mod two_cells;

@@ -4,8 +4,8 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 #[cfg(feature = "runtime")]
-use crate::route::Route;
-use crate::route::{RouteCell, Snapshot, SnapshotGuard};
+use crate::snapshot::Route;
+use crate::snapshot::{RouteCell, Snapshot, SnapshotGuard};
 
 /// The control core's hooks: its publication protocol, as is.
 pub(crate) struct ControlHooks<T, B>(PhantomData<fn() -> (T, B)>);

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::lifecycle::Lifecycle;
-use crate::route::{BypassReason, Route, Snapshot};
+use crate::snapshot::{BypassReason, Route, Snapshot};
 use crate::sync::ArcCell;
 
 /// The lifecycle gate cell and the binding cell.

@@ -1,4 +1,4 @@
-//! Typed errors of the push routers.
+//! Typed errors of the dispatchers.
 
 use crate::discovery::InstanceId;
 use crate::transport::TransportError;

@@ -1,5 +1,5 @@
 //! The replay's request path: a binding factory whose bindings pick prefill workers with the
-//! real [`RoutableView`] and [`PushRouter`] (or the Dynamo cost baseline), in-process prefill
+//! real [`RoutableView`] and [`Dispatcher`] (or the Dynamo cost baseline), in-process prefill
 //! workers with a bounded KV block cache and the [`CostModel`], and a decode hop that streams
 //! the output after `decode_per_token` per token.
 
@@ -22,7 +22,7 @@ use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::advert::{self, DecodeDefaults};
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::mock::BlockCache;
-use crate::push::{mix, PushConfig, PushError, PushMode, PushRouter, RoutableView};
+use crate::push::{mix, Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
     PrefillOutcome, WorkerSetTarget,
@@ -168,11 +168,11 @@ impl BindingFactory for ReplayFactory {
     }
 }
 
-/// A binding: the real routable view and push router over the replay's workers.
+/// A binding: the real routable view and dispatcher over the replay's workers.
 pub(crate) struct ReplayBinding {
     shared: Arc<Shared>,
     view: RoutableView,
-    push: PushRouter,
+    push: Dispatcher,
     /// Ends the view's task when the binding drops.
     view_cancel: CancellationToken,
 }
@@ -203,7 +203,7 @@ impl ReplayBinding {
         for &id in target.admitted.borrow().iter() {
             view.apply(InstanceEvent::Added(instance(id)));
         }
-        let push = PushRouter::new(
+        let push = Dispatcher::new(
             view.clone(),
             mode,
             PushConfig {

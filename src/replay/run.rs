@@ -15,7 +15,7 @@ use super::cost::CostModel;
 use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Served, Shared};
 use super::report::{quantiles, EventReport, Percentiles, ReplayReport, Window};
 use super::trace::{ceiling, ratio, TraceRecord, BLOCK_TOKENS};
-use crate::advert::{ModelCard, RouterConfig, RouterMode};
+use crate::advert::{ModelCard, RouterConfig, SelectionMode};
 use crate::router::{
     AfterWait, FallbackPolicy, PrefillRouter, PrefillRouterConfig, WorkerSetTarget,
     WorkerSetTargetId,
@@ -25,11 +25,11 @@ use crate::transport::GenerateRequest;
 /// How the prefill hop picks a worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Policy {
-    /// Our KV push router ([`crate::push::KvSelector`]: remembered overlap minus load).
+    /// Our KV dispatcher ([`crate::push::KvSelector`]: remembered overlap minus load).
     Kv,
-    /// The round-robin push router.
+    /// The round-robin dispatcher.
     RoundRobin,
-    /// The random push router.
+    /// The random dispatcher.
     Random,
     /// Dynamo's published KV-router cost (prefill blocks plus active blocks), as a baseline.
     Dynamo,
@@ -59,13 +59,13 @@ impl Policy {
         Policy::ALL.into_iter().find(|p| p.name() == name)
     }
 
-    /// The router mode the pool's card advertises: the binding's push router resolves it as
-    /// in production. Dynamo's baseline scores workers itself and ignores its push router.
-    fn router_mode(self) -> RouterMode {
+    /// The router mode the pool's card advertises: the binding's dispatcher resolves it as
+    /// in production. Dynamo's baseline scores workers itself and ignores its dispatcher.
+    fn router_mode(self) -> SelectionMode {
         match self {
-            Policy::Kv => RouterMode::KV,
-            Policy::RoundRobin | Policy::Dynamo => RouterMode::RoundRobin,
-            Policy::Random => RouterMode::Random,
+            Policy::Kv => SelectionMode::KV,
+            Policy::RoundRobin | Policy::Dynamo => SelectionMode::RoundRobin,
+            Policy::Random => SelectionMode::Random,
         }
     }
 }

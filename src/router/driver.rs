@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::factory::{BindingFactory, BuildError};
+use super::legs::{BindingFactory, BuildError};
 use super::shared::{Msg, Shared};
 use super::status::bump;
 use super::target::WorkerSetTarget;

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use super::factory::{DecodeError, PrefillError};
+use super::legs::{DecodeError, PrefillError};
 use crate::lifecycle::Lifecycle;
-use crate::route::BypassReason;
+use crate::snapshot::BypassReason;
 
 /// Why [`PrefillRouter::generate`](super::PrefillRouter::generate) failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

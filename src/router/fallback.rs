@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use crate::route::BypassReason;
+use crate::snapshot::BypassReason;
 
 /// The policy for requests arriving while the hop is not Active.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -13,8 +13,8 @@ use tokio_util::task::TaskTracker;
 use super::config::PrefillRouterConfig;
 use super::driver::{deadline_after, Driver};
 use super::error::{GenerateError, WaitError};
-use super::factory::{BindingFactory, Decode, DecodeStream, Prefill as _};
 use super::fallback::{Fallback, Final};
+use super::legs::{BindingFactory, Decode, DecodeStream, Prefill as _};
 use super::metrics::{RouterCollector, StatusSource};
 use super::shared::{Announced, Msg, Shared};
 use super::status::{bump, RouterStatus, Tally};
@@ -22,7 +22,7 @@ use super::target::WorkerSetTarget;
 use crate::control::Control;
 use crate::hooks::RouterHooks;
 use crate::lifecycle::Lifecycle;
-use crate::route::{BypassReason, Route, SnapshotGuard};
+use crate::snapshot::{BypassReason, Route, SnapshotGuard};
 use crate::transport::{GenerateRequest, GenerateResponse};
 
 /// The prefill hop of one model: routes each request's prefill while a controller retargets
@@ -80,7 +80,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// The controller's decision: prefill on `target`, or on nothing (`None`).
     ///
     /// Synchronous and never awaits (callable from any thread, under the caller's own locks).
-    /// When it returns, every later [`route`](Self::route) sees the new decision: a clear or a
+    /// When it returns, every later [`snapshot`](Self::route) sees the new decision: a clear or a
     /// retarget is never observed late by a request that loads the route afterwards.
     pub fn set_target(&self, target: Option<WorkerSetTarget>) {
         let effects = self.shared.control.set_target(target);

@@ -78,7 +78,7 @@ fn per_reason(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    values: &std::collections::BTreeMap<crate::route::BypassReason, u64>,
+    values: &std::collections::BTreeMap<crate::snapshot::BypassReason, u64>,
 ) -> Result<(), fmt::Error> {
     let kind = ConstCounter::new(0u64).metric_type();
     let mut family = encoder.encode_descriptor(name, help, None, kind)?;

@@ -7,13 +7,13 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::config::PrefillRouterConfig;
-use super::factory::BindingFactory;
+use super::legs::BindingFactory;
 use super::metrics::StatusSource;
 use super::status::{RouterCounters, RouterStatus, Tally};
 use super::target::WorkerSetTarget;
 use crate::control::{Control, Effects};
 use crate::lifecycle::{BuildId, Lifecycle};
-use crate::route::BypassReason;
+use crate::snapshot::BypassReason;
 
 /// A message to the driver loop.
 #[derive(Debug)]

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::target::WorkerSetTargetId;
 use crate::lifecycle::{BuildId, Lifecycle};
-use crate::route::BypassReason;
+use crate::snapshot::BypassReason;
 
 /// Every bypass reason, in a fixed order (indexes of the per-reason counters).
 pub(crate) const REASONS: [BypassReason; 5] = [

@@ -1,6 +1,6 @@
 //! The in-memory side of the request path: a binding factory whose builds a seeded RNG
 //! makes succeed, fail, hang or outlive their cancellation; bindings that pick workers with
-//! the real [`RoutableView`] and [`PushRouter`] and "send" to simulated workers that answer,
+//! the real [`RoutableView`] and [`Dispatcher`] and "send" to simulated workers that answer,
 //! reject, crash mid-stream or hang; and a decode hop that streams tokens or crashes.
 
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use super::oracle::Violation;
 use super::world::{InFlight, Probe, World};
 use crate::advert::{self, DecodeDefaults};
 use crate::discovery::InstanceId;
-use crate::push::{PushConfig, PushError, PushMode, PushRouter, RoutableView};
+use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
     PrefillOutcome, WorkerSetTarget,
@@ -114,11 +114,11 @@ impl BindingFactory for SimFactory {
     }
 }
 
-/// A binding of the simulated world: the real routable view and push router over simulated
+/// A binding of the simulated world: the real routable view and dispatcher over simulated
 /// workers.
 pub struct SimBinding {
     probe: Arc<Probe>,
-    push: PushRouter,
+    push: Dispatcher,
     view: RoutableView,
     target: WorkerSetTarget,
     world: Arc<World>,
@@ -165,7 +165,7 @@ impl SimBinding {
         );
         let probe = world.new_probe(target.id.clone(), cancel);
         let seed = world.keyed(&[STREAM_PUSH, probe.serial]).next_u64();
-        let push = PushRouter::new(
+        let push = Dispatcher::new(
             view.clone(),
             mode,
             PushConfig {
@@ -292,7 +292,7 @@ impl Prefill for SimBinding {
                         message: format!("worker {worker} rejected the request"),
                     }),
                     WorkerPlan::Refused => {
-                        // What the real push router does after a connection failure.
+                        // What the real dispatcher does after a connection failure.
                         self.view.inhibit(worker);
                         Err(PrefillError::Failed {
                             message: format!("worker {worker}: connection refused"),

@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use super::feed;
 use super::world::{prefill_endpoint, World};
-use crate::advert::{ModelCard, RouterConfig, RouterMode};
+use crate::advert::{ModelCard, RouterConfig, SelectionMode};
 use crate::discovery::InstanceId;
 use crate::router::{PrefillRouter, WorkerSetTarget, WorkerSetTargetId};
 
@@ -106,9 +106,9 @@ impl Controller {
     pub(crate) fn new_generation(self: &Arc<Self>) {
         let (card, admitted) = self.world.with(|s| {
             let mode = match s.rng.below(3) {
-                0 => RouterMode::RoundRobin,
-                1 => RouterMode::Random,
-                _ => RouterMode::KV,
+                0 => SelectionMode::RoundRobin,
+                1 => SelectionMode::Random,
+                _ => SelectionMode::KV,
             };
             let card = ModelCard {
                 name: "sim-model".to_owned(),

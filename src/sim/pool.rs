@@ -15,7 +15,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::world::{instance, World};
-use crate::advert::{ModelCard, RouterConfig, RouterMode};
+use crate::advert::{ModelCard, RouterConfig, SelectionMode};
 use crate::discovery::{Discovery, EndpointId, Instance, InstanceId, Registration};
 
 /// Most prefill workers a world has (ids `1..=MAX_WORKERS`).
@@ -31,7 +31,11 @@ pub(crate) fn decode_endpoint() -> EndpointId {
 
 /// The pool card of card generation `k` (cards differ in block size or router mode).
 fn pool_card(k: u64) -> ModelCard {
-    let mode = [RouterMode::RoundRobin, RouterMode::KV, RouterMode::Random][(k % 3) as usize];
+    let mode = [
+        SelectionMode::RoundRobin,
+        SelectionMode::KV,
+        SelectionMode::Random,
+    ][(k % 3) as usize];
     ModelCard {
         name: "sim-model".to_owned(),
         kv_cache_block_size: [16, 32, 64][((k / 3) % 3) as usize],

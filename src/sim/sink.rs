@@ -7,8 +7,8 @@ use super::binding::SimFactory;
 use super::config::Mutant;
 use super::oracle::Violation;
 use super::world::World;
-use crate::route::BypassReason;
 use crate::router::{PrefillRouter, WorkerSetTarget};
+use crate::snapshot::BypassReason;
 use crate::topology::TargetSink;
 
 /// Record the decision (the dispatch oracles compare against it), call the router, then check

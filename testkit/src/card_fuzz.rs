@@ -17,22 +17,22 @@ use serde_json::{json, Map, Value};
 
 use prefill_router::advert::{
     parse_cards, resolve, resolve_raw, AdvertError, DecodeDefaults, KvRouterConfig, ModelCard,
-    PrefillConfig, RouterConfig, RouterMode, RuntimeConfig,
+    PrefillConfig, RouterConfig, RuntimeConfig, SelectionMode,
 };
 
 /// Spellings of the router modes the card format accepts, with the mode each means.
-const MODE_NAMES: &[(&str, RouterMode)] = &[
-    ("RoundRobin", RouterMode::RoundRobin),
-    ("round_robin", RouterMode::RoundRobin),
-    ("round-robin", RouterMode::RoundRobin),
-    ("roundrobin", RouterMode::RoundRobin),
-    ("Random", RouterMode::Random),
-    ("random", RouterMode::Random),
-    ("KV", RouterMode::KV),
-    ("kv", RouterMode::KV),
-    ("Kv", RouterMode::KV),
-    ("Direct", RouterMode::Direct),
-    ("direct", RouterMode::Direct),
+const MODE_NAMES: &[(&str, SelectionMode)] = &[
+    ("RoundRobin", SelectionMode::RoundRobin),
+    ("round_robin", SelectionMode::RoundRobin),
+    ("round-robin", SelectionMode::RoundRobin),
+    ("roundrobin", SelectionMode::RoundRobin),
+    ("Random", SelectionMode::Random),
+    ("random", SelectionMode::Random),
+    ("KV", SelectionMode::KV),
+    ("kv", SelectionMode::KV),
+    ("Kv", SelectionMode::KV),
+    ("Direct", SelectionMode::Direct),
+    ("direct", SelectionMode::Direct),
 ];
 
 /// A JSON value of any shape, to put where a field's type is wrong or unknown.
@@ -180,7 +180,7 @@ pub struct CardScript {
     pub docs: Vec<DocSeed>,
 }
 
-fn mode_at(index: u8) -> RouterMode {
+fn mode_at(index: u8) -> SelectionMode {
     MODE_NAMES[usize::from(index) % MODE_NAMES.len()].1
 }
 
@@ -316,7 +316,7 @@ impl RouterConfigSeed {
                         .map_or(Predict::Rejected, |(_, m)| Predict::Known(*m)),
                 ),
             },
-            Predict::Known(RouterMode::default()),
+            Predict::Known(SelectionMode::default()),
             Predict::Rejected,
         );
         let kv = put(

@@ -20,7 +20,7 @@ use crate::machine_fuzz::{PolicySeed, Step};
 use crate::reference::MachineView;
 use prefill_router::control::{Control, ControlStatus, Effect};
 use prefill_router::lifecycle::{Action, BuildId, Input, Lifecycle, Machine, RetryPolicy};
-use prefill_router::route::{BypassReason, Route, Snapshot};
+use prefill_router::snapshot::{BypassReason, Route, Snapshot};
 
 /// At most this many requests hold a binding at once (bounds the harness's memory).
 const MAX_REQUESTS: usize = 16;

@@ -144,7 +144,7 @@ mod control {
     use crate::control_fuzz::{ControlApi, TestBinding, TestSnapshot};
     use prefill_router::control::{Control, ControlStatus, Effect};
     use prefill_router::lifecycle::{BuildId, RetryPolicy};
-    use prefill_router::route::Route;
+    use prefill_router::snapshot::Route;
 
     /// The ways a control mutant breaks the core.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]

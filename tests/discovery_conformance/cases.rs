@@ -8,7 +8,10 @@ pub(crate) async fn register_list_and_watch_agree<H: Harness>(h: &H) {
     let ns = unique("ns");
     let ep = endpoint(&ns, "prefill");
     let (a, b) = (instance(&ep, 1), instance(&ep, 2));
-    let (card_a, card_b) = (card("m", RouterMode::KV), card("m", RouterMode::RoundRobin));
+    let (card_a, card_b) = (
+        card("m", SelectionMode::KV),
+        card("m", SelectionMode::RoundRobin),
+    );
     let mut watch = store.watch(&ep).await.unwrap();
     let _ra = store.register(a.clone(), card_a.clone()).await.unwrap();
     let _rb = store.register(b.clone(), card_b.clone()).await.unwrap();
@@ -36,11 +39,11 @@ pub(crate) async fn watcher_started_after_registrations_sees_them<H: Harness>(h:
     let ep = endpoint(&ns, "prefill");
     let (a, b) = (instance(&ep, 10), instance(&ep, 11));
     let _ra = worker
-        .register(a.clone(), card("m", RouterMode::KV))
+        .register(a.clone(), card("m", SelectionMode::KV))
         .await
         .unwrap();
     let _rb = worker
-        .register(b.clone(), card("m", RouterMode::KV))
+        .register(b.clone(), card("m", SelectionMode::KV))
         .await
         .unwrap();
     let mut watch = frontend.watch(&ep).await.unwrap();
@@ -49,7 +52,7 @@ pub(crate) async fn watcher_started_after_registrations_sees_them<H: Harness>(h:
     assert_quiet(&mut watch).await;
     let mut ns_watch = frontend.watch_namespace(&ns).await.unwrap();
     let mut ns_view = NsView::default();
-    let c = card("m", RouterMode::KV);
+    let c = card("m", SelectionMode::KV);
     ns_view.until(&mut ns_watch, &[(&a, &c), (&b, &c)]).await;
 }
 
@@ -59,11 +62,11 @@ pub(crate) async fn deregister_is_seen_promptly<H: Harness>(h: &H) {
     let ep = endpoint(&unique("ns"), "prefill");
     let (a, b) = (instance(&ep, 20), instance(&ep, 21));
     let ra = worker
-        .register(a.clone(), card("m", RouterMode::KV))
+        .register(a.clone(), card("m", SelectionMode::KV))
         .await
         .unwrap();
     let _rb = worker
-        .register(b.clone(), card("m", RouterMode::KV))
+        .register(b.clone(), card("m", SelectionMode::KV))
         .await
         .unwrap();
     let mut watch = frontend.watch(&ep).await.unwrap();
@@ -86,7 +89,7 @@ pub(crate) async fn dropped_registration_is_removed<H: Harness>(h: &H) {
     let ep = endpoint(&unique("ns"), "prefill");
     let a = instance(&ep, 30);
     let ra = worker
-        .register(a.clone(), card("m", RouterMode::KV))
+        .register(a.clone(), card("m", SelectionMode::KV))
         .await
         .unwrap();
     let mut watch = worker.watch(&ep).await.unwrap();
@@ -100,14 +103,18 @@ pub(crate) async fn killed_worker_lease_expires<H: Harness>(h: &H) {
     let ep = endpoint(&unique("ns"), "prefill");
     let (dead, alive) = (instance(&ep, 40), instance(&ep, 41));
     let _ralive = frontend
-        .register(alive.clone(), card("m", RouterMode::KV))
+        .register(alive.clone(), card("m", SelectionMode::KV))
         .await
         .unwrap();
     let mut watch = frontend.watch(&ep).await.unwrap();
     let mut view = View::default();
     view.until(&mut watch, &[&alive]).await;
-    h.register_then_kill(dead.clone(), card("m", RouterMode::KV), frontend.as_ref())
-        .await;
+    h.register_then_kill(
+        dead.clone(),
+        card("m", SelectionMode::KV),
+        frontend.as_ref(),
+    )
+    .await;
     let killed = Instant::now();
     // The dead worker was seen, then expires within its TTL plus detection slack.
     view.until(&mut watch, &[&alive, &dead]).await;
@@ -127,7 +134,10 @@ pub(crate) async fn reregister_with_changed_card_is_an_upsert<H: Harness>(h: &H)
     let ns = unique("ns");
     let ep = endpoint(&ns, "prefill");
     let a = instance(&ep, 50);
-    let (v1, v2) = (card("m", RouterMode::RoundRobin), card("m", RouterMode::KV));
+    let (v1, v2) = (
+        card("m", SelectionMode::RoundRobin),
+        card("m", SelectionMode::KV),
+    );
     let mut watch = frontend.watch(&ep).await.unwrap();
     let mut ns_watch = frontend.watch_namespace(&ns).await.unwrap();
     let first = worker.register(a.clone(), v1.clone()).await.unwrap();
@@ -167,7 +177,7 @@ pub(crate) async fn two_watchers_agree<H: Harness>(h: &H) {
     for i in &instances {
         registrations.push(
             worker
-                .register(i.clone(), card("m", RouterMode::KV))
+                .register(i.clone(), card("m", SelectionMode::KV))
                 .await
                 .unwrap(),
         );
@@ -192,7 +202,7 @@ pub(crate) async fn malformed_records_are_skipped_and_never_stop_the_watch<H: Ha
     let mut ns_watch = frontend.watch_namespace(&ns).await.unwrap();
     let good_before = instance(&ep, 70);
     let _r0 = worker
-        .register(good_before.clone(), card("m", RouterMode::KV))
+        .register(good_before.clone(), card("m", SelectionMode::KV))
         .await
         .unwrap();
     assert_eq!(
@@ -209,11 +219,11 @@ pub(crate) async fn malformed_records_are_skipped_and_never_stop_the_watch<H: Ha
     h.write_raw(&record_key(&ep, 72), bad_card.into_bytes())
         .await;
     let misplaced =
-        prefill_router::discovery::encode_record(&instance(&ep, 73), &card("m", RouterMode::KV));
+        prefill_router::discovery::encode_record(&instance(&ep, 73), &card("m", SelectionMode::KV));
     h.write_raw(&record_key(&ep, 74), misplaced).await;
     let good_after = instance(&ep, 75);
     let _r1 = worker
-        .register(good_after.clone(), card("m", RouterMode::KV))
+        .register(good_after.clone(), card("m", SelectionMode::KV))
         .await
         .unwrap();
     // The watch goes on past the junk and reports only the good record.
@@ -221,7 +231,7 @@ pub(crate) async fn malformed_records_are_skipped_and_never_stop_the_watch<H: Ha
         next(&mut watch).await,
         InstanceEvent::Added(good_after.clone())
     );
-    let c = card("m", RouterMode::KV);
+    let c = card("m", SelectionMode::KV);
     let mut ns_view = NsView::default();
     ns_view
         .until(&mut ns_watch, &[(&good_before, &c), (&good_after, &c)])
@@ -259,7 +269,7 @@ pub(crate) async fn endpoints_and_namespaces_are_isolated<H: Harness>(h: &H) {
     for (n, other) in near.iter().enumerate() {
         held.push(
             store
-                .register(instance(other, 80 + n as u64), card("m", RouterMode::KV))
+                .register(instance(other, 80 + n as u64), card("m", SelectionMode::KV))
                 .await
                 .unwrap(),
         );
@@ -267,7 +277,7 @@ pub(crate) async fn endpoints_and_namespaces_are_isolated<H: Harness>(h: &H) {
     let mine = instance(&ep, 90);
     held.push(
         store
-            .register(mine.clone(), card("m", RouterMode::KV))
+            .register(mine.clone(), card("m", SelectionMode::KV))
             .await
             .unwrap(),
     );
@@ -279,7 +289,7 @@ pub(crate) async fn endpoints_and_namespaces_are_isolated<H: Harness>(h: &H) {
     assert_eq!(in_ns.len(), 3, "{in_ns:?}");
     assert!(in_ns.iter().all(|(i, _)| i.endpoint.namespace == ns));
     let mut ns_view = NsView::default();
-    let c = card("m", RouterMode::KV);
+    let c = card("m", SelectionMode::KV);
     let (i80, i81) = (instance(&near[0], 80), instance(&near[1], 81));
     ns_view
         .until(&mut ns_watch, &[(&i80, &c), (&i81, &c), (&mine, &c)])
@@ -299,7 +309,7 @@ pub(crate) async fn lagging_watcher_catches_up_without_loss_or_duplicates<H: Har
     for i in &instances {
         held.push(
             worker
-                .register(i.clone(), card("m", RouterMode::KV))
+                .register(i.clone(), card("m", SelectionMode::KV))
                 .await
                 .unwrap(),
         );
@@ -317,7 +327,7 @@ pub(crate) async fn lagging_watcher_catches_up_without_loss_or_duplicates<H: Har
     let mut view = View::default();
     view.until(&mut watch, &expected).await;
     assert_quiet(&mut watch).await;
-    let c = card("m", RouterMode::KV);
+    let c = card("m", SelectionMode::KV);
     let expected_ns: Vec<(&Instance, &ModelCard)> = expected.iter().map(|i| (*i, &c)).collect();
     let mut ns_view = NsView::default();
     ns_view.until(&mut ns_watch, &expected_ns).await;

@@ -112,7 +112,7 @@ async fn register_retrying(
     let started = Instant::now();
     loop {
         match store
-            .register(instance.clone(), card("m", RouterMode::KV))
+            .register(instance.clone(), card("m", SelectionMode::KV))
             .await
         {
             Ok(registration) => return registration,
@@ -166,7 +166,7 @@ async fn etcd_killed_and_restarted_resumes_watch_without_loss_or_duplicates() {
     // ... and the workers that lived through the outage were never lost (no removal)
     // nor duplicated (the view rejects a repeated Added).
     assert_eq!(view.removals, 0);
-    let k = card("m", RouterMode::KV);
+    let k = card("m", SelectionMode::KV);
     let mut ns_view = NsView::default();
     ns_view
         .until(&mut ns_watch, &[(&a, &k), (&b, &k), (&c, &k)])

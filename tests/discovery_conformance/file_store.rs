@@ -17,7 +17,7 @@ async fn expired_record_files_are_ignored_and_reaped() {
     let ep = endpoint("ns", "prefill");
     let (stale, fresh) = (instance(&ep, 1), instance(&ep, 2));
     for i in [&stale, &fresh] {
-        let bytes = encode_record(i, &card("m", RouterMode::KV));
+        let bytes = encode_record(i, &card("m", SelectionMode::KV));
         h.write_raw(&record_key(&ep, i.instance_id), bytes).await;
     }
     // A heartbeat two TTLs ago: expired, as a crashed worker's file would be.
@@ -52,7 +52,7 @@ async fn temp_files_are_never_read_as_records() {
     let ep = endpoint("ns", "prefill");
     let store = h.client().await;
     let mut watch = store.watch(&ep).await.unwrap();
-    let half_written = encode_record(&instance(&ep, 1), &card("m", RouterMode::KV));
+    let half_written = encode_record(&instance(&ep, 1), &card("m", SelectionMode::KV));
     let dir = h.dir.path().join("v1").join("instances");
     std::fs::write(dir.join(".tmp-half-written"), half_written).unwrap();
     assert!(store.list_instances(&ep).await.unwrap().is_empty());
@@ -67,7 +67,7 @@ async fn records_are_published_by_atomic_rename_in_the_documented_layout() {
     let _r = h
         .client()
         .await
-        .register(a.clone(), card("m", RouterMode::KV))
+        .register(a.clone(), card("m", SelectionMode::KV))
         .await
         .unwrap();
     let path = record_path(&h, &record_key(&ep, 0x2a));

@@ -15,7 +15,7 @@ pub(crate) fn instance(endpoint: &EndpointId, id: InstanceId) -> Instance {
     }
 }
 
-pub(crate) fn card(name: &str, mode: RouterMode) -> ModelCard {
+pub(crate) fn card(name: &str, mode: SelectionMode) -> ModelCard {
     ModelCard {
         router_config: Some(RouterConfig {
             router_mode: mode,

@@ -5,13 +5,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use prefill_router::advert::{DecodeDefaults, ModelCard, RouterConfig, RouterMode};
-use prefill_router::binding::{DecodeRouter, DefaultBindingFactory, FactoryConfig};
+use prefill_router::advert::{DecodeDefaults, ModelCard, RouterConfig, SelectionMode};
+use prefill_router::binding::{DecodePool, DefaultBindingFactory, FactoryConfig};
 use prefill_router::discovery::{
     Discovery, EndpointId, FileConfig, FileDiscovery, Instance, InstanceId, Registration,
 };
 use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
-use prefill_router::push::{PushConfig, PushMode, PushRouter, RoutableView};
+use prefill_router::push::{Dispatcher, PushConfig, PushMode, RoutableView};
 use prefill_router::router::{PrefillRouter, PrefillRouterConfig};
 use prefill_router::transport::{serve, Engine, ServerConfig, ServerHandle};
 use tokio::net::TcpListener;
@@ -30,7 +30,7 @@ pub fn decode_ep() -> EndpointId {
     EndpointId::new("e2e", "decode", "generate")
 }
 
-pub fn card(mode: RouterMode, block_size: u32) -> ModelCard {
+pub fn card(mode: SelectionMode, block_size: u32) -> ModelCard {
     ModelCard {
         kv_cache_block_size: block_size,
         router_config: Some(RouterConfig {
@@ -147,7 +147,7 @@ pub type Router = PrefillRouter<DefaultBindingFactory>;
 pub struct Frontend {
     pub router: Arc<Router>,
     pub factory_stats: Arc<prefill_router::binding::BindingStats>,
-    pub decode: DecodeRouter,
+    pub decode: DecodePool,
     pub feeds: CancellationToken,
 }
 
@@ -156,7 +156,7 @@ pub async fn frontend(discovery: &Arc<dyn Discovery>) -> Frontend {
         Arc::clone(discovery),
         FactoryConfig {
             decode: DecodeDefaults {
-                router_mode: RouterMode::RoundRobin,
+                router_mode: SelectionMode::RoundRobin,
                 kv_router_config: None,
                 block_size: 16,
                 session_affinity_ttl: None,
@@ -186,7 +186,7 @@ pub async fn frontend(discovery: &Arc<dyn Discovery>) -> Frontend {
     tokio::time::timeout(WAIT, view.wait_for(|routable| !routable.is_empty()))
         .await
         .expect("the decode worker is discovered");
-    let decode = DecodeRouter::new(PushRouter::new(
+    let decode = DecodePool::new(Dispatcher::new(
         view,
         PushMode::RoundRobin,
         PushConfig::default(),

@@ -1,4 +1,4 @@
-//! The request plane and the push routers, in one test binary (each module was a binary of its
+//! The request plane and the dispatchers, in one test binary (each module was a binary of its
 //! own; one link of the crate instead of five). A module is named after the binary it was, so
 //! `cargo test --test request_plane push_modes` runs what `--test push_modes` ran.
 //!

@@ -9,13 +9,13 @@ use std::time::Duration;
 use crate::support::*;
 use futures_util::StreamExt;
 use prefill_router::discovery::InstanceId;
-use prefill_router::push::{InstanceStatus, PushConfig, PushError, PushMode, PushRouter};
+use prefill_router::push::{Dispatcher, InstanceStatus, PushConfig, PushError, PushMode};
 use prefill_router::transport::{GenerateRequest, TransportError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::time::{timeout, Instant};
 
-async fn served_by(router: &PushRouter) -> Result<InstanceId, PushError> {
+async fn served_by(router: &Dispatcher) -> Result<InstanceId, PushError> {
     let mut s = timeout(
         WAIT,
         router.generate(GenerateRequest::new(vec![1, 2, 3, 4], 1)),
@@ -40,7 +40,7 @@ async fn admission_changes_take_effect_without_rebuilding_the_router() {
     discovery.add(1, w1.local_addr()).await;
     discovery.add(2, w2.local_addr()).await;
     discovery.wait_routable(&[1]).await;
-    let router = PushRouter::new(
+    let router = Dispatcher::new(
         discovery.view.clone(),
         PushMode::RoundRobin,
         PushConfig::default(),
@@ -91,7 +91,7 @@ async fn removed_instances_stop_receiving_requests() {
     discovery.add(1, w1.local_addr()).await;
     discovery.add(2, w2.local_addr()).await;
     discovery.wait_routable(&[1, 2]).await;
-    let router = PushRouter::new(
+    let router = Dispatcher::new(
         discovery.view.clone(),
         PushMode::RoundRobin,
         PushConfig::default(),
@@ -116,7 +116,7 @@ async fn a_failed_instance_is_inhibited_until_discovery_shows_it_again() {
     discovery.add(1, dead).await;
     discovery.add(2, w2.local_addr()).await;
     discovery.wait_routable(&[1, 2]).await;
-    let router = PushRouter::new(
+    let router = Dispatcher::new(
         discovery.view.clone(),
         PushMode::RoundRobin,
         PushConfig::default(),
@@ -159,7 +159,7 @@ async fn a_worker_killed_mid_stream_yields_a_typed_error_within_the_deadline() {
     discovery.add(1, worker.local_addr()).await;
     discovery.wait_routable(&[1]).await;
     let deadline = Duration::from_secs(5);
-    let router = PushRouter::new(
+    let router = Dispatcher::new(
         discovery.view.clone(),
         PushMode::RoundRobin,
         PushConfig {
@@ -202,7 +202,7 @@ async fn a_silent_worker_yields_timeout_at_the_deadline() {
     let worker = start_worker(Arc::new(SilentEngine { live: live.clone() })).await;
     discovery.add(1, worker.local_addr()).await;
     discovery.wait_routable(&[1]).await;
-    let router = PushRouter::new(
+    let router = Dispatcher::new(
         discovery.view.clone(),
         PushMode::RoundRobin,
         PushConfig {
@@ -233,7 +233,7 @@ async fn a_stream_cut_after_its_instance_left_discovery_reports_instance_gone() 
     let worker = start_worker(TickEngine::new(Duration::from_millis(5))).await;
     discovery.add(1, worker.local_addr()).await;
     discovery.wait_routable(&[1]).await;
-    let router = PushRouter::new(
+    let router = Dispatcher::new(
         discovery.view.clone(),
         PushMode::RoundRobin,
         PushConfig::default(),

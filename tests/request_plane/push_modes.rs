@@ -1,4 +1,4 @@
-//! Push router modes on loopback workers: round robin, random, direct, KV.
+//! Dispatcher modes on loopback workers: round robin, random, direct, KV.
 
 use std::collections::BTreeMap;
 
@@ -6,14 +6,14 @@ use crate::support::*;
 use futures_util::StreamExt;
 use prefill_router::advert::KvRouterConfig;
 use prefill_router::discovery::InstanceId;
-use prefill_router::push::{PushConfig, PushError, PushMode, PushRouter};
+use prefill_router::push::{Dispatcher, PushConfig, PushError, PushMode};
 use prefill_router::transport::{GenerateRequest, PrefillInfo, ServerHandle};
 use tokio::time::timeout;
 
 const BLOCK: u32 = 4;
 
 /// Start `n` prefill workers with ids 1..=n, announce them, and build a router.
-async fn cluster(n: u64, mode: PushMode) -> (Vec<ServerHandle>, Discovery, PushRouter) {
+async fn cluster(n: u64, mode: PushMode) -> (Vec<ServerHandle>, Discovery, Dispatcher) {
     let discovery = Discovery::new(None);
     let mut workers = Vec::new();
     for id in 1..=n {
@@ -23,12 +23,12 @@ async fn cluster(n: u64, mode: PushMode) -> (Vec<ServerHandle>, Discovery, PushR
     }
     let ids: Vec<InstanceId> = (1..=n).collect();
     discovery.wait_routable(&ids).await;
-    let router = PushRouter::new(discovery.view.clone(), mode, PushConfig::default());
+    let router = Dispatcher::new(discovery.view.clone(), mode, PushConfig::default());
     (workers, discovery, router)
 }
 
 /// Send one request; return (picked instance, what the worker reported).
-async fn call(router: &PushRouter, request: GenerateRequest) -> (InstanceId, PrefillInfo) {
+async fn call(router: &Dispatcher, request: GenerateRequest) -> (InstanceId, PrefillInfo) {
     let mut s = timeout(WAIT, router.generate(request))
         .await
         .expect("in time")
@@ -153,7 +153,7 @@ async fn round_robin_does_not_keep_sessions_on_their_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_instances_is_a_typed_error() {
     let discovery = Discovery::new(None);
-    let router = PushRouter::new(
+    let router = Dispatcher::new(
         discovery.view.clone(),
         PushMode::RoundRobin,
         PushConfig::default(),

@@ -1,4 +1,4 @@
-//! Shared helpers of the request-plane and push-router tests: engines and loopback workers.
+//! Shared helpers of the request-plane and dispatcher tests: engines and loopback workers.
 
 use std::collections::{BTreeSet, HashSet};
 use std::net::SocketAddr;

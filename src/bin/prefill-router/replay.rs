@@ -11,7 +11,7 @@ usage: prefill-router replay --trace FILE [--workers N] [--policy P] [--cache-bl
                              [--retarget-at T | --flap-at T | --flap-rebuild-at T]
 
 Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
-hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and push routers
+hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and dispatchers
 over in-process prefill workers with an LRU KV block cache (cost model: docs/replay.md), and
 reports prefix hit rate against the trace's ceiling, TTFT, queueing and work balance.
 

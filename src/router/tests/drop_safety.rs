@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use super::fakes::{target, ScriptFactory, Step};
 use crate::lifecycle::RetryPolicy;
-use crate::route::{BypassReason, Route};
 use crate::router::{Prefill, PrefillRouter, PrefillRouterConfig};
+use crate::snapshot::{BypassReason, Route};
 use crate::transport::GenerateRequest;
 
 const BOUND: Duration = Duration::from_secs(5);

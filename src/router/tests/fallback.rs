@@ -8,10 +8,10 @@ use tokio::sync::watch;
 
 use super::fakes::{target, target_with, FakeDecode, ScriptFactory, Step};
 use crate::push::PushError;
-use crate::route::BypassReason;
 use crate::router::{
     AfterWait, FallbackPolicy, GenerateError, PrefillError, PrefillRouter, PrefillRouterConfig,
 };
+use crate::snapshot::BypassReason;
 use crate::transport::{GenerateRequest, PrefillInfo};
 
 fn router(factory: ScriptFactory, fallback: FallbackPolicy) -> PrefillRouter<ScriptFactory> {

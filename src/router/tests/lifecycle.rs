@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use super::fakes::{target, ScriptFactory, Step};
 use crate::lifecycle::Lifecycle;
-use crate::route::{BypassReason, Route};
 use crate::router::{PrefillRouter, PrefillRouterConfig, WaitError, WorkerSetTargetId};
+use crate::snapshot::{BypassReason, Route};
 
 fn router(factory: ScriptFactory) -> PrefillRouter<ScriptFactory> {
     PrefillRouter::new(factory, PrefillRouterConfig::default())

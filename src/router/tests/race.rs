@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::fakes::{target, ScriptFactory};
-use crate::route::Route;
 use crate::router::{Prefill, PrefillRouter, PrefillRouterConfig};
+use crate::snapshot::Route;
 use crate::transport::GenerateRequest;
 
 const RETARGETS: u64 = 3_000;

@@ -8,8 +8,8 @@ use tokio::sync::watch;
 
 use super::fakes::{target, target_with, ScriptFactory};
 use crate::push::PushError;
-use crate::route::Route;
 use crate::router::{Prefill, PrefillError, PrefillRouter, PrefillRouterConfig};
+use crate::snapshot::Route;
 use crate::transport::GenerateRequest;
 
 #[tokio::test]

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use prefill_router::advert::{ModelCard, RouterConfig, RouterMode};
+use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
 use prefill_router::discovery::{
     Discovery, DiscoveryError, EndpointId, Instance, InstanceId, Registration,
 };
@@ -29,7 +29,7 @@ pub fn decode_endpoint() -> EndpointId {
 }
 
 /// A prefill card advertising `mode` at `block_size`.
-pub fn prefill_card(mode: RouterMode, block_size: u32) -> ModelCard {
+pub fn prefill_card(mode: SelectionMode, block_size: u32) -> ModelCard {
     ModelCard {
         kv_cache_block_size: block_size,
         router_config: Some(RouterConfig {

@@ -13,12 +13,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prefill_router::advert::{DecodeDefaults, RouterMode};
-use prefill_router::binding::{BindingStats, DecodeRouter, DefaultBindingFactory, FactoryConfig};
+use prefill_router::advert::{DecodeDefaults, SelectionMode};
+use prefill_router::binding::{BindingStats, DecodePool, DefaultBindingFactory, FactoryConfig};
 use prefill_router::discovery::{Discovery, FileConfig, FileDiscovery, InstanceId};
 use prefill_router::lifecycle::Lifecycle;
 use prefill_router::mock::MockConfig;
-use prefill_router::push::{PushConfig, PushMode, PushRouter, RoutableView};
+use prefill_router::push::{Dispatcher, PushConfig, PushMode, RoutableView};
 use prefill_router::router::{PrefillRouter, PrefillRouterConfig};
 use prefill_router::topology::TopologyWatcher;
 use tokio::task::JoinSet;
@@ -247,7 +247,7 @@ async fn demo(options: DemoOptions) -> Result<bool, DynError> {
         Arc::clone(&discovery),
         FactoryConfig {
             decode: DecodeDefaults {
-                router_mode: RouterMode::RoundRobin,
+                router_mode: SelectionMode::RoundRobin,
                 kv_router_config: None,
                 block_size: mock.block_size,
                 session_affinity_ttl: None,
@@ -275,7 +275,7 @@ async fn demo(options: DemoOptions) -> Result<bool, DynError> {
         None,
         feeds.clone(),
     );
-    let decode = DecodeRouter::new(PushRouter::new(
+    let decode = DecodePool::new(Dispatcher::new(
         decode_view,
         PushMode::RoundRobin,
         PushConfig::default(),
@@ -371,7 +371,7 @@ async fn story_and_compare(stage: &mut Stage, shape: &TrafficShape) -> Result<Ve
             label: "story (all phases)".to_owned(),
             samples: story,
         }];
-        for (mode, first_id) in [(RouterMode::RoundRobin, 20), (RouterMode::KV, 30)] {
+        for (mode, first_id) in [(SelectionMode::RoundRobin, 20), (SelectionMode::KV, 30)] {
             rows.push(compare(stage, shape, mode, first_id).await?);
         }
         Ok::<_, DynError>(rows)
@@ -400,8 +400,8 @@ fn start_traffic(stage: &Stage, shape: &TrafficShape, seed: u64) -> (Arc<AtomicB
 }
 
 async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::Sample>, DynError> {
-    let gen1 = prefill_card(RouterMode::KV, 16);
-    let gen2 = prefill_card(RouterMode::KV, 32);
+    let gen1 = prefill_card(SelectionMode::KV, 16);
+    let gen2 = prefill_card(SelectionMode::KV, 32);
     stage.cluster.start_decode(DECODE_IDS, &stage.mock).await?;
     stage
         .wait_for("the decode worker to be discovered", |s| {
@@ -487,7 +487,7 @@ async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::S
 async fn compare(
     stage: &mut Stage,
     shape: &TrafficShape,
-    mode: RouterMode,
+    mode: SelectionMode,
     first_id: InstanceId,
 ) -> Result<Row, DynError> {
     let card = prefill_card(mode, 16);

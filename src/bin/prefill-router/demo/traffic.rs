@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use parking_lot::Mutex;
-use prefill_router::binding::{DecodeRouter, DefaultBindingFactory};
+use prefill_router::binding::{DecodePool, DefaultBindingFactory};
 use prefill_router::discovery::InstanceId;
 use prefill_router::router::PrefillRouter;
 use prefill_router::transport::GenerateRequest;
@@ -77,7 +77,7 @@ pub struct Frontend {
     /// The prefill hop.
     pub router: Arc<PrefillRouter<DefaultBindingFactory>>,
     /// The decode hop.
-    pub decode: DecodeRouter,
+    pub decode: DecodePool,
 }
 
 /// A tiny deterministic generator (splitmix64), so both routing modes see the same tokens.

@@ -74,7 +74,7 @@ impl PrefillOutcome {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PrefillError {
-    /// The push router could not route or carry the prefill (includes an empty admission set:
+    /// The dispatcher could not route or carry the prefill (includes an empty admission set:
     /// [`PushError::NoRoutableInstances`]).
     #[error("prefill routing failed: {0}")]
     Push(#[from] PushError),
@@ -93,7 +93,7 @@ pub enum PrefillError {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DecodeError {
-    /// The decode push router could not route or carry the request.
+    /// The decode dispatcher could not route or carry the request.
     #[error("decode routing failed: {0}")]
     Push(#[from] PushError),
     /// Any other failure, described.
@@ -137,7 +137,7 @@ pub type DecodeStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Decod
 /// A binding: the router and clients one target's requests prefill through.
 ///
 /// Retired bindings stay usable by the requests that hold them; once a retired binding's
-/// admission set empties, new prefills on it must fail promptly (a push router over an empty
+/// admission set empties, new prefills on it must fail promptly (a dispatcher over an empty
 /// admission set answers [`PushError::NoRoutableInstances`] at once) rather than hang.
 pub trait Prefill: Send + Sync + 'static {
     /// Prefill `request` (the router already set `max_tokens` to 1) and report what decode
@@ -148,7 +148,7 @@ pub trait Prefill: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>>;
 }
 
-/// The decode hop (the decode pool's push router).
+/// The decode hop (the decode pool's dispatcher).
 pub trait Decode: Send + Sync {
     /// Decode `request` (original `max_tokens`; `handoff` set from `prefill` when there was a
     /// prefill). `prefill` is `None` when the request bypassed the prefill hop.

@@ -1,4 +1,4 @@
-//! The push router.
+//! The dispatcher.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::error::PushError;
 use super::kv::{block_hashes, mix, KvSelector, MixState};
 use super::view::{InstanceStatus, RoutableView};
-use crate::advert::{KvRouterConfig, PrefillConfig, RouterMode};
+use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
 use crate::discovery::{Instance, InstanceId};
 use crate::transport::{
     ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
@@ -39,15 +39,15 @@ pub enum PushMode {
 }
 
 impl PushMode {
-    /// The mode a resolved prefill configuration asks for. `RouterMode::Direct` needs a
+    /// The mode a resolved prefill configuration asks for. `SelectionMode::Direct` needs a
     /// target, given as `direct`; without one it falls back to round robin (callers then name
-    /// the worker per request with [`PushRouter::generate_direct`]).
+    /// the worker per request with [`Dispatcher::generate_direct`]).
     pub fn from_prefill_config(config: &PrefillConfig, direct: Option<InstanceId>) -> Self {
         match config.router_mode {
-            RouterMode::RoundRobin => PushMode::RoundRobin,
-            RouterMode::Random => PushMode::Random,
-            RouterMode::Direct => direct.map_or(PushMode::RoundRobin, PushMode::Direct),
-            RouterMode::KV => PushMode::Kv {
+            SelectionMode::RoundRobin => PushMode::RoundRobin,
+            SelectionMode::Random => PushMode::Random,
+            SelectionMode::Direct => direct.map_or(PushMode::RoundRobin, PushMode::Direct),
+            SelectionMode::KV => PushMode::Kv {
                 block_size: config.block_size,
                 config: config.kv_router_config.clone().unwrap_or_default(),
             },
@@ -83,7 +83,7 @@ type Loads = Arc<Mutex<HashMap<InstanceId, u64, MixState>>>;
 
 /// Routes requests to instances of a [`RoutableView`] over the request plane. Share it behind
 /// an `Arc`; all methods take `&self`.
-pub struct PushRouter {
+pub struct Dispatcher {
     view: RoutableView,
     mode: PushMode,
     config: PushConfig,
@@ -95,16 +95,16 @@ pub struct PushRouter {
     loads: Loads,
 }
 
-impl std::fmt::Debug for PushRouter {
+impl std::fmt::Debug for Dispatcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PushRouter")
+        f.debug_struct("Dispatcher")
             .field("mode", &self.mode)
             .field("view", &self.view)
             .finish()
     }
 }
 
-impl PushRouter {
+impl Dispatcher {
     /// A router over `view` in `mode`.
     pub fn new(view: RoutableView, mode: PushMode, config: PushConfig) -> Self {
         let kv = match &mode {
@@ -118,7 +118,7 @@ impl PushRouter {
             ))),
             _ => None,
         };
-        PushRouter {
+        Dispatcher {
             rng: AtomicU64::new(config.seed),
             view,
             mode,
@@ -373,7 +373,7 @@ impl Drop for LoadGuard {
     }
 }
 
-/// A pick of [`PushRouter::select_held`]: the instance, and its share of the load until dropped.
+/// A pick of [`Dispatcher::select_held`]: the instance, and its share of the load until dropped.
 pub struct Selection {
     instance: Arc<Instance>,
     overlap: Option<usize>,
