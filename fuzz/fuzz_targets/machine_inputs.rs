@@ -7,10 +7,8 @@
 
 use std::sync::OnceLock;
 
-use prefill_router_testkit::machine_fuzz::{
-    check_script, check_script_against_mutant, MachineScript,
-};
-use prefill_router_testkit::mutants::Mutation;
+use prefill_router_testkit::machine_fuzz::{check_script, MachineScript};
+use prefill_router_testkit::mutants::{check_script_against_mutant, Mutation};
 
 fn mutant() -> Option<Mutation> {
     static MUTANT: OnceLock<Option<Mutation>> = OnceLock::new();

@@ -155,7 +155,7 @@ impl Step {
     }
 }
 
-/// A machine under test: the real one, or a [mutant](crate::mutants) of it.
+/// A machine under test: the real one, or a broken variant of it.
 pub trait Stepper {
     /// Feed one input; the actions in order.
     fn step(&mut self, input: Input<u8>) -> Vec<Action<u8>>;
@@ -269,15 +269,5 @@ pub fn check_script(script: &MachineScript) {
     let mut branches = BranchSet::default();
     if let Err(failure) = run_script(script, Machine::new, Checks::ALL, &mut branches) {
         panic!("machine_inputs: {failure}\npolicy: {:?}", script.policy);
-    }
-}
-
-/// Run one decoded script through a [mutant](crate::mutants::Mutant) machine; panics when a
-/// check fails, which is the point: measures how fast the fuzzer finds a known bug.
-pub fn check_script_against_mutant(script: &MachineScript, mutation: crate::mutants::Mutation) {
-    let mut branches = BranchSet::default();
-    let make = |policy| crate::mutants::Mutant::new(mutation, policy);
-    if let Err(failure) = run_script(script, make, Checks::ALL, &mut branches) {
-        panic!("machine_inputs against {mutation:?}: {failure}");
     }
 }

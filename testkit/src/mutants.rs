@@ -6,8 +6,9 @@
 //! - [`CARD_MUTANTS`]: broken card resolvers (judged by
 //!   [`check_cards_with`](crate::card_fuzz::check_cards_with)).
 
+use crate::branches::BranchSet;
 use crate::card_fuzz::Resolver;
-use crate::machine_fuzz::Stepper;
+use crate::machine_fuzz::{run_script, Checks, MachineScript, Stepper};
 use crate::reference::MachineView;
 use prefill_router::advert::{resolve, AdvertError, DecodeDefaults, ModelCard, PrefillConfig};
 use prefill_router::lifecycle::{Action, Input, Lifecycle, Machine, RetryPolicy};
@@ -84,6 +85,16 @@ impl Stepper for Mutant {
             view.lifecycle = Lifecycle::Active;
         }
         view
+    }
+}
+
+/// Run one decoded script through a [mutant](Mutant) machine; panics when a
+/// check fails, which is the point: measures how fast the fuzzer finds a known bug.
+pub fn check_script_against_mutant(script: &MachineScript, mutation: Mutation) {
+    let mut branches = BranchSet::default();
+    let make = |policy| Mutant::new(mutation, policy);
+    if let Err(failure) = run_script(script, make, Checks::ALL, &mut branches) {
+        panic!("machine_inputs against {mutation:?}: {failure}");
     }
 }
 
