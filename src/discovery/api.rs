@@ -23,7 +23,7 @@ pub type NamespaceStream = Pin<Box<dyn Stream<Item = NamespaceEvent> + Send + 's
 
 /// Where workers register and frontends look. Object-safe: use it as `Arc<dyn Discovery>`.
 ///
-/// Every backend passes the same conformance suite (`tests/discovery_conformance.rs`).
+/// Every backend passes the same conformance suite (`tests/discovery_conformance/`).
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
