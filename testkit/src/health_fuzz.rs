@@ -216,10 +216,8 @@ pub fn run_health_script(script: &HealthScript) -> Result<(), String> {
                         probes.get(&i)
                     ));
                 }
-                Some(Breaker::Closed) | None => {
-                    if timers.contains_key(&i) {
-                        return fail(format!("instance {i}: a timer is left armed"));
-                    }
+                Some(Breaker::Closed) | None if timers.contains_key(&i) => {
+                    return fail(format!("instance {i}: a timer is left armed"));
                 }
                 _ => {}
             }
