@@ -5,6 +5,8 @@
 //!
 //! - [`lifecycle`]: the pure retarget state machine (Pending / Active / Unavailable, binding
 //!   reuse, stale-build rejection, retry with backoff). No I/O, no clock, no locks.
+//! - [`health`]: the pure worker-health machine: a circuit breaker per instance in discovery,
+//!   probed with capped, jittered backoff; only connection-level failures count. No I/O, no clock.
 //! - [`snapshot`]: the published view requests read: one immutable snapshot per change in one
 //!   lock-free cell, answering [`snapshot::Route`] (prefill on a binding, or bypass and why).
 //! - [`batch`]: the one inline output batch both the machine and the control core return.
@@ -43,6 +45,7 @@ pub mod batch;
 pub mod binding;
 pub mod control;
 pub mod discovery;
+pub mod health;
 mod hooks;
 pub mod lifecycle;
 #[cfg(feature = "runtime")]

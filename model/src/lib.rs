@@ -13,12 +13,15 @@
 //! - [`mutants`]: deliberately broken machines, each caught by at least one property.
 //! - [`trace`]: each step of a counterexample as readable inputs and actions
 //!   ([`RouterModel::render`] prints a whole path).
+//! - [`health`]: a small separate model of the worker-health machine (per-instance breakers):
+//!   a reachable instance in discovery is routable again within the backoff cap.
 //! - [`config`], [`step`]: the model's bounds and its steps (the world's actions).
 //!
 //! See docs/model.md for the bounds and why every path is finite and acyclic.
 
 pub mod cli;
 pub mod config;
+pub mod health;
 pub mod model;
 pub mod mutants;
 pub mod properties;

@@ -1,0 +1,687 @@
+//! The health machine's unit tests, one per transition and named after the property each
+//! guards, then a proptest against a reference model written independently here.
+
+use super::*;
+use Action::*;
+use Input::*;
+
+const A: &str = "a";
+const B: &str = "b";
+
+fn policy() -> BackoffPolicy {
+    BackoffPolicy {
+        initial: Duration::from_secs(1),
+        max: Duration::from_secs(8),
+    }
+}
+
+fn machine() -> Machine<&'static str> {
+    Machine::new(policy(), 42)
+}
+
+fn step(m: &mut Machine<&'static str>, input: Input<&'static str>) -> Vec<Action<&'static str>> {
+    m.handle(input).to_vec()
+}
+
+fn fail(m: &mut Machine<&'static str>, instance: &'static str) -> Vec<Action<&'static str>> {
+    step(
+        m,
+        Failed {
+            instance,
+            class: FailureClass::ConnectionRefused,
+        },
+    )
+}
+
+fn timer_of(actions: &[Action<&'static str>]) -> TimerId {
+    match actions.last() {
+        Some(ArmTimer { timer, .. }) => *timer,
+        other => panic!("expected an armed timer last, got {other:?}"),
+    }
+}
+
+fn probe_of(actions: &[Action<&'static str>]) -> ProbeId {
+    match actions {
+        [StartProbe { probe, .. }] => *probe,
+        other => panic!("expected one started probe, got {other:?}"),
+    }
+}
+
+/// A machine with `A` and `B` in discovery and `A`'s breaker open (timer returned).
+fn open_on_a() -> (Machine<&'static str>, TimerId) {
+    let mut m = machine();
+    let _ = m.handle(Added(A));
+    let _ = m.handle(Added(B));
+    let out = fail(&mut m, A);
+    let timer = timer_of(&out);
+    (m, timer)
+}
+
+/// As [`open_on_a`], with the timer fired and the probe under way (probe returned).
+fn probing_a() -> (Machine<&'static str>, ProbeId) {
+    let (mut m, timer) = open_on_a();
+    let probe = probe_of(&step(&mut m, TimerFired { instance: A, timer }));
+    (m, probe)
+}
+
+#[test]
+fn only_connection_level_failures_count_against_health() {
+    use FailureClass::*;
+    for class in FailureClass::ALL {
+        let expected = matches!(class, ConnectionRefused | ConnectionReset | StreamDead);
+        assert_eq!(class.counts_against_health(), expected, "{class}");
+    }
+}
+
+#[test]
+fn an_added_instance_starts_healthy_and_routable() {
+    let mut m = machine();
+    assert!(step(&mut m, Added(A)).is_empty());
+    assert!(m.is_routable(&A));
+    assert_eq!(m.breaker(&A), Some(Breaker::Closed));
+    assert_eq!((m.len(), m.open_count(), m.is_empty()), (1, 0, false));
+}
+
+#[test]
+fn an_instance_not_in_discovery_is_never_routable() {
+    let mut m = machine();
+    assert!(!m.is_routable(&A));
+    assert!(m.is_empty());
+    // A failure of an unknown instance tracks nothing (bounded memory) and orders nothing.
+    assert!(fail(&mut m, A).is_empty());
+    assert_eq!((m.len(), m.breaker(&A), m.open_count()), (0, None, 0));
+    assert!(!m.is_routable(&A));
+}
+
+#[test]
+fn a_counting_failure_opens_the_breaker_and_arms_a_capped_timer() {
+    let mut m = machine();
+    let _ = m.handle(Added(A));
+    let _ = m.handle(Added(B));
+    let out = fail(&mut m, A);
+    let timer = TimerId(1);
+    let delay = policy().delay(1, mix(42 ^ 1));
+    assert_eq!(
+        out,
+        vec![
+            Open { instance: A },
+            ArmTimer {
+                instance: A,
+                timer,
+                delay,
+                attempt: 1
+            }
+        ]
+    );
+    assert!(delay <= Duration::from_secs(1) && delay >= Duration::from_millis(500));
+    assert!(!m.is_routable(&A));
+    assert!(
+        m.is_routable(&B),
+        "one instance's failure leaves the others alone"
+    );
+    assert_eq!(m.breaker(&A), Some(Breaker::Open { failures: 1, timer }));
+    assert_eq!(m.open_count(), 1);
+    assert_eq!(m.next_id(), 2);
+}
+
+#[test]
+fn non_counting_failures_never_open_a_breaker() {
+    let mut m = machine();
+    let _ = m.handle(Added(A));
+    for class in FailureClass::ALL
+        .into_iter()
+        .filter(|c| !c.counts_against_health())
+    {
+        for _ in 0..100 {
+            assert!(step(&mut m, Failed { instance: A, class }).is_empty());
+        }
+    }
+    assert!(m.is_routable(&A));
+    assert_eq!(m.open_count(), 0);
+}
+
+#[test]
+fn failures_while_open_or_probing_do_not_lengthen_the_backoff() {
+    let (mut m, timer) = open_on_a();
+    assert!(fail(&mut m, A).is_empty());
+    assert_eq!(m.breaker(&A), Some(Breaker::Open { failures: 1, timer }));
+    let probe = probe_of(&step(&mut m, TimerFired { instance: A, timer }));
+    assert!(fail(&mut m, A).is_empty());
+    assert_eq!(m.breaker(&A), Some(Breaker::Probing { failures: 1, probe }));
+    assert_eq!(m.open_count(), 1);
+}
+
+#[test]
+fn the_current_timer_starts_a_probe() {
+    let (mut m, timer) = open_on_a();
+    let out = step(&mut m, TimerFired { instance: A, timer });
+    let probe = ProbeId(2);
+    assert_eq!(out, vec![StartProbe { instance: A, probe }]);
+    assert_eq!(m.breaker(&A), Some(Breaker::Probing { failures: 1, probe }));
+    assert!(!m.is_routable(&A), "half-open is not routable");
+    assert_eq!(m.open_count(), 1);
+}
+
+#[test]
+fn a_stale_or_foreign_timer_is_ignored() {
+    let (mut m, timer) = open_on_a();
+    let stale = TimerId(timer.0 + 7);
+    assert!(step(
+        &mut m,
+        TimerFired {
+            instance: A,
+            timer: stale
+        }
+    )
+    .is_empty());
+    // The right id for another instance, or for an unknown one, is not this timer.
+    assert!(step(&mut m, TimerFired { instance: B, timer }).is_empty());
+    assert!(step(
+        &mut m,
+        TimerFired {
+            instance: "c",
+            timer
+        }
+    )
+    .is_empty());
+    assert_eq!(m.breaker(&A), Some(Breaker::Open { failures: 1, timer }));
+    assert_eq!(m.breaker(&B), Some(Breaker::Closed));
+    // A repeated firing once probing starts no second probe.
+    let _ = step(&mut m, TimerFired { instance: A, timer });
+    assert!(step(&mut m, TimerFired { instance: A, timer }).is_empty());
+}
+
+#[test]
+fn a_successful_probe_closes_the_breaker() {
+    let (mut m, probe) = probing_a();
+    let out = step(
+        &mut m,
+        ProbeResult {
+            instance: A,
+            probe,
+            ok: true,
+        },
+    );
+    assert_eq!(out, vec![Close { instance: A }]);
+    assert!(m.is_routable(&A));
+    assert_eq!(m.open_count(), 0);
+    // The backoff restarts from the first step after a close.
+    let out = fail(&mut m, A);
+    assert!(matches!(out[1], ArmTimer { attempt: 1, .. }), "{out:?}");
+}
+
+#[test]
+fn a_failed_probe_rearms_with_a_longer_delay_up_to_the_cap() {
+    let (mut m, mut probe) = probing_a();
+    for attempt in 2..=12u32 {
+        let out = step(
+            &mut m,
+            ProbeResult {
+                instance: A,
+                probe,
+                ok: false,
+            },
+        );
+        let timer = TimerId(m.next_id() - 1);
+        match out.as_slice() {
+            [ArmTimer {
+                instance: A,
+                timer: t,
+                delay,
+                attempt: a,
+            }] => {
+                assert_eq!((*t, *a), (timer, attempt));
+                assert!(*delay <= policy().max, "attempt {attempt}: {delay:?}");
+                assert!(*delay >= policy().base(attempt) / 2, "{delay:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            m.breaker(&A),
+            Some(Breaker::Open {
+                failures: attempt,
+                timer
+            })
+        );
+        probe = probe_of(&step(&mut m, TimerFired { instance: A, timer }));
+    }
+    assert_eq!(m.open_count(), 1);
+}
+
+#[test]
+fn a_stale_probe_result_is_ignored() {
+    let (mut m, probe) = probing_a();
+    for ok in [true, false] {
+        let stale = ProbeId(probe.0 + 1);
+        assert!(step(
+            &mut m,
+            ProbeResult {
+                instance: A,
+                probe: stale,
+                ok
+            }
+        )
+        .is_empty());
+        assert!(step(
+            &mut m,
+            ProbeResult {
+                instance: B,
+                probe,
+                ok
+            }
+        )
+        .is_empty());
+    }
+    assert_eq!(m.breaker(&A), Some(Breaker::Probing { failures: 1, probe }));
+    assert!(m.is_routable(&B));
+    // A result for an open (not probing) breaker is stale too.
+    let (mut m, timer) = open_on_a();
+    let guess = ProbeId(timer.0);
+    assert!(step(
+        &mut m,
+        ProbeResult {
+            instance: A,
+            probe: guess,
+            ok: true
+        }
+    )
+    .is_empty());
+    assert!(!m.is_routable(&A));
+}
+
+#[test]
+fn removed_forgets_an_open_instance_and_cancels_its_timer() {
+    let (mut m, timer) = open_on_a();
+    assert_eq!(
+        step(&mut m, Removed(A)),
+        vec![CancelTimer { instance: A, timer }]
+    );
+    assert_eq!((m.breaker(&A), m.len(), m.open_count()), (None, 1, 0));
+    assert!(!m.is_routable(&A));
+    // The cancelled timer, fired late anyway, is ignored.
+    assert!(step(&mut m, TimerFired { instance: A, timer }).is_empty());
+    assert_eq!(m.len(), 1);
+}
+
+#[test]
+fn removed_forgets_a_probing_instance_and_its_late_result() {
+    let (mut m, probe) = probing_a();
+    assert!(step(&mut m, Removed(A)).is_empty());
+    assert_eq!((m.breaker(&A), m.open_count()), (None, 0));
+    assert!(step(
+        &mut m,
+        ProbeResult {
+            instance: A,
+            probe,
+            ok: true
+        }
+    )
+    .is_empty());
+    assert!(
+        !m.is_routable(&A),
+        "a late probe result cannot re-add an instance"
+    );
+}
+
+#[test]
+fn removed_forgets_a_healthy_instance() {
+    let mut m = machine();
+    let _ = m.handle(Added(A));
+    assert!(step(&mut m, Removed(A)).is_empty());
+    assert!(!m.is_routable(&A));
+    assert!(m.is_empty());
+    // Removing an unknown instance is a no-op.
+    assert!(step(&mut m, Removed(B)).is_empty());
+}
+
+#[test]
+fn re_added_instance_starts_healthy_and_ignores_its_old_probe() {
+    let (mut m, probe) = probing_a();
+    let _ = m.handle(Removed(A));
+    assert!(step(&mut m, Added(A)).is_empty());
+    assert!(m.is_routable(&A));
+    // The previous incarnation's probe failing cannot open the new one.
+    assert!(step(
+        &mut m,
+        ProbeResult {
+            instance: A,
+            probe,
+            ok: false
+        }
+    )
+    .is_empty());
+    assert!(m.is_routable(&A));
+    assert_eq!(m.open_count(), 0);
+}
+
+#[test]
+fn a_repeated_added_keeps_the_breaker() {
+    let (mut m, timer) = open_on_a();
+    assert!(step(&mut m, Added(A)).is_empty());
+    assert_eq!(m.breaker(&A), Some(Breaker::Open { failures: 1, timer }));
+    assert_eq!(m.open_count(), 1);
+}
+
+#[test]
+fn accessors_report_every_instance_in_order() {
+    let (m, timer) = open_on_a();
+    let all: Vec<_> = m.instances().map(|(i, b)| (*i, b)).collect();
+    assert_eq!(
+        all,
+        vec![
+            (A, Breaker::Open { failures: 1, timer }),
+            (B, Breaker::Closed)
+        ]
+    );
+    assert_eq!(m.policy(), policy());
+    assert_eq!(Breaker::Closed.to_string(), "healthy");
+    assert_eq!(Breaker::Open { failures: 1, timer }.to_string(), "open");
+    assert_eq!(
+        Breaker::Probing {
+            failures: 1,
+            probe: ProbeId(2)
+        }
+        .to_string(),
+        "probing"
+    );
+}
+
+#[test]
+fn actions_and_classes_read_well() {
+    let shown: Vec<String> = [
+        Open { instance: A },
+        Close { instance: A },
+        ArmTimer {
+            instance: A,
+            timer: TimerId(3),
+            delay: Duration::from_secs(1),
+            attempt: 2,
+        },
+        CancelTimer {
+            instance: A,
+            timer: TimerId(3),
+        },
+        StartProbe {
+            instance: A,
+            probe: ProbeId(4),
+        },
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    assert_eq!(
+        shown,
+        vec![
+            "open breaker of \"a\"",
+            "close breaker of \"a\"",
+            "arm timer #3 for \"a\" in 1s (attempt 2)",
+            "cancel timer #3 for \"a\"",
+            "start probe #4 of \"a\"",
+        ]
+    );
+    let classes: Vec<String> = FailureClass::ALL.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        classes,
+        vec![
+            "connection refused",
+            "connection reset",
+            "dead stream",
+            "rejected request",
+            "client deadline",
+            "overloaded"
+        ]
+    );
+}
+
+#[test]
+fn backoff_base_doubles_then_stays_at_the_cap() {
+    let p = policy();
+    let secs: Vec<u64> = (1..=6).map(|a| p.base(a).as_secs()).collect();
+    assert_eq!(secs, vec![1, 2, 4, 8, 8, 8]);
+    assert_eq!(
+        p.base(0),
+        Duration::from_secs(1),
+        "attempt 0 reads as the first"
+    );
+    // Huge attempts saturate at the cap instead of overflowing.
+    assert_eq!(p.base(u32::MAX), p.max);
+    let odd = BackoffPolicy {
+        initial: Duration::from_nanos(3),
+        max: Duration::MAX,
+    };
+    assert_eq!(odd.base(3), Duration::from_nanos(12));
+    assert_eq!(odd.base(200), Duration::MAX);
+    let zero = BackoffPolicy {
+        initial: Duration::ZERO,
+        max: Duration::from_secs(1),
+    };
+    assert_eq!(zero.base(5), Duration::ZERO);
+}
+
+#[test]
+fn jitter_stays_within_half_the_base_and_the_cap() {
+    let p = policy();
+    for attempt in 1..=6 {
+        let base = p.base(attempt);
+        assert_eq!(p.delay(attempt, 0), base, "no jitter is the base");
+        // The largest jitter takes off just under half.
+        let least = p.delay(attempt, u64::MAX);
+        assert!(least >= base / 2 && least < base, "{least:?} vs {base:?}");
+        // Only the low 32 bits count.
+        assert_eq!(p.delay(attempt, 1 << 32), base);
+        assert_eq!(
+            p.delay(attempt, 1 << 31),
+            base - base / 4,
+            "mid jitter is three quarters"
+        );
+    }
+    let huge = BackoffPolicy {
+        initial: Duration::MAX,
+        max: Duration::MAX,
+    };
+    assert!(huge.delay(1, u64::MAX) <= Duration::MAX);
+}
+
+#[test]
+fn jitter_is_deterministic_per_seed_and_differs_across_seeds() {
+    let run = |seed| {
+        let mut m = Machine::new(policy(), seed);
+        let _ = m.handle(Added(A));
+        fail(&mut m, A)
+    };
+    assert_eq!(run(1), run(1));
+    let delays: std::collections::BTreeSet<Duration> = (0..16)
+        .map(|seed| match run(seed)[1] {
+            ArmTimer { delay, .. } => delay,
+            _ => unreachable!(),
+        })
+        .collect();
+    assert!(delays.len() > 8, "jitter spreads: {delays:?}");
+    assert_eq!(mix(0), 0xe220_a839_7b1d_cdaf, "SplitMix64's first output");
+}
+
+mod proptests {
+    //! Random input sequences against a reference written independently: a map of instance to
+    //! a small state, plus the invariants the request path relies on.
+
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    const NAMES: [&str; 3] = ["a", "b", "c"];
+
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Ref {
+        Healthy,
+        Waiting { failures: u32, timer: u64 },
+        Probing { failures: u32, probe: u64 },
+    }
+
+    /// An abstract input; ids are picked from what the machine issued, so most are current.
+    #[derive(Clone, Debug)]
+    enum Op {
+        Add(usize),
+        Remove(usize),
+        Fail(usize, usize),
+        Fire(usize, u8),
+        Probe(usize, u8, bool),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            2 => (0..3usize).prop_map(Op::Add),
+            1 => (0..3usize).prop_map(Op::Remove),
+            4 => (0..3usize, 0..6usize).prop_map(|(i, c)| Op::Fail(i, c)),
+            3 => (0..3usize, any::<u8>()).prop_map(|(i, k)| Op::Fire(i, k)),
+            3 => (0..3usize, any::<u8>(), any::<bool>()).prop_map(|(i, k, ok)| Op::Probe(i, k, ok)),
+        ]
+    }
+
+    /// An id for instance `i`: mostly its current one, else a recent or an unknown one.
+    fn pick(current: Option<u64>, issued: u64, k: u8) -> u64 {
+        match (k % 4, current) {
+            (0 | 1, Some(c)) => c,
+            (2, _) => issued.saturating_sub(u64::from(k >> 2) % 4),
+            _ => issued + 1 + u64::from(k),
+        }
+    }
+
+    fn check(
+        m: &Machine<&'static str>,
+        reference: &BTreeMap<&'static str, Ref>,
+    ) -> Result<(), TestCaseError> {
+        for name in NAMES {
+            let want = reference.get(name).map(|r| match *r {
+                Ref::Healthy => Breaker::Closed,
+                Ref::Waiting { failures, timer } => Breaker::Open {
+                    failures,
+                    timer: TimerId(timer),
+                },
+                Ref::Probing { failures, probe } => Breaker::Probing {
+                    failures,
+                    probe: ProbeId(probe),
+                },
+            });
+            prop_assert_eq!(m.breaker(&name), want);
+            prop_assert_eq!(
+                m.is_routable(&name),
+                reference.get(name) == Some(&Ref::Healthy)
+            );
+        }
+        let open = reference.values().filter(|r| **r != Ref::Healthy).count();
+        prop_assert_eq!(m.open_count(), open);
+        prop_assert_eq!(m.len(), reference.len());
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn machine_agrees_with_the_reference(ops in prop::collection::vec(op(), 0..80), seed in any::<u64>()) {
+            let p = policy();
+            let mut m = Machine::new(p, seed);
+            let mut reference: BTreeMap<&'static str, Ref> = BTreeMap::new();
+            let mut issued = 0u64;
+            for op in ops {
+                let (input, expected): (Input<&'static str>, Vec<Action<&'static str>>) = match op {
+                    Op::Add(i) => {
+                        reference.entry(NAMES[i]).or_insert(Ref::Healthy);
+                        (Added(NAMES[i]), vec![])
+                    }
+                    Op::Remove(i) => {
+                        let expected = match reference.remove(NAMES[i]) {
+                            Some(Ref::Waiting { timer, .. }) => vec![CancelTimer { instance: NAMES[i], timer: TimerId(timer) }],
+                            _ => vec![],
+                        };
+                        (Removed(NAMES[i]), expected)
+                    }
+                    Op::Fail(i, c) => {
+                        let class = FailureClass::ALL[c];
+                        let mut expected = vec![];
+                        if class.counts_against_health() && reference.get(NAMES[i]) == Some(&Ref::Healthy) {
+                            issued += 1;
+                            reference.insert(NAMES[i], Ref::Waiting { failures: 1, timer: issued });
+                            expected.push(Open { instance: NAMES[i] });
+                            expected.push(ArmTimer { instance: NAMES[i], timer: TimerId(issued), delay: p.delay(1, mix(seed ^ issued)), attempt: 1 });
+                        }
+                        (Failed { instance: NAMES[i], class }, expected)
+                    }
+                    Op::Fire(i, k) => {
+                        let current = match reference.get(NAMES[i]) { Some(Ref::Waiting { timer, .. }) => Some(*timer), _ => None };
+                        let timer = pick(current, issued, k);
+                        let mut expected = vec![];
+                        if let Some(Ref::Waiting { failures, timer: t }) = reference.get(NAMES[i]).copied() {
+                            if t == timer {
+                                issued += 1;
+                                reference.insert(NAMES[i], Ref::Probing { failures, probe: issued });
+                                expected.push(StartProbe { instance: NAMES[i], probe: ProbeId(issued) });
+                            }
+                        }
+                        (TimerFired { instance: NAMES[i], timer: TimerId(timer) }, expected)
+                    }
+                    Op::Probe(i, k, ok) => {
+                        let current = match reference.get(NAMES[i]) { Some(Ref::Probing { probe, .. }) => Some(*probe), _ => None };
+                        let probe = pick(current, issued, k);
+                        let mut expected = vec![];
+                        if let Some(Ref::Probing { failures, probe: q }) = reference.get(NAMES[i]).copied() {
+                            if q == probe {
+                                if ok {
+                                    reference.insert(NAMES[i], Ref::Healthy);
+                                    expected.push(Close { instance: NAMES[i] });
+                                } else {
+                                    issued += 1;
+                                    reference.insert(NAMES[i], Ref::Waiting { failures: failures + 1, timer: issued });
+                                    expected.push(ArmTimer { instance: NAMES[i], timer: TimerId(issued), delay: p.delay(failures + 1, mix(seed ^ issued)), attempt: failures + 1 });
+                                }
+                            }
+                        }
+                        (ProbeResult { instance: NAMES[i], probe: ProbeId(probe), ok }, expected)
+                    }
+                };
+                let out = m.handle(input).to_vec();
+                prop_assert_eq!(&out, &expected);
+                for action in &out {
+                    if let ArmTimer { delay, .. } = action {
+                        prop_assert!(*delay <= p.max, "delay {:?} above the cap", delay);
+                    }
+                }
+                prop_assert_eq!(m.next_id(), issued + 1);
+                check(&m, &reference)?;
+            }
+        }
+
+        #[test]
+        fn a_poisoned_request_replayed_any_number_of_times_cannot_empty_the_routable_set(
+            replays in prop::collection::vec((0..3usize, 0..3usize), 0..300),
+            blips in prop::collection::vec(0..3usize, 0..2),
+        ) {
+            // The pool: three instances; at most two genuinely fail (blips), so one stays up.
+            let non_counting: Vec<FailureClass> =
+                FailureClass::ALL.into_iter().filter(|c| !c.counts_against_health()).collect();
+            let mut m = Machine::new(policy(), 9);
+            for name in NAMES {
+                let _ = m.handle(Added(name));
+            }
+            for i in &blips {
+                let _ = m.handle(Failed { instance: NAMES[*i], class: FailureClass::StreamDead });
+            }
+            let blipped: std::collections::BTreeSet<usize> = blips.iter().copied().collect();
+            for (i, c) in replays {
+                let out = m.handle(Failed { instance: NAMES[i], class: non_counting[c] });
+                prop_assert!(out.is_empty());
+                let routable = NAMES.iter().filter(|n| m.is_routable(n)).count();
+                prop_assert_eq!(routable, 3 - blipped.len());
+                prop_assert!(routable > 0);
+            }
+        }
+
+        #[test]
+        fn every_delay_stays_within_the_cap(initial in 0u64..10_000_000_000, max in 0u64..100_000_000_000, attempt in any::<u32>(), jitter in any::<u64>()) {
+            let p = BackoffPolicy { initial: Duration::from_nanos(initial), max: Duration::from_nanos(max) };
+            let d = p.delay(attempt, jitter);
+            prop_assert!(d <= p.max);
+            prop_assert!(d <= p.base(attempt) && d >= p.base(attempt) / 2);
+        }
+    }
+}
