@@ -73,13 +73,64 @@ fn id_of(pick: IdPick, current: Option<u64>, latest: u64) -> u64 {
     }
 }
 
-/// Runs a script; `Err` names the first broken check.
-pub fn run_health_script(script: &HealthScript) -> Result<(), String> {
-    let policy = BackoffPolicy {
+/// A health machine under test: the real one, or a broken variant of it
+/// ([`crate::mutants::HealthMutant`]) that the ledger must reject.
+pub trait HealthSubject {
+    /// Apply one input; the actions in order.
+    fn handle(&mut self, input: Input<u8>) -> Vec<Action<u8>>;
+    /// The breaker of a tracked instance.
+    fn breaker(&self, instance: &u8) -> Option<Breaker>;
+    /// Whether the request path may pick the instance.
+    fn is_routable(&self, instance: &u8) -> bool;
+    /// The tracked instances.
+    fn tracked(&self) -> BTreeSet<u8>;
+    /// Breakers not closed.
+    fn open_count(&self) -> usize;
+    /// The next timer or probe id.
+    fn next_id(&self) -> u64;
+}
+
+impl HealthSubject for Machine<u8> {
+    fn handle(&mut self, input: Input<u8>) -> Vec<Action<u8>> {
+        Machine::handle(self, input).to_vec()
+    }
+    fn breaker(&self, instance: &u8) -> Option<Breaker> {
+        Machine::breaker(self, instance)
+    }
+    fn is_routable(&self, instance: &u8) -> bool {
+        Machine::is_routable(self, instance)
+    }
+    fn tracked(&self) -> BTreeSet<u8> {
+        self.instances().map(|(i, _)| *i).collect()
+    }
+    fn open_count(&self) -> usize {
+        Machine::open_count(self)
+    }
+    fn next_id(&self) -> u64 {
+        Machine::next_id(self)
+    }
+}
+
+/// The script's backoff policy.
+pub fn policy_of(script: &HealthScript) -> BackoffPolicy {
+    BackoffPolicy {
         initial: Duration::from_millis(u64::from(script.initial_ms)),
         max: Duration::from_millis(u64::from(script.max_ms)),
-    };
-    let mut m: Machine<u8> = Machine::new(policy, script.seed);
+    }
+}
+
+/// Runs a script through the real machine; `Err` names the first broken check.
+pub fn run_health_script(script: &HealthScript) -> Result<(), String> {
+    run_health_script_with(script, Machine::new)
+}
+
+/// Runs a script through the machine `make` builds from the script's policy and seed.
+pub fn run_health_script_with<S: HealthSubject>(
+    script: &HealthScript,
+    make: impl FnOnce(BackoffPolicy, u64) -> S,
+) -> Result<(), String> {
+    let policy = policy_of(script);
+    let mut m = make(policy, script.seed);
     // What discovery listed, the timers armed and the probes out, by instance.
     let mut listed: BTreeSet<u8> = BTreeSet::new();
     let mut timers: BTreeMap<u8, TimerId> = BTreeMap::new();
@@ -137,7 +188,7 @@ pub fn run_health_script(script: &HealthScript) -> Result<(), String> {
             }
         };
         let fail = |what: String| Err(format!("step {n} ({step:?}): {what}"));
-        let actions = m.handle(input.clone()).to_vec();
+        let actions = m.handle(input.clone());
         for action in &actions {
             match action {
                 Action::Open { instance: i } => {
@@ -193,7 +244,7 @@ pub fn run_health_script(script: &HealthScript) -> Result<(), String> {
             return fail(format!("next id {} after latest {latest}", m.next_id()));
         }
         // Exactly the listed instances are tracked; routable iff closed; the open count agrees.
-        let tracked: BTreeSet<u8> = m.instances().map(|(i, _)| *i).collect();
+        let tracked = m.tracked();
         if tracked != listed {
             return fail(format!("tracks {tracked:?}, discovery lists {listed:?}"));
         }
@@ -279,5 +330,66 @@ mod tests {
         // The same bytes decode the same way every time (the replay relies on it).
         let bytes: Vec<u8> = (0..=255).collect();
         assert_eq!(decode(&bytes), decode(&bytes));
+    }
+
+    fn class_index(class: FailureClass) -> u8 {
+        FailureClass::ALL.iter().position(|c| *c == class).unwrap() as u8
+    }
+
+    /// Each kept health mutant breaks one rule the ledger states, on a script the real machine
+    /// passes: the ledger can fail, and fails for each bug it is meant to see.
+    #[test]
+    fn the_ledger_catches_every_health_mutant() {
+        use crate::mutants::{HealthMutant, HealthMutation};
+        use HealthStep::*;
+        use IdPick::*;
+        let refused = class_index(FailureClass::ConnectionRefused);
+        let script = |steps: Vec<HealthStep>| HealthScript {
+            initial_ms: 100,
+            max_ms: 150,
+            seed: 7,
+            steps,
+        };
+        for mutation in HealthMutation::ALL {
+            let (steps, rule) = match mutation {
+                HealthMutation::OverloadOpens => (
+                    vec![Add(0), Fail(0, class_index(FailureClass::Overloaded))],
+                    "without a counting failure",
+                ),
+                HealthMutation::StaleProbeCloses => (
+                    vec![
+                        Add(0),
+                        Fail(0, refused),
+                        Fire(0, Current),
+                        Answer(0, Current, false),
+                        Fire(0, Current),
+                        Answer(0, Older(1), true),
+                    ],
+                    "without a successful current probe",
+                ),
+                HealthMutation::Uncapped => (
+                    vec![
+                        Add(0),
+                        Fail(0, refused),
+                        Fire(0, Current),
+                        Answer(0, Current, false),
+                    ],
+                    "above the cap",
+                ),
+            };
+            let script = script(steps);
+            run_health_script(&script)
+                .unwrap_or_else(|e| panic!("real machine, {mutation:?}: {e}"));
+            let caught = run_health_script_with(&script, |policy, seed| {
+                HealthMutant::new(mutation, policy, seed)
+            });
+            match caught {
+                Err(e) => assert!(
+                    e.contains(rule),
+                    "{mutation:?} caught for another reason: {e}"
+                ),
+                Ok(()) => panic!("{mutation:?} passed the ledger"),
+            }
+        }
     }
 }

@@ -98,6 +98,111 @@ pub fn check_script_against_mutant(script: &MachineScript, mutation: Mutation) {
     }
 }
 
+/// The ways a health mutant breaks the worker-health machine (judged by
+/// [`run_health_script_with`](crate::health_fuzz::run_health_script_with)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HealthMutation {
+    /// Overload counts as a dead worker: an overloaded pool empties itself.
+    OverloadOpens,
+    /// A stale successful probe closes the breaker (a late answer from an earlier round).
+    StaleProbeCloses,
+    /// The backoff loses its cap: the delay keeps doubling from the first one.
+    Uncapped,
+}
+
+impl HealthMutation {
+    /// Every health mutation.
+    pub const ALL: [HealthMutation; 3] = [
+        HealthMutation::OverloadOpens,
+        HealthMutation::StaleProbeCloses,
+        HealthMutation::Uncapped,
+    ];
+}
+
+/// The real health machine, observed through a [`HealthMutation`].
+pub struct HealthMutant {
+    real: prefill_router::health::Machine<u8>,
+    policy: prefill_router::health::BackoffPolicy,
+    mutation: HealthMutation,
+}
+
+impl HealthMutant {
+    /// A fresh mutant.
+    pub fn new(
+        mutation: HealthMutation,
+        policy: prefill_router::health::BackoffPolicy,
+        seed: u64,
+    ) -> Self {
+        HealthMutant {
+            real: prefill_router::health::Machine::new(policy, seed),
+            policy,
+            mutation,
+        }
+    }
+}
+
+impl crate::health_fuzz::HealthSubject for HealthMutant {
+    fn handle(
+        &mut self,
+        input: prefill_router::health::Input<u8>,
+    ) -> Vec<prefill_router::health::Action<u8>> {
+        use prefill_router::health::{Action, Breaker, FailureClass, Input};
+        let input = match (self.mutation, input) {
+            (
+                HealthMutation::OverloadOpens,
+                Input::Failed {
+                    instance,
+                    class: FailureClass::Overloaded,
+                },
+            ) => Input::Failed {
+                instance,
+                class: FailureClass::ConnectionRefused,
+            },
+            (
+                HealthMutation::StaleProbeCloses,
+                Input::ProbeResult {
+                    instance, ok: true, ..
+                },
+            ) if matches!(self.real.breaker(&instance), Some(Breaker::Probing { .. })) => {
+                let Some(Breaker::Probing { probe, .. }) = self.real.breaker(&instance) else {
+                    unreachable!("matched just above")
+                };
+                Input::ProbeResult {
+                    instance,
+                    probe,
+                    ok: true,
+                }
+            }
+            (_, input) => input,
+        };
+        let mut actions = self.real.handle(input).to_vec();
+        if self.mutation == HealthMutation::Uncapped {
+            for action in &mut actions {
+                if let Action::ArmTimer { delay, attempt, .. } = action {
+                    let doublings = attempt.saturating_sub(1).min(20);
+                    *delay = self.policy.initial.saturating_mul(1 << doublings);
+                }
+            }
+        }
+        actions
+    }
+    fn breaker(&self, instance: &u8) -> Option<prefill_router::health::Breaker> {
+        self.real.breaker(instance)
+    }
+    fn is_routable(&self, instance: &u8) -> bool {
+        self.real.is_routable(instance)
+    }
+    fn tracked(&self) -> std::collections::BTreeSet<u8> {
+        self.real.instances().map(|(i, _)| *i).collect()
+    }
+    fn open_count(&self) -> usize {
+        self.real.open_count()
+    }
+    fn next_id(&self) -> u64 {
+        self.real.next_id()
+    }
+}
+
 /// Broken card resolvers, by name.
 pub const CARD_MUTANTS: &[(&str, Resolver)] = &[
     ("last card wins", last_card_wins),
