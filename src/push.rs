@@ -2,18 +2,21 @@
 //! plane ([`crate::transport`]).
 //!
 //! - [`RoutableView`]: instances from a discovery event stream, intersected with an optional
-//!   admission set, minus instances whose connection failed (until discovery re-adds them).
+//!   admission set, minus instances whose health breaker is open (a connection failed; a probe
+//!   on a capped backoff closes it again, see [`failure_class`] and docs/health.md).
 //! - [`Dispatcher`]: modes [`PushMode::RoundRobin`], [`PushMode::Random`],
 //!   [`PushMode::Direct`] and [`PushMode::Kv`] (approximate prefix-aware selection, see
 //!   [`KvSelector`]).
 
 mod dispatcher;
 mod error;
+mod health;
 mod kv;
 mod view;
 
 pub use dispatcher::{Dispatcher, PushConfig, PushMode, RoutedStream, Selection};
 pub use error::PushError;
+pub use health::{failure_class, PROBE_TIMEOUT};
 #[cfg(feature = "sim")]
 pub(crate) use kv::mix;
 pub use kv::{block_hashes, KvSelector};

@@ -131,7 +131,8 @@ impl DefaultBindingFactory {
         } else {
             Some(target.admitted.clone())
         };
-        let view = RoutableView::spawn(events, admission, feed.clone());
+        let view =
+            RoutableView::spawn_with(events, admission, feed.clone(), self.config.push.health);
         // 3. Activation must mean servable: wait for one admitted, routable instance. On an
         //    empty admission set this waits until the router's build timeout (a failure, so
         //    the machine retries), never forever.

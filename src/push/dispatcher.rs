@@ -12,10 +12,12 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::error::PushError;
+use super::health::failure_class;
 use super::kv::{block_hashes, mix, KvSelector, MixState};
 use super::view::{InstanceStatus, RoutableView};
 use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
 use crate::discovery::{Instance, InstanceId};
+use crate::health::BackoffPolicy;
 use crate::transport::{
     ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
 };
@@ -66,6 +68,10 @@ pub struct PushConfig {
     pub kv_capacity: usize,
     /// Seed of the `Random` mode and of KV sampling (deterministic runs in tests).
     pub seed: u64,
+    /// Backoff between probes of an instance whose breaker opened (docs/health.md). The
+    /// breakers live in the [`RoutableView`], so this applies where the view is built from this
+    /// configuration ([`RoutableView::spawn_with`], as the binding factory does).
+    pub health: BackoffPolicy,
 }
 
 impl Default for PushConfig {
@@ -75,6 +81,7 @@ impl Default for PushConfig {
             client: ClientConfig::default(),
             kv_capacity: 1 << 20,
             seed: 0x5eed,
+            health: BackoffPolicy::default(),
         }
     }
 }
@@ -229,7 +236,7 @@ impl Dispatcher {
         match self.view.status(id) {
             InstanceStatus::Routable(instance) => Ok(instance),
             InstanceStatus::Unknown => Err(PushError::InstanceGone(id)),
-            InstanceStatus::NotAdmitted | InstanceStatus::Inhibited => {
+            InstanceStatus::NotAdmitted | InstanceStatus::Unhealthy(_) => {
                 Err(PushError::DirectTargetNotRoutable(id))
             }
         }
@@ -320,9 +327,11 @@ impl Dispatcher {
     }
 }
 
-/// Map a transport failure to a router error, inhibiting the instance when its connection
-/// failed (the instance-down signal).
+/// Map a transport failure to a router error, and report it to the instance's breaker (which
+/// opens only on a connection-level failure, per [`failure_class`]).
 fn classify(view: &RoutableView, instance: InstanceId, error: TransportError) -> PushError {
+    let class = failure_class(&error);
+    view.report_failure(instance, class);
     match error {
         TransportError::Timeout => PushError::Timeout { instance },
         TransportError::Remote(_) | TransportError::RequestTooLarge { .. } => {
@@ -332,7 +341,6 @@ fn classify(view: &RoutableView, instance: InstanceId, error: TransportError) ->
             }
         }
         _ => {
-            view.inhibit(instance);
             if view.is_discovered(instance) {
                 PushError::Transport {
                     instance,

@@ -7,14 +7,14 @@ use crate::transport::TransportError;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PushError {
-    /// No instance is routable (none discovered, none admitted, or all inhibited).
+    /// No instance is routable (none discovered, none admitted, or every breaker open).
     #[error("no routable instances")]
     NoRoutableInstances,
     /// The instance is not (or no longer) in discovery.
     #[error("instance {0} is gone")]
     InstanceGone(InstanceId),
-    /// The named instance is discovered but not routable (not admitted, or inhibited after a
-    /// connection failure).
+    /// The named instance is discovered but not routable (not admitted, or its breaker open
+    /// after a connection failure).
     #[error("direct target {0} is not routable")]
     DirectTargetNotRoutable(InstanceId),
     /// The request plane failed for this request.

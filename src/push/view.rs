@@ -1,7 +1,7 @@
 //! The routable-instance view.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use futures_core::Stream;
 use futures_util::StreamExt;
@@ -9,7 +9,13 @@ use parking_lot::RwLock;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::health::{Feed, Tasks};
 use crate::discovery::{Instance, InstanceEvent, InstanceId};
+use crate::health::{Action, BackoffPolicy, Breaker, FailureClass, Input, Machine};
+
+/// Seed of the breakers' jitter. Fixed: the jitter also mixes in each timer's fresh id, so
+/// instances that failed together still probe at different moments.
+const HEALTH_SEED: u64 = 0x6865_616c_7468;
 
 /// Where one instance stands in the view.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -18,17 +24,20 @@ pub enum InstanceStatus {
     Routable(Arc<Instance>),
     /// Discovered, but not in the admission set.
     NotAdmitted,
-    /// Discovered, but its connection failed; routable again after discovery re-adds it.
-    Inhibited,
+    /// Discovered, but its breaker is not closed (a connection failed): routable again once
+    /// a probe connects, or when discovery removes and re-adds it.
+    Unhealthy(Breaker),
     /// Not in discovery.
     Unknown,
 }
 
-#[derive(Default)]
 struct State {
     discovered: BTreeMap<InstanceId, Arc<Instance>>,
-    inhibited: BTreeSet<InstanceId>,
-    /// `discovered` minus `inhibited`, by id, rebuilt on each change so reads only copy it.
+    /// One breaker per discovered instance (fed the same Added/Removed as `discovered`).
+    health: Machine<InstanceId>,
+    /// The machine's pending timers and probes.
+    tasks: Tasks,
+    /// `discovered` with a closed breaker, by id, rebuilt on each change so reads only copy it.
     usable: Arc<[Arc<Instance>]>,
 }
 
@@ -37,7 +46,7 @@ impl State {
         self.usable = self
             .discovered
             .iter()
-            .filter(|(id, _)| !self.inhibited.contains(id))
+            .filter(|(id, _)| self.health.is_routable(id))
             .map(|(_, i)| Arc::clone(i))
             .collect();
     }
@@ -48,10 +57,35 @@ struct Inner {
     admission: Option<watch::Receiver<BTreeSet<InstanceId>>>,
     /// Bumped on every change of `state`, so waiters can re-check.
     epoch: watch::Sender<u64>,
+    /// Parent of every timer and probe task; cancelled when the last clone of the view drops.
+    tasks: CancellationToken,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.tasks.cancel();
+    }
+}
+
+/// Timers and probes hold the view weakly, so a pending probe never keeps a dropped view alive.
+struct WeakFeed(Weak<Inner>);
+
+impl Feed for WeakFeed {
+    fn feed(&self, input: Input<InstanceId>) {
+        if let Some(inner) = self.0.upgrade() {
+            RoutableView { inner }.health_input(input);
+        }
+    }
 }
 
 /// Instances from discovery, intersected with an optional admission set, minus instances whose
-/// connection failed. Cheap to clone (all clones share one view).
+/// health breaker is open (docs/health.md). Cheap to clone (all clones share one view).
+///
+/// The view owns a [`health::Machine`](crate::health::Machine): a counting failure reported
+/// with [`RoutableView::report_failure`] opens the instance's breaker, the view probes it (a
+/// TCP connect) after a capped, jittered backoff, and a probe that connects closes it. Timers
+/// and probes stop when the view is dropped, when the `cancel` token given at construction
+/// fires, or when discovery removes the instance.
 #[derive(Clone)]
 pub struct RoutableView {
     inner: Arc<Inner>,
@@ -62,7 +96,7 @@ impl std::fmt::Debug for RoutableView {
         let state = self.inner.state.read();
         f.debug_struct("RoutableView")
             .field("discovered", &state.discovered.keys().collect::<Vec<_>>())
-            .field("inhibited", &state.inhibited)
+            .field("open_breakers", &state.health.open_count())
             .field("admission", &self.inner.admission.is_some())
             .finish()
     }
@@ -75,6 +109,8 @@ impl RoutableView {
     /// `admission`: `None` means every discovered instance is admitted; `Some` restricts to the
     /// ids in the current set (an empty set admits nothing). Admission is read at each pick, so
     /// a change takes effect on the next request.
+    ///
+    /// Breakers use the default [`BackoffPolicy`]; see [`RoutableView::spawn_with`].
     pub fn spawn<S>(
         events: S,
         admission: Option<watch::Receiver<BTreeSet<InstanceId>>>,
@@ -83,11 +119,31 @@ impl RoutableView {
     where
         S: Stream<Item = InstanceEvent> + Send + 'static,
     {
+        Self::spawn_with(events, admission, cancel, BackoffPolicy::default())
+    }
+
+    /// [`RoutableView::spawn`] with the breakers' backoff between probes of a failed instance.
+    pub fn spawn_with<S>(
+        events: S,
+        admission: Option<watch::Receiver<BTreeSet<InstanceId>>>,
+        cancel: CancellationToken,
+        health: BackoffPolicy,
+    ) -> Self
+    where
+        S: Stream<Item = InstanceEvent> + Send + 'static,
+    {
+        let tasks = cancel.child_token();
         let view = RoutableView {
             inner: Arc::new(Inner {
-                state: RwLock::new(State::default()),
+                state: RwLock::new(State {
+                    discovered: BTreeMap::new(),
+                    health: Machine::new(health, HEALTH_SEED),
+                    tasks: Tasks::new(tasks.clone()),
+                    usable: Arc::default(),
+                }),
                 admission,
                 epoch: watch::Sender::new(0),
+                tasks,
             }),
         };
         let fed = view.clone();
@@ -118,13 +174,16 @@ impl RoutableView {
             match event {
                 InstanceEvent::Added(instance) => {
                     let id = instance.instance_id;
-                    // A new Added is discovery showing the instance again: lift inhibition.
-                    state.inhibited.remove(&id);
+                    // A repeated Added (a lease refresh) keeps the breaker: only the probe, or a
+                    // removal, clears what the machine learned. Added yields no action.
+                    let _ = state.health.handle(Input::Added(id));
                     state.discovered.insert(id, Arc::new(instance));
                 }
                 InstanceEvent::Removed(id) => {
                     state.discovered.remove(&id);
-                    state.inhibited.remove(&id);
+                    // Removed yields at most a CancelTimer; a probe in flight is stopped too.
+                    let _ = state.health.handle(Input::Removed(id));
+                    state.tasks.forget(id);
                 }
             }
             state.rebuild();
@@ -132,20 +191,53 @@ impl RoutableView {
         self.inner.epoch.send_modify(|e| *e += 1);
     }
 
-    /// Mark an instance as failed: not routable until discovery re-adds it.
-    pub fn inhibit(&self, id: InstanceId) {
-        {
+    /// Report a failed request to `id`: a failure whose class
+    /// [counts against health](FailureClass::counts_against_health) opens the instance's
+    /// breaker (it stops being routable until a probe connects); any other class is ignored.
+    /// Call within a tokio runtime (the breaker's timer and probe are tokio tasks).
+    pub fn report_failure(&self, id: InstanceId, class: FailureClass) {
+        self.health_input(Input::Failed {
+            instance: id,
+            class,
+        });
+    }
+
+    /// Feed the machine and carry out its actions; the routable set changes only on an open or
+    /// a close.
+    fn health_input(&self, input: Input<InstanceId>) {
+        let changed = {
             let mut state = self.inner.state.write();
-            if !state.discovered.contains_key(&id) || !state.inhibited.insert(id) {
-                return;
+            let actions = state.health.handle(input);
+            let mut changed = false;
+            for action in actions {
+                changed |= matches!(action, Action::Open { .. } | Action::Close { .. });
+                let address = match &action {
+                    Action::StartProbe { instance, .. } => {
+                        state.discovered.get(instance).map(|i| i.address)
+                    }
+                    _ => None,
+                };
+                let feed = WeakFeed(Arc::downgrade(&self.inner));
+                state.tasks.run(action, address, feed);
             }
-            state.rebuild();
+            if changed {
+                state.rebuild();
+            }
+            changed
+        };
+        if changed {
+            self.inner.epoch.send_modify(|e| *e += 1);
         }
-        tracing::info!(
-            instance = id,
-            "instance inhibited after a connection failure"
-        );
-        self.inner.epoch.send_modify(|e| *e += 1);
+    }
+
+    /// The breaker of `id`; `None` when discovery does not list it.
+    pub fn health(&self, id: InstanceId) -> Option<Breaker> {
+        self.inner.state.read().health.breaker(&id)
+    }
+
+    /// Breakers not closed (open or probing), over the discovered instances. O(1).
+    pub fn open_breakers(&self) -> usize {
+        self.inner.state.read().health.open_count()
     }
 
     /// The routable instances, by ascending id. Without an admission set this is a shared
@@ -171,8 +263,9 @@ impl RoutableView {
         let Some(instance) = state.discovered.get(&id) else {
             return InstanceStatus::Unknown;
         };
-        if state.inhibited.contains(&id) {
-            return InstanceStatus::Inhibited;
+        match state.health.breaker(&id) {
+            Some(Breaker::Closed) | None => {}
+            Some(breaker) => return InstanceStatus::Unhealthy(breaker),
         }
         if let Some(admission) = &self.inner.admission {
             if !admission.borrow().contains(&id) {
@@ -187,8 +280,8 @@ impl RoutableView {
         self.inner.state.read().discovered.contains_key(&id)
     }
 
-    /// Wait until `ready` holds for the routable set (re-checked on every discovery, inhibition
-    /// or admission change). Callers bound the wait with a timeout.
+    /// Wait until `ready` holds for the routable set (re-checked on every discovery, breaker or
+    /// admission change). Callers bound the wait with a timeout.
     pub async fn wait_for<F>(&self, mut ready: F)
     where
         F: FnMut(&[Arc<Instance>]) -> bool,

@@ -293,7 +293,8 @@ impl Prefill for SimBinding {
                     }),
                     WorkerPlan::Refused => {
                         // What the real dispatcher does after a connection failure.
-                        self.view.inhibit(worker);
+                        self.view
+                            .report_failure(worker, crate::health::FailureClass::ConnectionRefused);
                         Err(PrefillError::Failed {
                             message: format!("worker {worker}: connection refused"),
                         })

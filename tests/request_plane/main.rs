@@ -6,10 +6,12 @@
 //! - `transport_garbage`: hostile peers (garbage, oversized frames).
 //! - `push_modes`: round robin, random, direct, KV on loopback workers.
 //! - `push_admission`: the routable view under admission and discovery changes.
+//! - `push_health`: worker breakers: a blipped worker comes back, load never opens a breaker.
 //! - `push_kv_selector`: the KV selector alone (hashing, scoring, ties, bounded memory).
 #![cfg(feature = "runtime")]
 
 mod push_admission;
+mod push_health;
 mod push_kv_selector;
 mod push_modes;
 mod support;

@@ -1,5 +1,5 @@
-//! The routable view under the router: admission changes, discovery changes, inhibition after
-//! a failed connection, and a worker killed mid-stream.
+//! The routable view under the router: admission changes, discovery changes, an open breaker
+//! after a failed connection, and a worker killed mid-stream.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::AtomicUsize;
@@ -9,11 +9,18 @@ use std::time::Duration;
 use crate::support::*;
 use futures_util::StreamExt;
 use prefill_router::discovery::InstanceId;
+use prefill_router::health::BackoffPolicy;
 use prefill_router::push::{Dispatcher, InstanceStatus, PushConfig, PushError, PushMode};
 use prefill_router::transport::{GenerateRequest, TransportError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::time::{timeout, Instant};
+
+/// A short backoff so probes run within the test's time.
+const SMALL: BackoffPolicy = BackoffPolicy {
+    initial: Duration::from_millis(20),
+    max: Duration::from_millis(200),
+};
 
 async fn served_by(router: &Dispatcher) -> Result<InstanceId, PushError> {
     let mut s = timeout(
@@ -105,8 +112,8 @@ async fn removed_instances_stop_receiving_requests() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_instance_is_inhibited_until_discovery_shows_it_again() {
-    let discovery = Discovery::new(None);
+async fn a_failed_instance_is_unroutable_until_its_probe_connects() {
+    let discovery = Discovery::with_health(None, SMALL);
     // Instance 1 points at a port nobody listens on (bound, then released).
     let dead = {
         let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -132,15 +139,27 @@ async fn a_failed_instance_is_inhibited_until_discovery_shows_it_again() {
         ),
         "{first:?}"
     );
-    assert_eq!(discovery.view.status(1), InstanceStatus::Inhibited);
+    assert!(
+        matches!(discovery.view.status(1), InstanceStatus::Unhealthy(_)),
+        "{:?}",
+        discovery.view.status(1)
+    );
+    assert_eq!(discovery.view.open_breakers(), 1);
     for _ in 0..4 {
         assert_eq!(
             served_by(&router).await,
             Ok(2),
-            "inhibited instance skipped"
+            "instance with an open breaker skipped"
         );
     }
-    // The worker comes back (at a live address) and discovery shows it again.
+    // Probes of the dead address keep failing: still unroutable after several backoff rounds.
+    tokio::time::sleep(SMALL.max * 2).await;
+    assert!(matches!(
+        discovery.view.status(1),
+        InstanceStatus::Unhealthy(_)
+    ));
+    // The worker comes back (at a live address) and discovery lists it there: the breaker is
+    // kept across the repeated Added, and the next probe (of the new address) closes it.
     let w1 = start_worker(PrefillEngine::new(1, 4)).await;
     discovery.add(1, w1.local_addr()).await;
     discovery.wait_routable(&[1, 2]).await;
@@ -192,7 +211,10 @@ async fn a_worker_killed_mid_stream_yields_a_typed_error_within_the_deadline() {
         "{failure:?}"
     );
     assert!(killed.elapsed() < deadline);
-    assert_eq!(discovery.view.status(1), InstanceStatus::Inhibited);
+    assert!(matches!(
+        discovery.view.status(1),
+        InstanceStatus::Unhealthy(_)
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

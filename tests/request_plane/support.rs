@@ -9,6 +9,7 @@ use std::time::Duration;
 use futures_util::{stream, Stream, StreamExt};
 use parking_lot::Mutex;
 use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
+use prefill_router::health::BackoffPolicy;
 use prefill_router::push::{block_hashes, RoutableView};
 use prefill_router::transport::{
     serve, Engine, EngineError, EngineStream, FinishReason, GenerateRequest, GenerateResponse,
@@ -201,9 +202,17 @@ pub struct Discovery {
 
 impl Discovery {
     pub fn new(admission: Option<watch::Receiver<BTreeSet<InstanceId>>>) -> Self {
+        Self::with_health(admission, BackoffPolicy::default())
+    }
+
+    /// A view whose breakers back off per `health`.
+    pub fn with_health(
+        admission: Option<watch::Receiver<BTreeSet<InstanceId>>>,
+        health: BackoffPolicy,
+    ) -> Self {
         let (events, rx) = mpsc::channel(64);
         let cancel = CancellationToken::new();
-        let view = RoutableView::spawn(receiver_stream(rx), admission, cancel.clone());
+        let view = RoutableView::spawn_with(receiver_stream(rx), admission, cancel.clone(), health);
         Discovery {
             events,
             view,

@@ -1,0 +1,227 @@
+//! The worker-health adapter: classifies request failures for the pure
+//! [`health::Machine`](crate::health::Machine) and carries out its timers and probes on tokio.
+//!
+//! Thin on purpose, like the lifecycle's driver: every decision (when to open, how long to
+//! wait, when to close) is the machine's; this file only turns its actions into sleeps, TCP
+//! connects and log lines, and feeds their outcomes back.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::discovery::InstanceId;
+use crate::health::{Action, FailureClass, Input, ProbeId, TimerId};
+use crate::transport::{RemoteError, TransportError};
+
+/// How long a probe's TCP connect may take; a timeout is a failed probe. Bounded so a probe of
+/// a black-holed address ends and the backoff continues.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What a request-plane failure says about the worker's health: connection-level failures
+/// (refused, reset, a dead stream, garbage on the wire) count against it; a request the worker
+/// rejected, a deadline and overload do not, so a poisoned request or a load spike cannot empty
+/// the routable set.
+pub fn failure_class(error: &TransportError) -> FailureClass {
+    match error {
+        TransportError::Connect { .. } | TransportError::ConnectTimeout { .. } => {
+            FailureClass::ConnectionRefused
+        }
+        TransportError::Disconnected { .. } => FailureClass::ConnectionReset,
+        // The peer broke the framing: the connection is closed and the worker is not speaking
+        // the protocol, which is as dead as a dropped stream for routing purposes.
+        TransportError::Frame(_) => FailureClass::StreamDead,
+        TransportError::RequestTooLarge { .. } => FailureClass::Rejected,
+        TransportError::Timeout => FailureClass::Deadline,
+        TransportError::Remote(remote) => match remote {
+            RemoteError::Overloaded => FailureClass::Overloaded,
+            RemoteError::DeadlineExceeded => FailureClass::Deadline,
+            // The worker answered: it is alive, the request is what failed.
+            RemoteError::Engine { .. } | RemoteError::ResponseTooLarge => FailureClass::Rejected,
+        },
+    }
+}
+
+/// Where the adapter sends the outcome of a timer or a probe: the view, if it still exists.
+pub(super) trait Feed: Send + Sync + 'static {
+    /// Feed one input to the machine and carry out its actions.
+    fn feed(&self, input: Input<InstanceId>);
+}
+
+/// The I/O side of the machine: one cancellation token per instance with pending timers or
+/// probes, all children of the view's token, so dropping the view or a `Removed` stops them.
+#[derive(Debug)]
+pub(super) struct Tasks {
+    root: CancellationToken,
+    per_instance: HashMap<InstanceId, CancellationToken>,
+}
+
+impl Tasks {
+    pub(super) fn new(root: CancellationToken) -> Self {
+        Tasks {
+            root,
+            per_instance: HashMap::new(),
+        }
+    }
+
+    /// Stop every timer and probe of `instance` (it left discovery).
+    pub(super) fn forget(&mut self, instance: InstanceId) {
+        if let Some(token) = self.per_instance.remove(&instance) {
+            token.cancel();
+        }
+    }
+
+    fn token(&mut self, instance: InstanceId) -> CancellationToken {
+        self.per_instance
+            .entry(instance)
+            .or_insert_with(|| self.root.child_token())
+            .clone()
+    }
+
+    /// Carry out one action. `address` is the instance's current address (for probes);
+    /// `feed` receives timer firings and probe results. Must run within a tokio runtime when
+    /// the action is a timer or a probe.
+    pub(super) fn run<F: Feed>(
+        &mut self,
+        action: Action<InstanceId>,
+        address: Option<SocketAddr>,
+        feed: F,
+    ) {
+        match action {
+            Action::Open { instance } => {
+                tracing::warn!(instance, "worker breaker opened after a connection failure");
+            }
+            Action::Close { instance } => {
+                tracing::info!(instance, "worker breaker closed: the probe connected");
+            }
+            Action::ArmTimer {
+                instance,
+                timer,
+                delay,
+                attempt,
+            } => {
+                tracing::debug!(instance, %timer, ?delay, attempt, "probe scheduled");
+                let token = self.token(instance);
+                tokio::spawn(fire(token, instance, timer, delay, feed));
+            }
+            // The machine only cancels a timer when the instance leaves discovery.
+            Action::CancelTimer { instance, .. } => self.forget(instance),
+            Action::StartProbe { instance, probe } => {
+                let token = self.token(instance);
+                tokio::spawn(probe_task(token, instance, probe, address, feed));
+            }
+        }
+    }
+}
+
+async fn fire<F: Feed>(
+    token: CancellationToken,
+    instance: InstanceId,
+    timer: TimerId,
+    delay: Duration,
+    feed: F,
+) {
+    tokio::select! {
+        _ = token.cancelled() => {}
+        _ = tokio::time::sleep(delay) => feed.feed(Input::TimerFired { instance, timer }),
+    }
+}
+
+async fn probe_task<F: Feed>(
+    token: CancellationToken,
+    instance: InstanceId,
+    probe: ProbeId,
+    address: Option<SocketAddr>,
+    feed: F,
+) {
+    let ok = match address {
+        None => false,
+        Some(addr) => {
+            tokio::select! {
+                // Cancelled: the instance left discovery, the machine ignores its probe.
+                _ = token.cancelled() => return,
+                r = tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect(addr)) => {
+                    matches!(r, Ok(Ok(_)))
+                }
+            }
+        }
+    };
+    feed.feed(Input::ProbeResult {
+        instance,
+        probe,
+        ok,
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::FrameError;
+
+    fn addr() -> SocketAddr {
+        "127.0.0.1:1".parse().expect("addr")
+    }
+
+    #[test]
+    fn a_refused_connect_counts() {
+        let e = TransportError::Connect {
+            addr: addr(),
+            reason: "refused".into(),
+        };
+        assert_eq!(failure_class(&e), FailureClass::ConnectionRefused);
+        let e = TransportError::ConnectTimeout { addr: addr() };
+        assert_eq!(failure_class(&e), FailureClass::ConnectionRefused);
+        assert!(failure_class(&e).counts_against_health());
+    }
+
+    #[test]
+    fn a_reset_connection_counts() {
+        let e = TransportError::Disconnected {
+            reason: "reset".into(),
+        };
+        assert_eq!(failure_class(&e), FailureClass::ConnectionReset);
+        assert!(failure_class(&e).counts_against_health());
+    }
+
+    #[test]
+    fn a_broken_stream_counts() {
+        let e = TransportError::Frame(FrameError::Malformed {
+            reason: "garbage".into(),
+        });
+        assert_eq!(failure_class(&e), FailureClass::StreamDead);
+        assert!(failure_class(&e).counts_against_health());
+    }
+
+    #[test]
+    fn a_rejected_request_does_not_count() {
+        for e in [
+            TransportError::RequestTooLarge { max: 1 },
+            TransportError::Remote(RemoteError::Engine {
+                message: "bad prompt".into(),
+            }),
+            TransportError::Remote(RemoteError::ResponseTooLarge),
+        ] {
+            assert_eq!(failure_class(&e), FailureClass::Rejected, "{e}");
+            assert!(!failure_class(&e).counts_against_health());
+        }
+    }
+
+    #[test]
+    fn a_deadline_does_not_count() {
+        for e in [
+            TransportError::Timeout,
+            TransportError::Remote(RemoteError::DeadlineExceeded),
+        ] {
+            assert_eq!(failure_class(&e), FailureClass::Deadline, "{e}");
+            assert!(!failure_class(&e).counts_against_health());
+        }
+    }
+
+    #[test]
+    fn overload_does_not_count() {
+        let e = TransportError::Remote(RemoteError::Overloaded);
+        assert_eq!(failure_class(&e), FailureClass::Overloaded);
+        assert!(!failure_class(&e).counts_against_health());
+    }
+}
