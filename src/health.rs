@@ -4,7 +4,8 @@
 //! failures. It is written like the [lifecycle](crate::lifecycle): sans-IO, no clock, no
 //! randomness source of its own (jitter is derived from a seed given at construction), no
 //! logging. Facts go in as [`Input`]s; orders come out as [`Action`]s, one inline batch per
-//! input ([`Actions`]). Not wired into the dispatcher yet (docs/health.md).
+//! input ([`Actions`]). The push dispatcher's routable view (`push::RoutableView`, with the
+//! `runtime` feature) drives it (docs/health.md).
 //!
 //! # Driving it
 //!

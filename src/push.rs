@@ -16,7 +16,7 @@ mod view;
 
 pub use dispatcher::{Dispatcher, PushConfig, PushMode, RoutedStream, Selection};
 pub use error::PushError;
-pub use health::{failure_class, PROBE_TIMEOUT};
+pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 #[cfg(feature = "sim")]
 pub(crate) use kv::mix;
 pub use kv::{block_hashes, KvSelector};

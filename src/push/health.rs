@@ -6,7 +6,10 @@
 //! connects and log lines, and feeds their outcomes back.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -18,6 +21,50 @@ use crate::transport::{RemoteError, TransportError};
 /// How long a probe's TCP connect may take; a timeout is a failed probe. Bounded so a probe of
 /// a black-holed address ends and the backoff continues.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How the view checks an instance whose breaker is open: given its id and current address,
+/// resolve to whether it answered. The default ([`Prober::tcp`]) is a TCP connect bounded by
+/// [`PROBE_TIMEOUT`]; a custom one (a request-plane ping, or the simulator's world) may do
+/// anything, but should end in bounded time: the breaker waits for it.
+#[derive(Clone)]
+pub struct Prober(Arc<ProbeFn>);
+
+type ProbeFn =
+    dyn Fn(InstanceId, SocketAddr) -> Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync;
+
+impl Prober {
+    /// A prober from a function returning the probe's future.
+    pub fn new<F, Fut>(probe: F) -> Self
+    where
+        F: Fn(InstanceId, SocketAddr) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = bool> + Send + 'static,
+    {
+        Prober(Arc::new(move |id, addr| Box::pin(probe(id, addr))))
+    }
+
+    /// A TCP connect to the instance's address; a refusal or a timeout of [`PROBE_TIMEOUT`]
+    /// is a failed probe.
+    pub fn tcp() -> Self {
+        Prober::new(|_, addr| async move {
+            matches!(
+                tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect(addr)).await,
+                Ok(Ok(_))
+            )
+        })
+    }
+}
+
+impl Default for Prober {
+    fn default() -> Self {
+        Prober::tcp()
+    }
+}
+
+impl std::fmt::Debug for Prober {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Prober")
+    }
+}
 
 /// What a request-plane failure says about the worker's health: connection-level failures
 /// (refused, reset, a dead stream, garbage on the wire) count against it; a request the worker
@@ -55,13 +102,15 @@ pub(super) trait Feed: Send + Sync + 'static {
 pub(super) struct Tasks {
     root: CancellationToken,
     per_instance: HashMap<InstanceId, CancellationToken>,
+    prober: Prober,
 }
 
 impl Tasks {
-    pub(super) fn new(root: CancellationToken) -> Self {
+    pub(super) fn new(root: CancellationToken, prober: Prober) -> Self {
         Tasks {
             root,
             per_instance: HashMap::new(),
+            prober,
         }
     }
 
@@ -109,7 +158,8 @@ impl Tasks {
             Action::CancelTimer { instance, .. } => self.forget(instance),
             Action::StartProbe { instance, probe } => {
                 let token = self.token(instance);
-                tokio::spawn(probe_task(token, instance, probe, address, feed));
+                let check = address.map(|addr| (self.prober.0)(instance, addr));
+                tokio::spawn(probe_task(token, instance, probe, check, feed));
             }
         }
     }
@@ -132,18 +182,16 @@ async fn probe_task<F: Feed>(
     token: CancellationToken,
     instance: InstanceId,
     probe: ProbeId,
-    address: Option<SocketAddr>,
+    check: Option<Pin<Box<dyn Future<Output = bool> + Send>>>,
     feed: F,
 ) {
-    let ok = match address {
+    let ok = match check {
         None => false,
-        Some(addr) => {
+        Some(check) => {
             tokio::select! {
                 // Cancelled: the instance left discovery, the machine ignores its probe.
                 _ = token.cancelled() => return,
-                r = tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect(addr)) => {
-                    matches!(r, Ok(Ok(_)))
-                }
+                ok = check => ok,
             }
         }
     };

@@ -9,7 +9,7 @@ use parking_lot::RwLock;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::health::{Feed, Tasks};
+use super::health::{Feed, Prober, Tasks};
 use crate::discovery::{Instance, InstanceEvent, InstanceId};
 use crate::health::{Action, BackoffPolicy, Breaker, FailureClass, Input, Machine};
 
@@ -132,13 +132,28 @@ impl RoutableView {
     where
         S: Stream<Item = InstanceEvent> + Send + 'static,
     {
+        Self::spawn_with_prober(events, admission, cancel, health, Prober::tcp())
+    }
+
+    /// [`RoutableView::spawn_with`] with a custom probe of open instances (default: a TCP
+    /// connect, [`Prober::tcp`]).
+    pub fn spawn_with_prober<S>(
+        events: S,
+        admission: Option<watch::Receiver<BTreeSet<InstanceId>>>,
+        cancel: CancellationToken,
+        health: BackoffPolicy,
+        prober: Prober,
+    ) -> Self
+    where
+        S: Stream<Item = InstanceEvent> + Send + 'static,
+    {
         let tasks = cancel.child_token();
         let view = RoutableView {
             inner: Arc::new(Inner {
                 state: RwLock::new(State {
                     discovered: BTreeMap::new(),
                     health: Machine::new(health, HEALTH_SEED),
-                    tasks: Tasks::new(tasks.clone()),
+                    tasks: Tasks::new(tasks.clone(), prober),
                     usable: Arc::default(),
                 }),
                 admission,

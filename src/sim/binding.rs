@@ -158,10 +158,24 @@ impl SimBinding {
         let view_cancel = cancel.child_token();
         // Fed by the simulated discovery (`World::attach_view`), not by a spawned watch: the
         // deliveries are the simulator's to delay, duplicate and lose.
-        let view = RoutableView::spawn(
+        // Simulated addresses are never dialled: a probe asks the world whether the worker is
+        // up, which is what a connect to a real worker would find.
+        // Weak: the world keeps the view (attach_view), so a strong handle would be a cycle.
+        let prober = {
+            let world = Arc::downgrade(&world);
+            crate::push::Prober::new(move |id, _| {
+                let up = world
+                    .upgrade()
+                    .is_some_and(|w| w.with(|s| s.workers.get(&id).copied().unwrap_or(false)));
+                std::future::ready(up)
+            })
+        };
+        let view = RoutableView::spawn_with_prober(
             futures_util::stream::pending(),
             admission,
             view_cancel.clone(),
+            crate::health::BackoffPolicy::default(),
+            prober,
         );
         let probe = world.new_probe(target.id.clone(), cancel);
         let seed = world.keyed(&[STREAM_PUSH, probe.serial]).next_u64();
