@@ -209,7 +209,11 @@ impl Connection {
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
         let timeout_ms = deadline.map(|d| {
             let left = d.saturating_duration_since(Instant::now());
-            u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1)
+            // Rounded up: the worker's deadline (its receipt plus this) must not fall before
+            // the caller's, or the worker's DeadlineExceeded would end the stream early.
+            u64::try_from(left.as_nanos().div_ceil(1_000_000))
+                .unwrap_or(u64::MAX)
+                .max(1)
         });
         let frame = Frame::Request {
             id,

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use crate::support::*;
 use futures_util::StreamExt;
-use prefill_router::discovery::InstanceId;
 use prefill_router::health::BackoffPolicy;
 use prefill_router::push::{Dispatcher, InstanceStatus, PushConfig, PushError, PushMode};
 use prefill_router::transport::{GenerateRequest, TransportError};
@@ -21,22 +20,6 @@ const SMALL: BackoffPolicy = BackoffPolicy {
     initial: Duration::from_millis(20),
     max: Duration::from_millis(200),
 };
-
-async fn served_by(router: &Dispatcher) -> Result<InstanceId, PushError> {
-    let mut s = timeout(
-        WAIT,
-        router.generate(GenerateRequest::new(vec![1, 2, 3, 4], 1)),
-    )
-    .await
-    .expect("in time")?;
-    let r = timeout(WAIT, s.next())
-        .await
-        .expect("in time")
-        .expect("item")?;
-    let worker = r.prefill.expect("info").worker;
-    assert_eq!(worker, s.instance_id());
-    Ok(worker)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_changes_take_effect_without_rebuilding_the_router() {

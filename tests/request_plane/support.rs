@@ -281,3 +281,22 @@ where
     .await
     .ok()
 }
+
+/// Which worker prefilled one small request (checked against the stream's own instance id).
+pub async fn served_by(
+    router: &prefill_router::push::Dispatcher,
+) -> Result<InstanceId, prefill_router::push::PushError> {
+    let mut s = tokio::time::timeout(
+        WAIT,
+        router.generate(GenerateRequest::new(vec![1, 2, 3, 4], 1)),
+    )
+    .await
+    .expect("in time")?;
+    let r = tokio::time::timeout(WAIT, s.next())
+        .await
+        .expect("in time")
+        .expect("item")?;
+    let worker = r.prefill.expect("info").worker;
+    assert_eq!(worker, s.instance_id());
+    Ok(worker)
+}
