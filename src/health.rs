@@ -49,6 +49,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::batch::{Batch, IntoIter};
+use crate::lifecycle::RetryPolicy;
 
 /// Why a request to an instance failed, as far as the instance's health is concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -151,18 +152,12 @@ impl BackoffPolicy {
     /// The base delay for consecutive failure number `attempt` (1-based):
     /// `min(initial * 2^(attempt-1), max)`.
     pub fn base(&self, attempt: u32) -> Duration {
-        let shift = attempt.saturating_sub(1);
-        let initial = self.initial.as_nanos();
-        let cap = self.max.as_nanos();
-        // initial * 2^shift in u128 nanoseconds; past the cap (or u128) it is the cap.
-        let nanos = if initial == 0 {
-            0
-        } else if shift >= initial.leading_zeros() {
-            cap
-        } else {
-            (initial << shift).min(cap)
-        };
-        nanos_to_duration(nanos)
+        // The lifecycle's rebuild backoff is the same capped doubling; only the jitter differs.
+        RetryPolicy {
+            initial: self.initial,
+            max: self.max,
+        }
+        .delay(attempt)
     }
 
     /// The jittered delay for failure number `attempt`: `base - base * (jitter mod 2^32) / 2^33`,
