@@ -85,6 +85,15 @@ pub trait Discovery: Send + Sync {
 
     /// Watch a whole namespace. See [`NamespaceStream`].
     async fn watch_namespace(&self, namespace: &str) -> Result<NamespaceStream, DiscoveryError>;
+
+    /// Whether the store answers, as this process's watches find it: unreachable from the
+    /// first failed listing or broken watch until a listing succeeds again. Watches heal
+    /// outages by themselves (the last view stays in force meanwhile); this is how a frontend
+    /// reports one. The default, for a store that cannot fail (in memory), is always
+    /// reachable and never changes.
+    fn store_status(&self) -> tokio::sync::watch::Receiver<super::StoreStatus> {
+        super::reach::always_reachable()
+    }
 }
 
 /// A backend's hold on one registered record.

@@ -23,6 +23,7 @@ use tokio::sync::oneshot;
 
 use super::api::Lease;
 use super::known::RawEvent;
+use super::reach::Reachability;
 use super::record::encode_record;
 use super::store::{Backend, Gap, Leased, Listing};
 use super::{DiscoveryError, Instance};
@@ -85,6 +86,7 @@ impl EtcdConfig {
 pub struct EtcdDiscovery {
     client: Client,
     config: Arc<EtcdConfig>,
+    reach: Arc<Reachability>,
 }
 
 impl std::fmt::Debug for EtcdDiscovery {
@@ -128,6 +130,7 @@ impl EtcdDiscovery {
         Ok(EtcdDiscovery {
             client,
             config: Arc::new(config),
+            reach: Arc::default(),
         })
     }
 
@@ -478,6 +481,10 @@ impl Backend for EtcdDiscovery {
 
     fn retry_interval(&self) -> Duration {
         self.config.retry_interval
+    }
+
+    fn reachability(&self) -> Option<&Reachability> {
+        Some(&self.reach)
     }
 
     async fn put_leased(&self, key: String, instance: &Instance, card: &ModelCard) -> Leased {

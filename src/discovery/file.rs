@@ -28,6 +28,7 @@ use tokio::sync::broadcast;
 
 use super::api::{fresh_owner, Lease, StopFlag};
 use super::known::RawEvent;
+use super::reach::Reachability;
 use super::record::{decode_owned_record, encode_owned_record};
 use super::store::{Backend, Gap, Leased, Listing, Reaper};
 use super::{DiscoveryError, Instance};
@@ -106,6 +107,7 @@ struct Inner {
     /// The shared watcher, created by the first watch. `None` inside once creation failed.
     watcher: Mutex<Option<WatcherSlot>>,
     reaper: Reaper,
+    reach: Reachability,
 }
 
 enum WatcherSlot {
@@ -344,6 +346,7 @@ impl FileDiscovery {
                 dir,
                 watcher: Mutex::new(None),
                 reaper: Reaper::default(),
+                reach: Reachability::default(),
             }),
         }
     }
@@ -484,6 +487,10 @@ impl Backend for FileDiscovery {
             .config
             .resync_interval
             .max(Duration::from_millis(10))
+    }
+
+    fn reachability(&self) -> Option<&Reachability> {
+        Some(&self.inner.reach)
     }
 
     async fn put_leased(&self, key: String, instance: &Instance, card: &ModelCard) -> Leased {

@@ -18,6 +18,7 @@ use super::api::{
     InstanceStream, Lease, NamespaceStream, Registration, FEED_CAPACITY,
 };
 use super::known::RawEvent;
+use super::reach::Reachability;
 use super::record::{endpoint_prefix, namespace_prefix, record_key, validate};
 use super::{DiscoveryError, EndpointId, Instance, InstanceId};
 use crate::advert::ModelCard;
@@ -101,6 +102,11 @@ pub(crate) trait Backend: Clone + Send + Sync + 'static {
     /// [`Reaper`]); called on every register and watch. The default does nothing: the store
     /// expires leases itself.
     fn ensure_reaper(&self) {}
+
+    /// The cell this store's watches report failures and recoveries to, if it can fail.
+    fn reachability(&self) -> Option<&Reachability> {
+        None
+    }
 }
 
 #[async_trait::async_trait]
@@ -157,6 +163,13 @@ impl<B: Backend> Discovery for B {
             feed(self, namespace_prefix(namespace)),
         ))
     }
+
+    fn store_status(&self) -> tokio::sync::watch::Receiver<super::StoreStatus> {
+        match self.reachability() {
+            Some(reach) => reach.subscribe(),
+            None => super::reach::always_reachable(),
+        }
+    }
 }
 
 /// A watch's raw feed: subscribed now, served by a task that ends with the watch.
@@ -180,12 +193,18 @@ async fn run_feed<B: Backend>(backend: B, mut cursor: B::Cursor, tx: mpsc::Sende
         };
         match listing {
             Ok(listing) => {
+                if let Some(reach) = backend.reachability() {
+                    reach.answered();
+                }
                 if tx.send(RawEvent::Resync(listing)).await.is_err() {
                     break;
                 }
             }
             Err(error) => {
-                tracing::warn!(%error, "discovery watch cannot list; retrying");
+                if let Some(reach) = backend.reachability() {
+                    reach.failed(&error);
+                }
+                tracing::debug!(%error, "discovery watch cannot list; retrying");
                 if pause(&tx, backend.retry_interval()).await {
                     break;
                 }
@@ -206,7 +225,10 @@ async fn run_feed<B: Backend>(backend: B, mut cursor: B::Cursor, tx: mpsc::Sende
                 Ok(()) => {}
                 Err(Gap::Missed) => continue 'resync,
                 Err(Gap::Broken(error)) => {
-                    tracing::warn!(%error, "discovery watch interrupted; will resync");
+                    if let Some(reach) = backend.reachability() {
+                        reach.failed(&error);
+                    }
+                    tracing::debug!(%error, "discovery watch interrupted; will resync");
                     if pause(&tx, backend.retry_interval()).await {
                         break 'resync;
                     }
