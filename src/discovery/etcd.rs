@@ -13,8 +13,13 @@
 //!   the watch list again and watch from the new revision; the level-triggered diff of the new
 //!   listing against what the watcher knows emits exactly the missed changes.
 //! - Streams are half-closed and drained, never dropped open: see `close_keepalive`.
+//! - Several endpoints: every call goes to one *pinned* member; a call that fails or times out
+//!   moves the pin to the next member (see [`Members`]). A balanced channel over all members
+//!   would keep sending a share of calls, and whole lease and watch streams, to a member that
+//!   is stalled (a stopped or partitioned process still accepts TCP connections), until HTTP/2
+//!   pings notice: long enough to lose a lease (the cluster fault suite showed it).
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -81,10 +86,65 @@ impl EtcdConfig {
     }
 }
 
-/// Discovery on etcd. Clones share one client connection.
+/// One client per member and the pin: the member every call goes to until one fails.
+struct Members {
+    clients: Vec<Client>,
+    pinned: AtomicUsize,
+}
+
+impl Members {
+    /// The pinned member: its index (to report a failure with) and its client.
+    fn pick(&self) -> (usize, Client) {
+        let i = self.pinned.load(Ordering::Acquire) % self.clients.len();
+        (i, self.clients[i].clone())
+    }
+
+    /// A call to member `i` failed: move the pin on, unless another caller already did.
+    fn failed(&self, i: usize) {
+        let n = self.clients.len();
+        if n > 1
+            && self
+                .pinned
+                .compare_exchange(i, (i + 1) % n, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            tracing::debug!(
+                from = i,
+                to = (i + 1) % n,
+                "etcd call failed; trying the next member"
+            );
+        }
+    }
+
+    /// Run `call` on the pinned member under `limit`; on failure move the pin on and try
+    /// the next, each member once at most (every call here is safe to repeat: a repeated
+    /// lease grant only leaves a lease to expire). The last error if all fail.
+    async fn call<T, F, Fut>(&self, limit: Duration, call: F) -> Result<T, DiscoveryError>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let mut attempts = self.clients.len();
+        loop {
+            let (i, client) = self.pick();
+            match bounded(limit, call(client)).await {
+                Ok(value) => return Ok(value),
+                Err(error) => {
+                    self.failed(i);
+                    attempts -= 1;
+                    if attempts == 0 {
+                        return Err(error);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Discovery on etcd. Clones share the members' client connections.
 #[derive(Clone)]
 pub struct EtcdDiscovery {
-    client: Client,
+    members: Arc<Members>,
     config: Arc<EtcdConfig>,
     reach: Arc<Reachability>,
 }
@@ -115,28 +175,40 @@ async fn bounded<T>(
 }
 
 impl EtcdDiscovery {
-    /// Connect to etcd.
+    /// Connect to etcd: one lazily connected client per endpoint (a member that is down
+    /// now is tried when the pin reaches it). Fails on an empty or malformed endpoint list.
     pub async fn connect(config: EtcdConfig) -> Result<Self, DiscoveryError> {
+        // A stalled member holds a stream until two pings go unanswered: at most 2 s each,
+        // less with a shorter request timeout.
+        let ping = config.request_timeout.min(Duration::from_secs(2));
         let options = ConnectOptions::new()
             .with_connect_timeout(config.request_timeout)
             // HTTP/2 pings notice a silently dead server, so streams break and get reopened.
-            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
-            .with_keep_alive_while_idle(true);
-        let client = bounded(
-            config.request_timeout,
-            Client::connect(config.endpoints.clone(), Some(options)),
-        )
-        .await?;
+            .with_keep_alive(ping, ping)
+            .with_keep_alive_while_idle(true)
+            // A member cut off from the quorum refuses, rather than serving a stale view.
+            .with_require_leader(true);
+        if config.endpoints.is_empty() {
+            return Err(DiscoveryError::Etcd("no etcd endpoints".into()));
+        }
+        let mut clients = Vec::with_capacity(config.endpoints.len());
+        for endpoint in &config.endpoints {
+            let connect = Client::connect([endpoint.as_str()], Some(options.clone()));
+            clients.push(bounded(config.request_timeout, connect).await?);
+        }
         Ok(EtcdDiscovery {
-            client,
+            members: Arc::new(Members {
+                clients,
+                pinned: AtomicUsize::new(0),
+            }),
             config: Arc::new(config),
             reach: Arc::default(),
         })
     }
 
-    /// The underlying etcd client (for tooling and tests).
+    /// The client of the member calls go to now (for tooling and tests).
     pub fn client(&self) -> Client {
-        self.client.clone()
+        self.members.pick().1
     }
 }
 
@@ -215,7 +287,7 @@ async fn close_keepalive(
 
 /// Keep the lease alive until told to stop, surviving etcd outages; then revoke or abandon.
 async fn keep_alive(
-    mut client: Client,
+    members: Arc<Members>,
     config: Arc<EtcdConfig>,
     owned: Owned,
     mut stop: oneshot::Receiver<Stop>,
@@ -223,12 +295,19 @@ async fn keep_alive(
     // A dropped sender means the registration is gone without a word: revoke.
     let order = 'outer: loop {
         let lease = owned.lease.load(Ordering::Acquire);
+        // Each (re)opening goes to the pinned member; a stream that breaks moves the pin.
+        let (member, mut client) = members.pick();
         let opened = tokio::select! {
             order = &mut stop => break order.unwrap_or(Stop::Revoke(None)),
-            opened = bounded(config.request_timeout, client.lease_keep_alive(lease)) => opened,
+            opened = tokio::time::timeout(
+                config.request_timeout,
+                client.lease_keep_alive(lease),
+            ) => opened,
         };
-        match opened {
-            Ok((mut keeper, mut stream)) => {
+        let lost = match opened {
+            Ok(Ok((mut keeper, mut stream))) => {
+                // Some(order) to stop; None with `lost` to restore or reopen.
+                let mut lost = false;
                 let ending = loop {
                     let renewal = tokio::select! {
                         order = &mut stop => break Some(order.unwrap_or(Stop::Revoke(None))),
@@ -237,28 +316,11 @@ async fn keep_alive(
                     match renewal {
                         Renewal::Alive => {}
                         Renewal::Lost => {
-                            tracing::warn!(
-                                key = owned.key,
-                                lease,
-                                "etcd lease expired while alive; re-registering"
-                            );
-                            match restore(&mut client, &config, &owned, lease).await {
-                                Ok(true) => {}
-                                Ok(false) => {
-                                    tracing::debug!(
-                                        key = owned.key,
-                                        "registration superseded; keep-alive stops"
-                                    );
-                                    close_keepalive(keeper, stream).await;
-                                    return;
-                                }
-                                Err(error) => {
-                                    tracing::warn!(key = owned.key, %error, "cannot re-register");
-                                }
-                            }
+                            lost = true;
                             break None;
                         }
                         Renewal::Broken => {
+                            members.failed(member);
                             tracing::debug!(
                                 key = owned.key,
                                 "etcd keep-alive stream broke; reopening"
@@ -275,8 +337,41 @@ async fn keep_alive(
                 if let Some(order) = ending {
                     break 'outer order;
                 }
+                lost
             }
-            Err(error) => tracing::debug!(key = owned.key, %error, "etcd keep-alive unavailable"),
+            // Opening renews once: etcd answers TTL 0 for a lease it no longer has (it
+            // expired during an outage, or a stalled leader let it lapse).
+            Ok(Err(etcd_client::Error::LeaseKeepAliveError(message)))
+                if message == "lease not found" =>
+            {
+                true
+            }
+            Ok(Err(error)) => {
+                members.failed(member);
+                tracing::debug!(key = owned.key, %error, "etcd keep-alive unavailable");
+                false
+            }
+            Err(_) => {
+                members.failed(member);
+                tracing::debug!(key = owned.key, "etcd keep-alive timed out opening");
+                false
+            }
+        };
+        if lost {
+            tracing::warn!(
+                key = owned.key,
+                lease,
+                "etcd lease expired while alive; re-registering"
+            );
+            match restore(&members, &config, &owned, lease).await {
+                // Renew the new lease at once.
+                Ok(true) => continue,
+                Ok(false) => {
+                    tracing::debug!(key = owned.key, "registration superseded; keep-alive stops");
+                    return;
+                }
+                Err(error) => tracing::warn!(key = owned.key, %error, "cannot re-register"),
+            }
         }
         tokio::select! {
             order = &mut stop => break order.unwrap_or(Stop::Revoke(None)),
@@ -285,7 +380,10 @@ async fn keep_alive(
     };
     if let Stop::Revoke(reply) = order {
         let lease = owned.lease.load(Ordering::Acquire);
-        let result = bounded(config.request_timeout, client.lease_revoke(lease))
+        let result = members
+            .call(config.request_timeout, |mut c| async move {
+                c.lease_revoke(lease).await
+            })
             .await
             .map(|_| ());
         match reply {
@@ -303,32 +401,35 @@ async fn keep_alive(
 
 /// Grant a new lease and re-put the record; false if another registration owns the key.
 async fn restore(
-    client: &mut Client,
+    members: &Members,
     config: &EtcdConfig,
     owned: &Owned,
     old_lease: i64,
 ) -> Result<bool, DiscoveryError> {
-    let current = bounded(config.request_timeout, client.get(owned.key.as_str(), None)).await?;
+    let limit = config.request_timeout;
+    let key = owned.key.as_str();
+    let current = members
+        .call(limit, |mut c| async move { c.get(key, None).await })
+        .await?;
     if let Some(kv) = current.kvs().first() {
         if kv.lease() != old_lease {
             return Ok(false);
         }
     }
-    let lease = bounded(
-        config.request_timeout,
-        client.lease_grant(config.ttl_secs(), None),
-    )
-    .await?
-    .id();
-    bounded(
-        config.request_timeout,
-        client.put(
-            owned.key.as_str(),
-            owned.bytes.clone(),
-            Some(PutOptions::new().with_lease(lease)),
-        ),
-    )
-    .await?;
+    let ttl = config.ttl_secs();
+    let lease = members
+        .call(limit, |mut c| async move { c.lease_grant(ttl, None).await })
+        .await?
+        .id();
+    members
+        .call(limit, |mut c| {
+            let bytes = owned.bytes.clone();
+            async move {
+                c.put(key, bytes, Some(PutOptions::new().with_lease(lease)))
+                    .await
+            }
+        })
+        .await?;
     owned.lease.store(lease, Ordering::Release);
     Ok(true)
 }
@@ -378,7 +479,6 @@ impl Lease for EtcdLease {
 pub(crate) struct EtcdCursor {
     /// The full prefix, root included.
     prefix: String,
-    client: Client,
     stream: Option<etcd_client::WatchStream>,
 }
 
@@ -392,19 +492,20 @@ impl Backend for EtcdDiscovery {
     type Cursor = EtcdCursor;
 
     async fn list(&self, prefix: &str) -> Result<Listing, DiscoveryError> {
-        let mut client = self.client.clone();
-        let resp = bounded(
-            self.config.request_timeout,
-            client.get(self.full_key(prefix), Some(GetOptions::new().with_prefix())),
-        )
-        .await?;
+        let key = self.full_key(prefix);
+        let key = key.as_str();
+        let resp = self
+            .members
+            .call(self.config.request_timeout, |mut c| async move {
+                c.get(key, Some(GetOptions::new().with_prefix())).await
+            })
+            .await?;
         Ok(relative_kvs(&self.config.root, resp.kvs()))
     }
 
     fn subscribe(&self, prefix: String) -> EtcdCursor {
         EtcdCursor {
             prefix: self.full_key(&prefix),
-            client: self.client.clone(),
             stream: None,
         }
     }
@@ -413,23 +514,22 @@ impl Backend for EtcdDiscovery {
         // A broken or cancelled stream is not worth closing politely: it is over already.
         cursor.stream = None;
         let limit = self.config.request_timeout;
-        let resp = bounded(
+        // Listing and watch on the same member, so the watch starts where the listing ended.
+        let (member, mut client) = self.members.pick();
+        let prefix = cursor.prefix.as_str();
+        let listed = bounded(
             limit,
-            cursor.client.get(
-                cursor.prefix.as_str(),
-                Some(GetOptions::new().with_prefix()),
-            ),
+            client.get(prefix, Some(GetOptions::new().with_prefix())),
         )
-        .await?;
+        .await;
+        let resp = listed.inspect_err(|_| self.members.failed(member))?;
         let revision = resp.header().map_or(0, |h| h.revision());
         let options = WatchOptions::new()
             .with_prefix()
             .with_start_revision(revision + 1);
-        let stream = bounded(
-            limit,
-            cursor.client.watch(cursor.prefix.as_str(), Some(options)),
-        )
-        .await?;
+        let stream = bounded(limit, client.watch(prefix, Some(options)))
+            .await
+            .inspect_err(|_| self.members.failed(member))?;
         cursor.stream = Some(stream);
         Ok(relative_kvs(&self.config.root, resp.kvs()))
     }
@@ -488,33 +588,35 @@ impl Backend for EtcdDiscovery {
     }
 
     async fn put_leased(&self, key: String, instance: &Instance, card: &ModelCard) -> Leased {
-        let mut client = self.client.clone();
         let config = &self.config;
+        let members = &self.members;
+        let limit = config.request_timeout;
         let key = self.full_key(&key);
         let bytes = encode_record(instance, card);
-        let lease = bounded(
-            config.request_timeout,
-            client.lease_grant(config.ttl_secs(), None),
-        )
-        .await?
-        .id();
-        let put = bounded(
-            config.request_timeout,
-            client.put(
-                key.as_str(),
-                bytes.clone(),
-                Some(PutOptions::new().with_lease(lease)),
-            ),
-        )
-        .await;
+        let ttl = config.ttl_secs();
+        let lease = members
+            .call(limit, |mut c| async move { c.lease_grant(ttl, None).await })
+            .await?
+            .id();
+        let put = members
+            .call(limit, |mut c| {
+                let (key, bytes) = (key.clone(), bytes.clone());
+                async move {
+                    c.put(key, bytes, Some(PutOptions::new().with_lease(lease)))
+                        .await
+                }
+            })
+            .await;
         if let Err(error) = put {
             // Best effort: the lease would expire on its own anyway.
-            let _ = bounded(config.request_timeout, client.lease_revoke(lease)).await;
+            let _ = members
+                .call(limit, |mut c| async move { c.lease_revoke(lease).await })
+                .await;
             return Err(error);
         }
         let (stop, stop_rx) = oneshot::channel();
         tokio::spawn(keep_alive(
-            client,
+            Arc::clone(members),
             Arc::clone(config),
             Owned {
                 key,
@@ -525,7 +627,8 @@ impl Backend for EtcdDiscovery {
         ));
         Ok(Box::new(EtcdLease {
             stop: Some(stop),
-            timeout: config.request_timeout,
+            // A revoke may try every member.
+            timeout: limit * u32::try_from(members.clients.len()).unwrap_or(u32::MAX),
         }))
     }
 }
