@@ -1,31 +1,28 @@
-//! Frontend throughput at saturation: `PrefillRouter::generate` (prefill hop on the active
-//! binding, then decode) vs the same two calls made back to back on bare dispatchers, without
+//! Frontend throughput at saturation: `PrefillHop::generate` (prefill hop on the active
+//! binding, then decode; the hop's own topology watcher targets it) vs the same two calls made back to back on bare dispatchers, without
 //! the router. Loopback mock workers with zero compute cost, so only the frontend's overhead
 //! differs. The two paths run interleaved in rounds in one process (ratios side by side).
 //!
 //! `cargo bench --bench frontend -- [--secs S] [--rounds N] [--concurrency C]`
 //! (defaults: 1 s per path per round, 5 rounds, 32 concurrent callers)
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use prefill_router::advert::{DecodeDefaults, ModelCard, RouterConfig, SelectionMode};
-use prefill_router::binding::{DecodePool, DefaultBindingFactory, FactoryConfig};
+use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
+use prefill_router::binding::DecodePool;
 use prefill_router::discovery::{
     Discovery, EndpointId, Instance, InstanceId, MemoryConfig, MemoryDiscovery, Registration,
 };
 use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
 use prefill_router::push::{Dispatcher, PushConfig, PushMode, RoutableView};
-use prefill_router::router::{
-    Decode, PrefillOutcome, PrefillRouter, PrefillRouterConfig, WorkerSetTarget, WorkerSetTargetId,
-};
+use prefill_router::router::{Decode, PrefillOutcome};
 use prefill_router::transport::{serve, Engine, GenerateRequest, ServerConfig, ServerHandle};
+use prefill_router::{PrefillHop, PrefillHopConfig};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 const MAX_TOKENS: u32 = 4;
@@ -139,18 +136,13 @@ fn main() {
     runtime.block_on(run(secs, rounds, concurrency));
 }
 
-async fn router_leg(
-    router: &Arc<PrefillRouter<DefaultBindingFactory>>,
-    decode: &Arc<DecodePool>,
-    concurrency: u64,
-    secs: Duration,
-) -> f64 {
-    let (r, d) = (Arc::clone(router), Arc::clone(decode));
+async fn router_leg(hop: &Arc<PrefillHop>, concurrency: u64, secs: Duration) -> f64 {
+    let h = Arc::clone(hop);
     saturate(concurrency, secs, move |n| {
-        let (r, d) = (Arc::clone(&r), Arc::clone(&d));
+        let h = Arc::clone(&h);
         async move {
-            let stream = r
-                .generate(GenerateRequest::new(prompt(n), MAX_TOKENS), &*d)
+            let stream = h
+                .generate(GenerateRequest::new(prompt(n), MAX_TOKENS))
                 .await
                 .unwrap();
             stream.count().await
@@ -225,28 +217,35 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64) {
         ))
     };
 
-    // The router path.
-    let factory = DefaultBindingFactory::new(
-        Arc::clone(&discovery),
-        FactoryConfig {
-            decode: DecodeDefaults {
-                router_mode: SelectionMode::RoundRobin,
-                block_size: 16,
-                ..DecodeDefaults::default()
-            },
-            push: PushConfig::default(),
-        },
+    // The router path: the facade a frontend embeds (watcher, router, decode hop).
+    let hop = Arc::new(
+        PrefillHop::start(Arc::clone(&discovery), "bench", PrefillHopConfig::default())
+            .await
+            .unwrap(),
     );
-    let router = Arc::new(PrefillRouter::new(factory, PrefillRouterConfig::default()));
-    let (_admit, admitted) = watch::channel((0..PREFILL_WORKERS).collect::<BTreeSet<_>>());
-    router.set_target(Some(WorkerSetTarget::new(
-        WorkerSetTargetId::new("bench/prefill/generate", 1),
-        prefill_ep.clone(),
-        Arc::new(card.clone()),
-        admitted,
-    )));
-    router.wait_active(Duration::from_secs(10)).await.unwrap();
-    let routed_decode = Arc::new(decode_view().await);
+    hop.router()
+        .wait_active(Duration::from_secs(10))
+        .await
+        .unwrap();
+    let mut status = hop.subscribe();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| s.readiness.is_ready()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let binding = hop.router().route().binding().cloned().unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        binding
+            .router()
+            .view()
+            .wait_for(|r| r.len() == PREFILL_WORKERS as usize),
+    )
+    .await
+    .unwrap();
+    drop(binding);
 
     // The bare path: the same dispatchers, no PrefillRouter.
     let prefill_view = RoutableView::spawn(
@@ -278,7 +277,7 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64) {
         let mut without = 0.0;
         for leg in 0..2 {
             if (leg == 0) == router_first {
-                via_router = router_leg(&router, &routed_decode, concurrency, secs).await;
+                via_router = router_leg(&hop, concurrency, secs).await;
             } else {
                 without = bare_leg(&bare, concurrency, secs).await;
             }
@@ -305,10 +304,10 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64) {
         ratios[ratios.len() - 1]
     );
     assert!(
-        router.status().counters.prefilled > 0,
+        hop.router().status().counters.prefilled > 0,
         "the router path prefilled"
     );
-    router.shutdown();
+    hop.shutdown().await;
     feeds.cancel();
     drop(held);
 }

@@ -25,6 +25,8 @@
 //! - [`topology`] (feature `runtime`): the topology watcher turning a namespace's discovery
 //!   records into the prefill router's target (one prefill set, one decode set, first-wins
 //!   admission, generations).
+//! - [`hop`] (feature `runtime`): [`PrefillHop`], the one handle a frontend embeds: the
+//!   topology watcher, the prefill router and a decode hop following the decode set.
 //! - [`mock`] (feature `runtime`): mock prefill and decode engines with a bounded KV block
 //!   cache, for the demo, tests and benchmarks.
 //! - `sim` (feature `sim`): the deterministic simulator of the hop under seeded faults
@@ -47,6 +49,8 @@ pub mod control;
 pub mod discovery;
 pub mod health;
 mod hooks;
+#[cfg(feature = "runtime")]
+pub mod hop;
 pub mod lifecycle;
 #[cfg(feature = "runtime")]
 pub mod mock;
@@ -70,6 +74,9 @@ mod sync;
 pub mod topology;
 #[cfg(feature = "runtime")]
 pub mod transport;
+
+#[cfg(feature = "runtime")]
+pub use hop::{HopStartError, HopStatus, NotReady, PrefillHop, PrefillHopConfig, Readiness};
 
 #[cfg(all(test, feature = "runtime"))]
 mod renamed {

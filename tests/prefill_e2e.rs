@@ -14,11 +14,11 @@ use prefill_router::discovery::Discovery;
 use prefill_router::lifecycle::Lifecycle;
 use prefill_router::push::{PushError, PushMode};
 use prefill_router::router::{Prefill, PrefillError, WorkerSetTarget, WorkerSetTargetId};
-use prefill_router::topology::TopologyWatcher;
 use prefill_router::transport::GenerateRequest;
 use tokio::sync::watch;
 
 const GROUP: &str = "e2e/prefill/generate";
+const COMMITTED: &str = "e2e/committed/generate";
 
 fn active_on(router: &Router, generation: u64) -> bool {
     let status = router.status();
@@ -32,18 +32,19 @@ fn active_on(router: &Router, generation: u64) -> bool {
 /// Upstream's integration scenario for committed targets: a committed KV card at block size 64
 /// overrides the workers' raw round-robin cards; admission {w1} -> {w1,w2} -> {w2} is followed
 /// without a rebuild and never routes to an unadmitted worker; generation 2 at block size 32
-/// rebuilds; the retired binding fails promptly once its admission set empties.
+/// rebuilds; the retired binding fails promptly once its admission set empties. The workers sit
+/// on an endpoint the hop's topology watcher ignores, so the test is the only controller.
 async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
     let _decode = start_decode(&discovery).await;
-    let _w1 = start_prefill(&discovery, 1, card(SelectionMode::RoundRobin, 16)).await;
-    let _w2 = start_prefill(&discovery, 2, card(SelectionMode::RoundRobin, 16)).await;
+    let _w1 = start_committed(&discovery, 1, card(SelectionMode::RoundRobin, 16)).await;
+    let _w2 = start_committed(&discovery, 2, card(SelectionMode::RoundRobin, 16)).await;
     let fe = frontend(&discovery).await;
 
     let (admit1, admitted1) = watch::channel(BTreeSet::from([1]));
-    let gen1 = WorkerSetTargetId::new(GROUP, 1);
+    let gen1 = WorkerSetTargetId::new(COMMITTED, 1);
     fe.router.set_target(Some(WorkerSetTarget::new(
         gen1.clone(),
-        prefill_ep(),
+        committed_ep(),
         Arc::new(card(SelectionMode::KV, 64)),
         admitted1,
     )));
@@ -75,11 +76,11 @@ async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
     assert_eq!(fe.built(), 1, "admission changes never rebuild");
 
     // Generation 2: a successor on the same endpoint at block size 32.
-    let _w3 = start_prefill(&discovery, 3, card(SelectionMode::RoundRobin, 32)).await;
+    let _w3 = start_committed(&discovery, 3, card(SelectionMode::RoundRobin, 32)).await;
     let (_admit2, admitted2) = watch::channel(BTreeSet::from([3]));
     fe.router.set_target(Some(WorkerSetTarget::new(
-        WorkerSetTargetId::new(GROUP, 2),
-        prefill_ep(),
+        WorkerSetTargetId::new(COMMITTED, 2),
+        committed_ep(),
         Arc::new(card(SelectionMode::KV, 32)),
         admitted2,
     )));
@@ -105,8 +106,7 @@ async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
     assert!(start.elapsed() < Duration::from_secs(5), "failed promptly");
     assert_eq!(error, PrefillError::Push(PushError::NoRoutableInstances));
     assert_eq!(fe.outside_admission(), 0);
-    fe.router.shutdown();
-    fe.feeds.cancel();
+    fe.hop.shutdown().await;
 }
 
 /// The watcher's first-wins admission: an instance with another card is never routed to while
@@ -115,9 +115,7 @@ async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
 async fn first_wins_scenario(discovery: Arc<dyn Discovery>) {
     let _decode = start_decode(&discovery).await;
     let fe = frontend(&discovery).await;
-    let watcher = TopologyWatcher::start(Arc::clone(&discovery), "e2e", Arc::clone(&fe.router))
-        .await
-        .unwrap();
+    let topology = fe.hop.topology();
     let mut w1 = start_prefill(&discovery, 1, card(SelectionMode::KV, 16)).await;
     fe.until("generation 1 active", |r| active_on(r, 1)).await;
     let _w2 = start_prefill(&discovery, 2, card(SelectionMode::KV, 32)).await;
@@ -127,7 +125,7 @@ async fn first_wins_scenario(discovery: Arc<dyn Discovery>) {
     w1.deregister().await;
     fe.until("generation 2 active", |r| active_on(r, 2)).await;
     assert_eq!(
-        watcher.view().borrow().target,
+        topology.borrow().target,
         Some(WorkerSetTargetId::new(GROUP, 2)),
         "the view follows set_target"
     );
@@ -136,9 +134,7 @@ async fn first_wins_scenario(discovery: Arc<dyn Discovery>) {
     }
     assert_eq!(fe.built(), 2);
     assert_eq!(fe.outside_admission(), 0);
-    watcher.stopped().await;
-    fe.router.shutdown();
-    fe.feeds.cancel();
+    fe.hop.shutdown().await;
 }
 
 /// The pool vanishes (the hop goes Unavailable, requests bypass to decode) and returns with
@@ -146,9 +142,7 @@ async fn first_wins_scenario(discovery: Arc<dyn Discovery>) {
 async fn pool_removal_and_return_scenario(discovery: Arc<dyn Discovery>) {
     let _decode = start_decode(&discovery).await;
     let fe = frontend(&discovery).await;
-    let watcher = TopologyWatcher::start(Arc::clone(&discovery), "e2e", Arc::clone(&fe.router))
-        .await
-        .unwrap();
+    let topology = fe.hop.topology();
     assert_eq!(fe.request(0).await.unwrap(), None, "no pool: bypass");
     let mut w1 = start_prefill(&discovery, 1, card(SelectionMode::KV, 16)).await;
     let mut w2 = start_prefill(&discovery, 2, card(SelectionMode::KV, 16)).await;
@@ -162,7 +156,7 @@ async fn pool_removal_and_return_scenario(discovery: Arc<dyn Discovery>) {
         r.status().lifecycle == Lifecycle::Unavailable
     })
     .await;
-    assert_eq!(watcher.view().borrow().target, None);
+    assert_eq!(topology.borrow().target, None);
     assert_eq!(fe.request(10).await.unwrap(), None, "pool gone: bypass");
 
     let _w1 = start_prefill(&discovery, 1, card(SelectionMode::KV, 16)).await;
@@ -176,9 +170,7 @@ async fn pool_removal_and_return_scenario(discovery: Arc<dyn Discovery>) {
         assert_eq!(fe.request(seed).await.unwrap(), Some(1));
     }
     assert_eq!(fe.outside_admission(), 0);
-    watcher.stopped().await;
-    fe.router.shutdown();
-    fe.feeds.cancel();
+    fe.hop.shutdown().await;
 }
 
 const TTL: Duration = Duration::from_secs(3);

@@ -6,16 +6,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prefill_router::advert::{DecodeDefaults, ModelCard, RouterConfig, SelectionMode};
-use prefill_router::binding::{DecodePool, DefaultBindingFactory, FactoryConfig};
+use prefill_router::binding::{DefaultBindingFactory, FactoryConfig};
 use prefill_router::discovery::{
     Discovery, EndpointId, FileConfig, FileDiscovery, Instance, InstanceId, Registration,
 };
 use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
-use prefill_router::push::{Dispatcher, PushConfig, PushMode, RoutableView};
+use prefill_router::push::PushConfig;
 use prefill_router::router::{PrefillRouter, PrefillRouterConfig};
 use prefill_router::transport::{serve, Engine, ServerConfig, ServerHandle};
+use prefill_router::{PrefillHop, PrefillHopConfig};
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 /// Bound on anything a test waits for (debug builds on a busy 2-core box).
 pub const WAIT: Duration = Duration::from_secs(15);
@@ -24,6 +24,12 @@ pub const DECODE_ID: InstanceId = 100;
 
 pub fn prefill_ep() -> EndpointId {
     EndpointId::new("e2e", "prefill", "generate")
+}
+
+/// A prefill endpoint the topology ignores (component `committed` is no worker kind): the
+/// committed-targets scenario points the router at it itself, as an external controller.
+pub fn committed_ep() -> EndpointId {
+    EndpointId::new("e2e", "committed", "generate")
 }
 
 pub fn decode_ep() -> EndpointId {
@@ -129,6 +135,16 @@ pub async fn start_prefill(
     start_worker(discovery, prefill_ep(), id, engine, card).await
 }
 
+/// A prefill worker on [`committed_ep`] (outside the watcher's topology).
+pub async fn start_committed(
+    discovery: &Arc<dyn Discovery>,
+    id: InstanceId,
+    card: ModelCard,
+) -> Worker {
+    let engine = MockPrefill::new(id, mock(card.kv_cache_block_size));
+    start_worker(discovery, committed_ep(), id, engine, card).await
+}
+
 pub async fn start_decode(discovery: &Arc<dyn Discovery>) -> Worker {
     let engine = MockDecode::new(DECODE_ID, mock(16));
     start_worker(
@@ -143,18 +159,20 @@ pub async fn start_decode(discovery: &Arc<dyn Discovery>) -> Worker {
 
 pub type Router = PrefillRouter<DefaultBindingFactory>;
 
-/// The frontend's two hops.
+/// The frontend: a [`PrefillHop`] on namespace `e2e` (its watcher, router and decode hop).
 pub struct Frontend {
+    pub hop: PrefillHop,
     pub router: Arc<Router>,
-    pub factory_stats: Arc<prefill_router::binding::BindingStats>,
-    pub decode: DecodePool,
-    pub feeds: CancellationToken,
 }
 
-pub async fn frontend(discovery: &Arc<dyn Discovery>) -> Frontend {
-    let factory = DefaultBindingFactory::new(
-        Arc::clone(discovery),
-        FactoryConfig {
+pub fn hop_config() -> PrefillHopConfig {
+    PrefillHopConfig {
+        router: PrefillRouterConfig {
+            name: "e2e".to_owned(),
+            build_timeout: Duration::from_secs(5),
+            ..PrefillRouterConfig::default()
+        },
+        factory: FactoryConfig {
             decode: DecodeDefaults {
                 router_mode: SelectionMode::RoundRobin,
                 kv_router_config: None,
@@ -166,37 +184,22 @@ pub async fn frontend(discovery: &Arc<dyn Discovery>) -> Frontend {
                 ..PushConfig::default()
             },
         },
-    );
-    let factory_stats = factory.stats();
-    let router = Arc::new(PrefillRouter::new(
-        factory,
-        PrefillRouterConfig {
-            name: "e2e".to_owned(),
-            build_timeout: Duration::from_secs(5),
-            ..PrefillRouterConfig::default()
-        },
-    ));
-    let feeds = CancellationToken::new();
-    let view = RoutableView::spawn(
-        discovery.watch(&decode_ep()).await.unwrap(),
-        None,
-        feeds.clone(),
-    );
-    // The decode worker is registered before the frontend starts: wait until the view has it.
-    tokio::time::timeout(WAIT, view.wait_for(|routable| !routable.is_empty()))
-        .await
-        .expect("the decode worker is discovered");
-    let decode = DecodePool::new(Dispatcher::new(
-        view,
-        PushMode::RoundRobin,
-        PushConfig::default(),
-    ));
-    Frontend {
-        router,
-        factory_stats,
-        decode,
-        feeds,
+        ..PrefillHopConfig::default()
     }
+}
+
+pub async fn frontend(discovery: &Arc<dyn Discovery>) -> Frontend {
+    let hop = PrefillHop::start(Arc::clone(discovery), "e2e", hop_config())
+        .await
+        .unwrap();
+    // The decode worker is registered before the frontend starts: wait until the hop has it.
+    let mut status = hop.subscribe();
+    tokio::time::timeout(WAIT, status.wait_for(|s| s.decode.is_some()))
+        .await
+        .expect("the decode set is discovered")
+        .unwrap();
+    let router = Arc::clone(hop.router());
+    Frontend { hop, router }
 }
 
 /// A prompt unlike any other (no shared prefix between calls).
@@ -211,7 +214,7 @@ impl Frontend {
     pub async fn request(&self, seed: u32) -> Result<Option<InstanceId>, String> {
         use futures_util::StreamExt;
         let request = prefill_router::transport::GenerateRequest::new(prompt(seed), 2);
-        let mut stream = tokio::time::timeout(WAIT, self.router.generate(request, &self.decode))
+        let mut stream = tokio::time::timeout(WAIT, self.hop.generate(request))
             .await
             .map_err(|_| "generate timed out".to_owned())?
             .map_err(|e| e.to_string())?;
@@ -237,13 +240,15 @@ impl Frontend {
     }
 
     pub fn built(&self) -> u64 {
-        self.factory_stats
+        self.hop
+            .binding_stats()
             .built
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn outside_admission(&self) -> u64 {
-        self.factory_stats
+        self.hop
+            .binding_stats()
             .outside_admission
             .load(std::sync::atomic::Ordering::Relaxed)
     }

@@ -1,8 +1,9 @@
 //! `prefill-router demo`: the story of a prefill pool, with traffic flowing.
 //!
 //! Everything runs in this process on loopback: a discovery store (a temporary directory, or
-//! etcd), mock prefill workers and a mock decode worker serving over TCP, and a frontend with
-//! a `PrefillRouter` fed by a `TopologyWatcher`. See `docs/demo.md`.
+//! etcd), mock prefill workers and a mock decode worker serving over TCP, and a frontend: one
+//! `PrefillHop` (topology watcher, prefill router, decode hop following the decode set). See
+//! `docs/demo.md`.
 
 mod cluster;
 mod report;
@@ -14,18 +15,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prefill_router::advert::{DecodeDefaults, SelectionMode};
-use prefill_router::binding::{BindingStats, DecodePool, DefaultBindingFactory, FactoryConfig};
+use prefill_router::binding::{BindingStats, FactoryConfig};
 use prefill_router::discovery::{Discovery, FileConfig, FileDiscovery, InstanceId};
+use prefill_router::hop::HopRouter;
 use prefill_router::lifecycle::Lifecycle;
 use prefill_router::mock::MockConfig;
-use prefill_router::push::{Dispatcher, PushConfig, PushMode, RoutableView};
-use prefill_router::router::{PrefillRouter, PrefillRouterConfig};
-use prefill_router::topology::TopologyWatcher;
+use prefill_router::push::PushConfig;
+use prefill_router::router::PrefillRouterConfig;
+use prefill_router::{PrefillHop, PrefillHopConfig};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::args::{CliError, Flags};
-use cluster::{decode_endpoint, prefill_card, Cluster, NAMESPACE};
+use cluster::{prefill_card, Cluster, NAMESPACE};
 use report::Row;
 use traffic::{converse, Frontend, Tally, TrafficShape, DECODE_IDS};
 
@@ -174,8 +176,8 @@ impl Stage {
         println!("[{:>5.1}s] ── {text}", self.started.elapsed().as_secs_f64());
     }
 
-    fn router(&self) -> &PrefillRouter<DefaultBindingFactory> {
-        &self.frontend.router
+    fn router(&self) -> &HopRouter {
+        self.frontend.hop.router()
     }
 
     async fn wait_for(
@@ -242,10 +244,15 @@ async fn demo(options: DemoOptions) -> Result<bool, DynError> {
         attempts: 3,
     };
 
-    // The frontend: a prefill router fed by the topology watcher, and the decode hop.
-    let factory = DefaultBindingFactory::new(
-        Arc::clone(&discovery),
-        FactoryConfig {
+    // The frontend: one PrefillHop (topology watcher, prefill router, decode hop following
+    // the namespace's decode set).
+    let config = PrefillHopConfig {
+        router: PrefillRouterConfig {
+            name: "demo".to_owned(),
+            build_timeout: Duration::from_secs(5),
+            ..PrefillRouterConfig::default()
+        },
+        factory: FactoryConfig {
             decode: DecodeDefaults {
                 router_mode: SelectionMode::RoundRobin,
                 kv_router_config: None,
@@ -257,30 +264,11 @@ async fn demo(options: DemoOptions) -> Result<bool, DynError> {
                 ..PushConfig::default()
             },
         },
-    );
-    let stats = factory.stats();
-    let router = Arc::new(PrefillRouter::new(
-        factory,
-        PrefillRouterConfig {
-            name: "demo".to_owned(),
-            build_timeout: Duration::from_secs(5),
-            ..PrefillRouterConfig::default()
-        },
-    ));
-    let watcher =
-        TopologyWatcher::start(Arc::clone(&discovery), NAMESPACE, Arc::clone(&router)).await?;
-    let feeds = CancellationToken::new();
-    let decode_view = RoutableView::spawn(
-        discovery.watch(&decode_endpoint()).await?,
-        None,
-        feeds.clone(),
-    );
-    let decode = DecodePool::new(Dispatcher::new(
-        decode_view,
-        PushMode::RoundRobin,
-        PushConfig::default(),
-    ));
-    let frontend = Arc::new(Frontend { router, decode });
+        ..PrefillHopConfig::default()
+    };
+    let hop = PrefillHop::start(Arc::clone(&discovery), NAMESPACE, config).await?;
+    let stats = Arc::clone(hop.binding_stats());
+    let frontend = Arc::new(Frontend { hop });
     let mut stage = Stage {
         cluster: Cluster::new(Arc::clone(&discovery)),
         frontend,
@@ -293,9 +281,7 @@ async fn demo(options: DemoOptions) -> Result<bool, DynError> {
 
     let result = story_and_compare(&mut stage, &shape).await;
     stage.cluster.stop_all().await;
-    watcher.stopped().await;
-    feeds.cancel();
-    stage.router().shutdown();
+    stage.frontend.hop.shutdown().await;
     let rows = result?;
 
     report::print(&rows);
@@ -343,7 +329,7 @@ fn spawn_status(stage: &Stage, stop: CancellationToken) -> tokio::task::JoinHand
                 () = stop.cancelled() => break,
                 _ = tick.tick() => {}
             }
-            let status = frontend.router.status();
+            let status = frontend.hop.router().status();
             let held = status
                 .held
                 .map_or_else(|| "-".to_owned(), |id| format!("gen {}", id.generation));
@@ -405,7 +391,7 @@ async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::S
     stage.cluster.start_decode(DECODE_IDS, &stage.mock).await?;
     stage
         .wait_for("the decode worker to be discovered", |s| {
-            !s.frontend.decode.router().view().routable().is_empty()
+            s.frontend.hop.decode().routable() > 0
         })
         .await?;
     stage.say("decode worker up, no prefill pool: requests bypass to decode");
@@ -502,7 +488,7 @@ async fn compare(
         .wait_for(&format!("the {mode} pool to be active"), |s| {
             let status = s.router().status();
             status.lifecycle == Lifecycle::Active
-                && s.frontend.router.route().binding().is_some_and(|b| {
+                && s.router().route().binding().is_some_and(|b| {
                     b.resolved().router_mode == mode && b.router().view().routable().len() == 3
                 })
         })

@@ -6,10 +6,9 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use parking_lot::Mutex;
-use prefill_router::binding::{DecodePool, DefaultBindingFactory};
 use prefill_router::discovery::InstanceId;
-use prefill_router::router::PrefillRouter;
 use prefill_router::transport::GenerateRequest;
+use prefill_router::PrefillHop;
 
 /// Instance ids at or above this are decode workers (a response prefilled there bypassed).
 pub const DECODE_IDS: InstanceId = 100;
@@ -74,10 +73,8 @@ impl Tally {
 
 /// The frontend the traffic goes through.
 pub struct Frontend {
-    /// The prefill hop.
-    pub router: Arc<PrefillRouter<DefaultBindingFactory>>,
-    /// The decode hop.
-    pub decode: DecodePool,
+    /// Both hops: the topology watcher, the prefill router and the decode hop.
+    pub hop: PrefillHop,
 }
 
 /// A tiny deterministic generator (splitmix64), so both routing modes see the same tokens.
@@ -176,8 +173,8 @@ async fn once(frontend: &Frontend, request: GenerateRequest) -> Result<(Sample, 
     let start = Instant::now();
     let prompt_tokens = request.token_ids.len();
     let mut stream = frontend
-        .router
-        .generate(request, &frontend.decode)
+        .hop
+        .generate(request)
         .await
         .map_err(|e| e.to_string())?;
     let mut tokens = Vec::new();

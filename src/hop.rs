@@ -1,0 +1,288 @@
+//! [`PrefillHop`]: the one handle a frontend embeds (feature `runtime`).
+//!
+//! It owns what a frontend otherwise wires by hand: the [`TopologyWatcher`] of a namespace,
+//! the [`PrefillRouter`] with the [`DefaultBindingFactory`], and a decode hop that follows the
+//! topology's decode set (when the decode endpoint changes, the decode dispatcher follows).
+//!
+//! ```no_run
+//! # async fn example(discovery: std::sync::Arc<dyn prefill_router::discovery::Discovery>)
+//! # -> Result<(), Box<dyn std::error::Error>> {
+//! use prefill_router::{PrefillHop, PrefillHopConfig};
+//! use prefill_router::transport::GenerateRequest;
+//! use futures_util::StreamExt;
+//!
+//! let hop = PrefillHop::start(discovery, "demo", PrefillHopConfig::default()).await?;
+//! let mut stream = hop.generate(GenerateRequest::new(vec![1, 2, 3], 4)).await?;
+//! while let Some(response) = stream.next().await {
+//!     println!("{:?}", response?.token_ids);
+//! }
+//! hop.shutdown().await; // watcher, then router, then decode feeds
+//! # Ok(()) }
+//! ```
+//!
+//! Readiness ([`PrefillHop::ready`]): a request would be served when a decode set is present
+//! (and its dispatcher built) and either the prefill hop is Active or the fallback policy lets
+//! a request bypass to decode. See `docs/frontend.md`.
+//!
+//! The lower-level types stay public for frontends that need another arrangement.
+
+mod decode;
+mod status;
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::advert::{DecodeDefaults, SelectionMode};
+use crate::binding::{BindingStats, DefaultBindingFactory, FactoryConfig};
+use crate::discovery::{Discovery, DiscoveryError};
+use crate::push::{PushConfig, PushMode};
+use crate::router::{DecodeStream, GenerateError, PrefillRouter, PrefillRouterConfig};
+use crate::snapshot::BypassReason;
+use crate::topology::{TopologyView, TopologyWatcher};
+use crate::transport::GenerateRequest;
+
+pub use decode::FollowingDecode;
+pub use status::{HopStatus, NotReady, Readiness};
+
+/// Everything [`PrefillHop::start`] needs besides discovery and the namespace.
+#[derive(Clone, Debug)]
+pub struct PrefillHopConfig {
+    /// The prefill router (its name, build timeout, retry, and the fallback policy while the
+    /// hop is not Active).
+    pub router: PrefillRouterConfig,
+    /// The binding factory: decode defaults the prefill cards inherit, and the prefill
+    /// dispatchers' push settings.
+    pub factory: FactoryConfig,
+    /// How the decode dispatcher picks a decode worker.
+    pub decode_mode: PushMode,
+    /// The decode dispatcher's settings (request deadline, client, health backoff).
+    pub decode_push: PushConfig,
+    /// How long a new decode dispatcher may take to discover its first instance before it is
+    /// used anyway (its requests then fail fast with `NoRoutableInstances` until it does).
+    pub decode_catch_up: Duration,
+}
+
+impl Default for PrefillHopConfig {
+    fn default() -> Self {
+        PrefillHopConfig {
+            router: PrefillRouterConfig::default(),
+            factory: FactoryConfig {
+                decode: DecodeDefaults {
+                    router_mode: SelectionMode::RoundRobin,
+                    block_size: 16,
+                    ..DecodeDefaults::default()
+                },
+                push: PushConfig::default(),
+            },
+            decode_mode: PushMode::RoundRobin,
+            decode_push: PushConfig::default(),
+            decode_catch_up: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Why [`PrefillHop::start`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HopStartError {
+    /// The namespace watch could not be opened.
+    #[error("watching the namespace: {0}")]
+    Discovery(#[from] DiscoveryError),
+}
+
+/// The router type a [`PrefillHop`] owns.
+pub type HopRouter = PrefillRouter<DefaultBindingFactory>;
+
+/// The prefill hop of one namespace: topology watcher, prefill router and decode hop in one
+/// handle. Share it behind an `Arc`; every method takes `&self`.
+///
+/// Dropping it stops everything without waiting; [`shutdown`](Self::shutdown) stops in order
+/// and waits.
+pub struct PrefillHop {
+    router: Arc<HopRouter>,
+    stats: Arc<BindingStats>,
+    decode: Arc<FollowingDecode>,
+    watcher: parking_lot::Mutex<Option<TopologyWatcher>>,
+    topology: watch::Receiver<TopologyView>,
+    status: watch::Sender<HopStatus>,
+    shut_down: Arc<AtomicBool>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl std::fmt::Debug for PrefillHop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillHop")
+            .field("status", &self.status())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PrefillHop {
+    /// Watch `namespace` in `discovery` and serve its prefill hop: the watcher points the
+    /// router at the namespace's prefill set, and the decode hop follows its decode set.
+    /// Must be called within a tokio runtime.
+    pub async fn start(
+        discovery: Arc<dyn Discovery>,
+        namespace: &str,
+        config: PrefillHopConfig,
+    ) -> Result<Self, HopStartError> {
+        let factory = DefaultBindingFactory::new(Arc::clone(&discovery), config.factory.clone());
+        let stats = factory.stats();
+        let router = Arc::new(PrefillRouter::new(factory, config.router.clone()));
+        let watcher =
+            TopologyWatcher::start(Arc::clone(&discovery), namespace, Arc::clone(&router)).await?;
+        let topology = watcher.view();
+        let cancel = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let decode = Arc::new(FollowingDecode::new(
+            config.decode_mode.clone(),
+            config.decode_push.clone(),
+        ));
+        let (decode_changed_tx, decode_changed) = watch::channel(());
+        tracker.spawn(decode::follow(
+            Arc::clone(&decode),
+            discovery,
+            topology.clone(),
+            config.decode_catch_up,
+            cancel.clone(),
+            decode_changed_tx,
+        ));
+        let shut_down = Arc::new(AtomicBool::new(false));
+        let fallback = config.router.fallback;
+        let initial = status::compute(
+            &router,
+            &topology.borrow(),
+            decode.endpoint(),
+            fallback,
+            false,
+        );
+        let status = watch::Sender::new(initial);
+        tracker.spawn(status::publish(
+            Arc::clone(&router),
+            topology.clone(),
+            decode_changed,
+            Arc::clone(&decode),
+            fallback,
+            status.clone(),
+            cancel.clone(),
+        ));
+        tracker.close();
+        tracing::info!(namespace, "prefill hop started");
+        Ok(PrefillHop {
+            router,
+            stats,
+            decode,
+            watcher: parking_lot::Mutex::new(Some(watcher)),
+            topology,
+            status,
+            shut_down,
+            cancel,
+            tracker,
+        })
+    }
+
+    /// Serve one request through both hops (prefill on the active binding, then decode; or the
+    /// fallback policy while the hop is not Active). Dropping the returned stream cancels the
+    /// request at the worker serving it.
+    ///
+    /// After [`shutdown`](Self::shutdown) every request fails with
+    /// [`GenerateError::NotActivated`] (reason `shut_down`).
+    pub async fn generate(&self, request: GenerateRequest) -> Result<DecodeStream, GenerateError> {
+        if self.shut_down.load(Ordering::Acquire) {
+            return Err(GenerateError::NotActivated {
+                reason: BypassReason::ShutDown,
+            });
+        }
+        self.router.generate(request, &*self.decode).await
+    }
+
+    /// The hop's status now (lifecycle, targets, decode endpoint, readiness).
+    pub fn status(&self) -> HopStatus {
+        status::compute(
+            &self.router,
+            &self.topology.borrow(),
+            self.decode.endpoint(),
+            self.router.config().fallback,
+            self.shut_down.load(Ordering::Acquire),
+        )
+    }
+
+    /// Whether a request arriving now would be served, and if not why.
+    pub fn ready(&self) -> Readiness {
+        self.status().readiness
+    }
+
+    /// The status as a watch channel: the current value, then every change (lifecycle,
+    /// prefill target, decode endpoint, readiness, shutdown).
+    pub fn subscribe(&self) -> watch::Receiver<HopStatus> {
+        self.status.subscribe()
+    }
+
+    /// The prefill router (for its detailed [`status`](PrefillRouter::status), its
+    /// [`route`](PrefillRouter::route), or its metrics).
+    pub fn router(&self) -> &Arc<HopRouter> {
+        &self.router
+    }
+
+    /// The counters of every prefill binding the hop built.
+    pub fn binding_stats(&self) -> &Arc<BindingStats> {
+        &self.stats
+    }
+
+    /// The decode hop (follows the topology's decode set).
+    pub fn decode(&self) -> &Arc<FollowingDecode> {
+        &self.decode
+    }
+
+    /// The topology as last published by the watcher.
+    pub fn topology(&self) -> watch::Receiver<TopologyView> {
+        self.topology.clone()
+    }
+
+    /// Register the router's Prometheus metrics in `registry`
+    /// ([`PrefillRouter::register_metrics`]).
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.router.register_metrics(registry);
+    }
+
+    /// Stop in order and wait: (1) the topology watcher (no retarget after this), (2) the
+    /// prefill router (build and retry cancelled, binding retired; requests holding it finish
+    /// on it) and its tasks, (3) the decode follower and its discovery feed. Idempotent.
+    /// Requests arriving meanwhile fail with `NotActivated` (`shut_down`).
+    pub async fn shutdown(&self) {
+        if self.shut_down.swap(true, Ordering::AcqRel) {
+            self.tracker.wait().await;
+            return;
+        }
+        let watcher = self.watcher.lock().take();
+        if let Some(watcher) = watcher {
+            watcher.stopped().await;
+        }
+        self.router.shutdown();
+        self.router.terminated().await;
+        self.cancel.cancel();
+        self.tracker.wait().await;
+        self.decode.clear();
+        self.status.send_replace(self.status());
+        tracing::info!("prefill hop shut down");
+    }
+}
+
+impl Drop for PrefillHop {
+    fn drop(&mut self) {
+        self.shut_down.store(true, Ordering::Release);
+        if let Some(watcher) = self.watcher.get_mut().take() {
+            watcher.shutdown();
+        }
+        self.router.shutdown();
+        self.cancel.cancel();
+    }
+}

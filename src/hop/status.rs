@@ -1,0 +1,156 @@
+//! What [`PrefillHop::status`](super::PrefillHop::status) reports and the task publishing it.
+
+use std::fmt;
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::decode::FollowingDecode;
+use super::HopRouter;
+use crate::discovery::EndpointId;
+use crate::lifecycle::Lifecycle;
+use crate::router::{AfterWait, FallbackPolicy, WorkerSetTargetId};
+use crate::topology::TopologyView;
+
+/// Why a request arriving now would not be served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NotReady {
+    /// The namespace has no single decode set (none, or several), or its dispatcher is not
+    /// built yet.
+    NoDecodeSet,
+    /// The prefill hop is not Active and the fallback policy does not let requests bypass.
+    PrefillNotActive {
+        /// The prefill hop's lifecycle.
+        lifecycle: Lifecycle,
+    },
+    /// The hop was shut down.
+    ShutDown,
+}
+
+impl fmt::Display for NotReady {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotReady::NoDecodeSet => f.write_str("no decode set"),
+            NotReady::PrefillNotActive { lifecycle } => write!(
+                f,
+                "prefill not active ({lifecycle}) and the fallback policy forbids bypass"
+            ),
+            NotReady::ShutDown => f.write_str("shut down"),
+        }
+    }
+}
+
+/// Whether a request arriving now would be served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Readiness {
+    /// It would be (through prefill, or bypassing to decode as the policy allows).
+    Ready,
+    /// It would not, for this reason.
+    NotReady(NotReady),
+}
+
+impl Readiness {
+    /// Whether it is [`Readiness::Ready`].
+    pub fn is_ready(self) -> bool {
+        self == Readiness::Ready
+    }
+}
+
+/// A picture of the hop (small: it is what [`subscribe`](super::PrefillHop::subscribe) sends).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HopStatus {
+    /// The prefill router's published lifecycle.
+    pub lifecycle: Lifecycle,
+    /// The prefill target the topology gives, if any.
+    pub target: Option<WorkerSetTargetId>,
+    /// The decode endpoint the decode hop follows, if any.
+    pub decode: Option<EndpointId>,
+    /// Whether a request would be served now.
+    pub readiness: Readiness,
+    /// Whether the hop was shut down.
+    pub shut_down: bool,
+}
+
+/// Whether the policy serves requests (by bypassing to decode) while the hop is not Active.
+pub(crate) fn allows_bypass(policy: FallbackPolicy) -> bool {
+    match policy {
+        FallbackPolicy::Decode => true,
+        FallbackPolicy::Reject => false,
+        FallbackPolicy::WaitUpTo { then, .. } => then == AfterWait::Decode,
+    }
+}
+
+/// The readiness rule.
+pub(crate) fn readiness(
+    lifecycle: Lifecycle,
+    decode: bool,
+    policy: FallbackPolicy,
+    shut_down: bool,
+) -> Readiness {
+    if shut_down {
+        Readiness::NotReady(NotReady::ShutDown)
+    } else if !decode {
+        Readiness::NotReady(NotReady::NoDecodeSet)
+    } else if lifecycle == Lifecycle::Active || allows_bypass(policy) {
+        Readiness::Ready
+    } else {
+        Readiness::NotReady(NotReady::PrefillNotActive { lifecycle })
+    }
+}
+
+pub(crate) fn compute(
+    router: &HopRouter,
+    topology: &TopologyView,
+    decode: Option<EndpointId>,
+    policy: FallbackPolicy,
+    shut_down: bool,
+) -> HopStatus {
+    let status = router.status();
+    let shut_down = shut_down || status.shut_down;
+    HopStatus {
+        lifecycle: status.lifecycle,
+        target: topology.target.clone(),
+        readiness: readiness(status.lifecycle, decode.is_some(), policy, shut_down),
+        decode,
+        shut_down,
+    }
+}
+
+/// Republish the status on every lifecycle, topology or decode change, until `cancel`.
+pub(crate) async fn publish(
+    router: Arc<HopRouter>,
+    mut topology: watch::Receiver<TopologyView>,
+    mut decode_changed: watch::Receiver<()>,
+    decode: Arc<FollowingDecode>,
+    policy: FallbackPolicy,
+    status: watch::Sender<HopStatus>,
+    cancel: CancellationToken,
+) {
+    let mut lifecycle = router.subscribe();
+    loop {
+        lifecycle.borrow_and_update();
+        topology.borrow_and_update();
+        decode_changed.borrow_and_update();
+        let next = compute(
+            &router,
+            &topology.borrow(),
+            decode.endpoint(),
+            policy,
+            false,
+        );
+        status.send_if_modified(|s| {
+            let changed = *s != next;
+            *s = next;
+            changed
+        });
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            r = lifecycle.changed() => if r.is_err() { break },
+            r = topology.changed() => if r.is_err() { break },
+            r = decode_changed.changed() => if r.is_err() { break },
+        }
+    }
+}
