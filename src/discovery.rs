@@ -34,6 +34,8 @@ mod file;
 #[cfg(feature = "runtime")]
 mod memory;
 #[cfg(feature = "runtime")]
+mod reach;
+#[cfg(feature = "runtime")]
 mod store;
 
 #[cfg(feature = "runtime")]
@@ -44,6 +46,8 @@ pub use etcd::{EtcdConfig, EtcdDiscovery};
 pub use file::{FileConfig, FileDiscovery};
 #[cfg(feature = "runtime")]
 pub use memory::{MemoryConfig, MemoryDiscovery};
+#[cfg(feature = "runtime")]
+pub use reach::StoreStatus;
 
 /// A served endpoint: `namespace/component/endpoint`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
