@@ -15,7 +15,7 @@ mod kv;
 mod view;
 
 pub use dispatcher::{Dispatcher, PushConfig, PushMode, RoutedStream, Selection};
-pub use error::PushError;
+pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 #[cfg(feature = "sim")]
 pub(crate) use kv::mix;
