@@ -15,8 +15,8 @@ use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::hooks::FactoryHooks;
 use crate::push::{Dispatcher, PushConfig, PushMode, RoutableView};
 use crate::router::{
-    BindingFactory, BuildError, Prefill, PrefillError, PrefillOutcome, WorkerSetTarget,
-    WorkerSetTargetId,
+    BindingFactory, BindingHealth, BuildError, Prefill, PrefillError, PrefillOutcome,
+    WorkerSetTarget, WorkerSetTargetId,
 };
 use crate::transport::GenerateRequest;
 
@@ -44,6 +44,9 @@ pub struct BindingStats {
     pub outside_admission: AtomicU64,
     /// Builds that completed.
     pub built: AtomicU64,
+    /// Prefills retried on another worker, by failure class (every binding's dispatcher counts
+    /// here).
+    pub retries: Arc<crate::push::RetryCounts>,
 }
 
 /// Builds [`PrefillBinding`]s over a discovery backend and dispatchers.
@@ -139,7 +142,8 @@ impl DefaultBindingFactory {
         view.wait_for(|routable| !routable.is_empty()).await;
         // 4. The dispatcher in the resolved mode and block size.
         let mode = PushMode::from_prefill_config(&resolved, None);
-        let router = Dispatcher::new(view, mode, self.config.push.clone());
+        let router = Dispatcher::new(view, mode, self.config.push.clone())
+            .with_retry_counts(Arc::clone(&self.stats.retries));
         // 5. The resolved configuration, once per activation (upstream's log line).
         tracing::info!(
             prefill_router_mode = %resolved.router_mode,
@@ -234,6 +238,13 @@ impl Prefill for PrefillBinding {
             PrefillOutcome::collect(worker, stream).await
         }
         .boxed()
+    }
+
+    fn health(&self) -> BindingHealth {
+        BindingHealth::new(
+            self.router.view().open_breakers(),
+            self.router.retry_counts().snapshot(),
+        )
     }
 }
 

@@ -90,7 +90,10 @@ fn failure_class_labels_are_distinct_snake_case() {
     let labels: std::collections::BTreeSet<&str> =
         FailureClass::ALL.iter().map(|c| c.as_str()).collect();
     assert_eq!(labels.len(), FailureClass::ALL.len());
-    assert_eq!(FailureClass::ConnectionRefused.as_str(), "connection_refused");
+    assert_eq!(
+        FailureClass::ConnectionRefused.as_str(),
+        "connection_refused"
+    );
     assert_eq!(FailureClass::ConnectionReset.as_str(), "connection_reset");
     assert_eq!(FailureClass::StreamDead.as_str(), "stream_dead");
     assert_eq!(FailureClass::Rejected.as_str(), "rejected");

@@ -337,7 +337,9 @@ impl Dispatcher {
                 request.clone()
             }
             .unwrap_or_default();
-            let failure = match self.dispatch_classified(instance, overlap, this, deadline).await
+            let failure = match self
+                .dispatch_classified(instance, overlap, this, deadline)
+                .await
             {
                 Ok(stream) if last => return Ok(stream),
                 Ok(mut stream) => match stream.peek().await {

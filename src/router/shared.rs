@@ -108,6 +108,12 @@ impl<F: BindingFactory> Shared<F> {
 
 impl<F: BindingFactory> StatusSource for Shared<F> {
     fn status(&self) -> RouterStatus {
+        let health = self
+            .control
+            .route()
+            .binding()
+            .map(|b| crate::router::Prefill::health(&**b))
+            .unwrap_or_default();
         let c = self.control.status();
         let mut counters = RouterCounters::default();
         self.tally.fill(&mut counters);
@@ -128,6 +134,7 @@ impl<F: BindingFactory> StatusSource for Shared<F> {
             shut_down: c.shut_down,
             epoch: c.epoch,
             counters,
+            health,
         }
     }
 }

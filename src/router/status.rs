@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::legs::BindingHealth;
 use super::target::WorkerSetTargetId;
 use crate::lifecycle::{BuildId, Lifecycle};
 use crate::snapshot::BypassReason;
@@ -84,6 +85,9 @@ pub struct RouterStatus {
     pub epoch: u64,
     /// Counters since creation.
     pub counters: RouterCounters,
+    /// The health of the workers of the binding serving now ([`super::Prefill::health`]);
+    /// empty while the hop is not Active.
+    pub health: BindingHealth,
 }
 
 /// Lock-free counters kept by the driver and the request path.
