@@ -12,6 +12,8 @@ mod dispatcher;
 mod error;
 mod health;
 mod kv;
+#[cfg(test)]
+mod retry_tests;
 mod view;
 
 pub use dispatcher::{Dispatcher, PushConfig, PushMode, RoutedStream, Selection};

@@ -338,6 +338,55 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn binding_health_reports_the_open_breaker_and_the_retry_it_caused() {
+        let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
+        let endpoint = EndpointId::new("t", "prefill", "generate");
+        let (w1, _r1) = prefill_worker(&discovery, &endpoint, 1).await;
+        let _w2 = prefill_worker(&discovery, &endpoint, 2).await;
+        let factory = DefaultBindingFactory::new(Arc::clone(&discovery), FactoryConfig::default());
+        let (_admit, admitted) = watch::channel(BTreeSet::from([1, 2]));
+        let target = WorkerSetTarget::new(
+            WorkerSetTargetId::new("t/prefill/generate", 1),
+            endpoint,
+            Arc::new(rr_card()),
+            admitted,
+        );
+        let binding = tokio::time::timeout(
+            Duration::from_secs(10),
+            factory.build(target, CancellationToken::new()),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            binding.router().view().wait_for(|r| r.len() == 2),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            binding.health(),
+            BindingHealth::default().with_zero_retries()
+        );
+        // Worker 1 stops (its registration stays): the next prefills all succeed on worker 2,
+        // one of them after a retry that opened worker 1's breaker.
+        w1.stop().await;
+        for i in 0..6u32 {
+            let outcome = binding
+                .prefill(GenerateRequest::new(vec![i; 20], 1))
+                .await
+                .unwrap();
+            assert_eq!(outcome.worker, 2);
+        }
+        let health = binding.health();
+        assert_eq!(health.open_breakers, 1);
+        let refused = health.retries[&crate::health::FailureClass::ConnectionRefused];
+        let reset = health.retries[&crate::health::FailureClass::ConnectionReset];
+        assert_eq!(refused + reset, 1, "{health:?}");
+        assert_eq!(factory.stats().retries.total(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn prefills_stay_inside_the_admission_set() {
         let stats = prefill_with(false).await;
         assert_eq!(stats.dispatched.load(Ordering::Relaxed), 10);

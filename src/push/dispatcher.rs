@@ -301,8 +301,9 @@ impl Dispatcher {
     /// error) whose class may be retried elsewhere ([`FailureClass::retry_elsewhere`]) is
     /// retried on a different routable worker (the mode's next-best pick, never one the
     /// request already failed on), at most [`PushConfig::retry_budget`] times and never past
-    /// the deadline. While a retry may follow, the call waits for the first response before
-    /// returning the stream; once a response arrived, nothing is retried. A request tried
+    /// the deadline. With a budget above 0 the call waits for the first response before
+    /// returning the stream (a first-item error is returned by this call); once a response
+    /// arrived, nothing is retried. A request tried
     /// once fails with its own error; after retries, with [`PushError::Exhausted`] listing
     /// every attempt. `Direct` mode never retries.
     pub async fn generate(&self, request: GenerateRequest) -> Result<RoutedStream, PushError> {
@@ -341,7 +342,8 @@ impl Dispatcher {
                 .dispatch_classified(instance, overlap, this, deadline)
                 .await
             {
-                Ok(stream) if last => return Ok(stream),
+                // Every attempt reads its first item ahead, the last one too: a request that was
+                // retried ends with one error listing its attempts, never a stream error.
                 Ok(mut stream) => match stream.peek().await {
                     None => return Ok(stream),
                     Some((error, class)) => (error, class),

@@ -178,6 +178,17 @@ impl BindingHealth {
     }
 }
 
+#[cfg(test)]
+impl BindingHealth {
+    /// This report with a zero count for every failure class (as a dispatcher reports).
+    pub(crate) fn with_zero_retries(mut self) -> Self {
+        for class in FailureClass::ALL {
+            self.retries.entry(class).or_insert(0);
+        }
+        self
+    }
+}
+
 /// The decode hop (the decode pool's dispatcher).
 pub trait Decode: Send + Sync {
     /// Decode `request` (original `max_tokens`; `handoff` set from `prefill` when there was a
