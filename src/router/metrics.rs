@@ -21,6 +21,7 @@
 //! | `bypassed_total{reason}` | counter | requests sent to decode without prefill |
 //! | `rejected_total{reason}` | counter | requests rejected with `NotActivated` |
 //! | `waited_total` | counter | requests that waited for activation |
+//! | `drained_total` | counter | prefills cut off by the drain cap after their binding was retired |
 //! | `open_breakers` | gauge | the serving binding's instances whose health breaker is open (0 when not Active) |
 //! | `prefill_retries_total{class}` | counter | prefills retried on another worker, by the failure's class (the serving binding's; the default factory's bindings share one count) |
 
@@ -189,6 +190,12 @@ impl Collector for RouterCollector {
             &c.rejected,
         )?;
         counter(e, "waited", "Requests that waited for activation", c.waited)?;
+        counter(
+            e,
+            "drained",
+            "Prefills cut off by the drain cap after their binding was retired",
+            c.drained,
+        )?;
         gauge(
             e,
             "open_breakers",

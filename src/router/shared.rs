@@ -41,6 +41,8 @@ pub(crate) struct Shared<F: BindingFactory> {
     pub(crate) announced: watch::Sender<Announced>,
     /// The public lifecycle channel (`subscribe`).
     pub(crate) lifecycle: watch::Sender<Lifecycle>,
+    /// Retirements so far (bumped by `announce`), for requests under a drain cap.
+    pub(crate) retirements: watch::Sender<u64>,
     /// Root of every token the router hands out; cancelled by shutdown and Drop.
     pub(crate) cancel: CancellationToken,
     /// Every task the router spawns (driver, builds).
@@ -72,6 +74,14 @@ impl<F: BindingFactory> Shared<F> {
     /// older state than the cell (reading first and sending after could store a stale value
     /// last).
     pub(crate) fn announce(&self) {
+        if self.config.drain_cap.is_some() {
+            let retired = self.control.retired_count();
+            self.retirements.send_if_modified(|seen| {
+                let changed = *seen != retired;
+                *seen = retired;
+                changed
+            });
+        }
         let mut transition = None;
         self.announced.send_if_modified(|last| {
             let snapshot = self.control.load();

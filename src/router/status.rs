@@ -55,6 +55,8 @@ pub struct RouterCounters {
     pub rejected: BTreeMap<BypassReason, u64>,
     /// Requests that waited for activation (policy `WaitUpTo`).
     pub waited: u64,
+    /// Prefills cut off by the drain cap after their binding was retired.
+    pub drained: u64,
 }
 
 /// A picture of the router, for status pages and tests.
@@ -99,6 +101,7 @@ pub(crate) struct Tally {
     pub(crate) prefilled: AtomicU64,
     pub(crate) prefill_errors: AtomicU64,
     pub(crate) waited: AtomicU64,
+    pub(crate) drained: AtomicU64,
     bypassed: [AtomicU64; 5],
     rejected: [AtomicU64; 5],
 }
@@ -126,6 +129,7 @@ impl Tally {
         out.prefilled = get(&self.prefilled);
         out.prefill_errors = get(&self.prefill_errors);
         out.waited = get(&self.waited);
+        out.drained = get(&self.drained);
         out.bypassed = REASONS
             .iter()
             .map(|r| (*r, get(&self.bypassed[reason_index(*r)])))
