@@ -3,7 +3,9 @@
 //! multi-turn workload, and selection cost with 64 workers.
 //!
 //! `cargo bench --bench push -- --warm-up-time 1 --measurement-time 3`
-//! The two tables print first; criterion then times the selection paths.
+//! The two tables print first; criterion then times the selection paths and the health
+//! overhead (`health_overhead/*`: a loopback round trip with retries on, the default, and off;
+//! `select_64_workers/round_robin_8_open`: a pick with 8 breakers open).
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;
@@ -424,6 +426,22 @@ fn selection(c: &mut Criterion) {
     group.bench_function("round_robin", |b| {
         b.iter(|| black_box(rr_router.select(&requests[0]).expect("pick")))
     });
+    // The same pick with 8 of the 64 breakers open (nothing listens at those addresses, so
+    // their probes keep failing): the breakers are consulted when the routable set is rebuilt,
+    // not per request.
+    let open_view = RoutableView::spawn(stream::pending(), None, CancellationToken::new());
+    for id in 0..64 {
+        let addr: SocketAddr = ([127, 0, 0, 1], 10_000 + id as u16).into();
+        open_view.apply(InstanceEvent::Added(instance(id, addr)));
+    }
+    for id in 0..8 {
+        open_view.report_failure(id, prefill_router::health::FailureClass::ConnectionRefused);
+    }
+    assert_eq!(open_view.routable().len(), 56);
+    let open_router = Dispatcher::new(open_view, PushMode::RoundRobin, PushConfig::default());
+    group.bench_function("round_robin_8_open", |b| {
+        b.iter(|| black_box(open_router.select(&requests[0]).expect("pick")))
+    });
     let mut selector = KvSelector::new(16, &KvRouterConfig::default(), 1 << 20);
     for (n, p) in prompts.iter().enumerate() {
         selector.record(&block_hashes(p, 16), n as u64 % 64);
@@ -444,6 +462,45 @@ fn selection(c: &mut Criterion) {
     println!("(selection requests average {mean_blocks:.0} blocks of 16 tokens)");
 }
 
+/// A loopback round trip through `Dispatcher::generate` with the default retry budget (2: the
+/// call reads the first response ahead and keeps a copy of the request) and with retries off,
+/// timed side by side.
+fn health_overhead(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
+    let (with_retry, without) = rt.block_on(async {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let worker = serve(listener, Arc::new(OneShot), ServerConfig::default()).expect("serve");
+        let addr = worker.local_addr();
+        std::mem::forget(worker); // lives for the whole bench process
+        let view = RoutableView::spawn(stream::pending(), None, CancellationToken::new());
+        view.apply(InstanceEvent::Added(instance(1, addr)));
+        let with_retry = Dispatcher::new(view.clone(), PushMode::RoundRobin, PushConfig::default());
+        let without = Dispatcher::new(
+            view,
+            PushMode::RoundRobin,
+            PushConfig {
+                retry_budget: 0,
+                ..PushConfig::default()
+            },
+        );
+        (with_retry, without)
+    });
+    let mut group = c.benchmark_group("health_overhead");
+    for (name, router) in [
+        ("retry_budget_2", &with_retry),
+        ("retry_budget_0", &without),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                rt.block_on(async {
+                    let mut s = router.generate(request()).await.expect("routed");
+                    black_box(s.next().await.expect("item").expect("ok"))
+                })
+            })
+        });
+    }
+    group.finish();
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -454,5 +511,6 @@ fn main() {
     hit_rate_table();
     let mut c = Criterion::default().configure_from_args();
     selection(&mut c);
+    health_overhead(&mut c, &rt);
     c.final_summary();
 }

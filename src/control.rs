@@ -230,6 +230,21 @@ where
         self.step(Input::Shutdown, None, None)
     }
 
+    /// Whether `binding` is the held binding (serving when Active, kept for reuse otherwise).
+    /// A binding that was published and is no longer held was retired. Takes the lock.
+    pub fn holds(&self, binding: &Arc<B>) -> bool {
+        self.inner
+            .lock()
+            .held
+            .as_ref()
+            .is_some_and(|(_, held)| Arc::ptr_eq(held, binding))
+    }
+
+    /// Held bindings retired so far (the `retired` counter). Takes the lock.
+    pub fn retired_count(&self) -> u64 {
+        self.inner.lock().counters.retired
+    }
+
     /// The current snapshot, pinned by a guard: one lock-free load, no `Arc` clone. Use it for
     /// the routing decision; do not hold it across an `.await`.
     #[inline]

@@ -92,6 +92,35 @@ impl FailureClass {
     }
 }
 
+impl FailureClass {
+    /// Whether a request that failed this way, before the worker produced any output, may be
+    /// tried again on a different worker: yes when the worker or the link is gone, or the
+    /// worker is busy (another may not be); no when the request is at fault (a malformed or
+    /// too large request fails everywhere) or its deadline passed (a retry could only end
+    /// later than the caller allowed).
+    pub fn retry_elsewhere(self) -> bool {
+        matches!(
+            self,
+            FailureClass::ConnectionRefused
+                | FailureClass::ConnectionReset
+                | FailureClass::StreamDead
+                | FailureClass::Overloaded
+        )
+    }
+
+    /// A short, stable, lower-case label (metrics and logs).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureClass::ConnectionRefused => "connection_refused",
+            FailureClass::ConnectionReset => "connection_reset",
+            FailureClass::StreamDead => "stream_dead",
+            FailureClass::Rejected => "rejected",
+            FailureClass::Deadline => "deadline",
+            FailureClass::Overloaded => "overloaded",
+        }
+    }
+}
+
 impl fmt::Display for FailureClass {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

@@ -12,10 +12,12 @@ mod dispatcher;
 mod error;
 mod health;
 mod kv;
+#[cfg(test)]
+mod retry_tests;
 mod view;
 
 pub use dispatcher::{Dispatcher, PushConfig, PushMode, RoutedStream, Selection};
-pub use error::PushError;
+pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 #[cfg(feature = "sim")]
 pub(crate) use kv::mix;

@@ -27,8 +27,8 @@ pub use error::{GenerateError, WaitError};
 pub use fallback::{AfterWait, FallbackPolicy};
 pub use handle::PrefillRouter;
 pub use legs::{
-    BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
-    PrefillOutcome,
+    BindingFactory, BindingHealth, BuildError, Decode, DecodeError, DecodeStream, Prefill,
+    PrefillError, PrefillOutcome,
 };
 pub use status::{RouterCounters, RouterStatus};
 pub use target::{WorkerSetTarget, WorkerSetTargetId};

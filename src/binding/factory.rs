@@ -15,8 +15,8 @@ use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::hooks::FactoryHooks;
 use crate::push::{Dispatcher, PushConfig, PushMode, RoutableView};
 use crate::router::{
-    BindingFactory, BuildError, Prefill, PrefillError, PrefillOutcome, WorkerSetTarget,
-    WorkerSetTargetId,
+    BindingFactory, BindingHealth, BuildError, Prefill, PrefillError, PrefillOutcome,
+    WorkerSetTarget, WorkerSetTargetId,
 };
 use crate::transport::GenerateRequest;
 
@@ -44,6 +44,9 @@ pub struct BindingStats {
     pub outside_admission: AtomicU64,
     /// Builds that completed.
     pub built: AtomicU64,
+    /// Prefills retried on another worker, by failure class (every binding's dispatcher counts
+    /// here).
+    pub retries: Arc<crate::push::RetryCounts>,
 }
 
 /// Builds [`PrefillBinding`]s over a discovery backend and dispatchers.
@@ -139,7 +142,8 @@ impl DefaultBindingFactory {
         view.wait_for(|routable| !routable.is_empty()).await;
         // 4. The dispatcher in the resolved mode and block size.
         let mode = PushMode::from_prefill_config(&resolved, None);
-        let router = Dispatcher::new(view, mode, self.config.push.clone());
+        let router = Dispatcher::new(view, mode, self.config.push.clone())
+            .with_retry_counts(Arc::clone(&self.stats.retries));
         // 5. The resolved configuration, once per activation (upstream's log line).
         tracing::info!(
             prefill_router_mode = %resolved.router_mode,
@@ -235,6 +239,13 @@ impl Prefill for PrefillBinding {
         }
         .boxed()
     }
+
+    fn health(&self) -> BindingHealth {
+        BindingHealth::new(
+            self.router.view().open_breakers(),
+            self.router.retry_counts().snapshot(),
+        )
+    }
 }
 
 #[cfg(test)]
@@ -324,6 +335,55 @@ mod tests {
             .view()
             .wait_for(|routable| routable.len() == expected)
             .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn binding_health_reports_the_open_breaker_and_the_retry_it_caused() {
+        let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
+        let endpoint = EndpointId::new("t", "prefill", "generate");
+        let (w1, _r1) = prefill_worker(&discovery, &endpoint, 1).await;
+        let _w2 = prefill_worker(&discovery, &endpoint, 2).await;
+        let factory = DefaultBindingFactory::new(Arc::clone(&discovery), FactoryConfig::default());
+        let (_admit, admitted) = watch::channel(BTreeSet::from([1, 2]));
+        let target = WorkerSetTarget::new(
+            WorkerSetTargetId::new("t/prefill/generate", 1),
+            endpoint,
+            Arc::new(rr_card()),
+            admitted,
+        );
+        let binding = tokio::time::timeout(
+            Duration::from_secs(10),
+            factory.build(target, CancellationToken::new()),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            binding.router().view().wait_for(|r| r.len() == 2),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            binding.health(),
+            BindingHealth::default().with_zero_retries()
+        );
+        // Worker 1 stops (its registration stays): the next prefills all succeed on worker 2,
+        // one of them after a retry that opened worker 1's breaker.
+        w1.stop().await;
+        for i in 0..6u32 {
+            let outcome = binding
+                .prefill(GenerateRequest::new(vec![i; 20], 1))
+                .await
+                .unwrap();
+            assert_eq!(outcome.worker, 2);
+        }
+        let health = binding.health();
+        assert_eq!(health.open_breakers, 1);
+        let refused = health.retries[&crate::health::FailureClass::ConnectionRefused];
+        let reset = health.retries[&crate::health::FailureClass::ConnectionReset];
+        assert_eq!(refused + reset, 1, "{health:?}");
+        assert_eq!(factory.stats().retries.total(), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

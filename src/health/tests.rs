@@ -74,6 +74,34 @@ fn only_connection_level_failures_count_against_health() {
 }
 
 #[test]
+fn only_a_gone_or_busy_worker_is_retried_elsewhere() {
+    use FailureClass::*;
+    for class in FailureClass::ALL {
+        let expected = matches!(
+            class,
+            ConnectionRefused | ConnectionReset | StreamDead | Overloaded
+        );
+        assert_eq!(class.retry_elsewhere(), expected, "{class}");
+    }
+}
+
+#[test]
+fn failure_class_labels_are_distinct_snake_case() {
+    let labels: std::collections::BTreeSet<&str> =
+        FailureClass::ALL.iter().map(|c| c.as_str()).collect();
+    assert_eq!(labels.len(), FailureClass::ALL.len());
+    assert_eq!(
+        FailureClass::ConnectionRefused.as_str(),
+        "connection_refused"
+    );
+    assert_eq!(FailureClass::ConnectionReset.as_str(), "connection_reset");
+    assert_eq!(FailureClass::StreamDead.as_str(), "stream_dead");
+    assert_eq!(FailureClass::Rejected.as_str(), "rejected");
+    assert_eq!(FailureClass::Deadline.as_str(), "deadline");
+    assert_eq!(FailureClass::Overloaded.as_str(), "overloaded");
+}
+
+#[test]
 fn an_added_instance_starts_healthy_and_routable() {
     let mut m = machine();
     assert!(step(&mut m, Added(A)).is_empty());

@@ -173,6 +173,27 @@ impl FactoryHooks {
     }
 }
 
+/// The dispatcher's hooks. The mutant: a retry may pick the worker that just failed (the retry
+/// tests must catch it).
+#[cfg(feature = "runtime")]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct DispatchHooks {
+    reuse_failed: bool,
+}
+
+#[cfg(feature = "runtime")]
+impl DispatchHooks {
+    /// Hooks running the mutant whose retries reuse the failed worker.
+    pub(crate) fn reuse_failed() -> Self {
+        DispatchHooks { reuse_failed: true }
+    }
+
+    /// Whether a failed worker is excluded from the request's later attempts.
+    pub(crate) fn excludes_failed(&self) -> bool {
+        !self.reuse_failed
+    }
+}
+
 /// The discovery watchers' known-set hooks. The mutant: a resync replaces the known set without
 /// diffing it (the resync test must catch it).
 #[derive(Clone, Copy, Debug, Default)]

@@ -82,6 +82,20 @@ impl FactoryHooks {
     }
 }
 
+/// The dispatcher's hooks: a retry never picks a worker that failed the request.
+#[cfg(feature = "runtime")]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct DispatchHooks(());
+
+#[cfg(feature = "runtime")]
+impl DispatchHooks {
+    /// Whether a failed worker is excluded from the request's later attempts: always.
+    #[inline(always)]
+    pub(crate) const fn excludes_failed(&self) -> bool {
+        true
+    }
+}
+
 /// The discovery watchers' known-set hooks: a resync diffs against what is known.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct KnownHooks(());
@@ -102,5 +116,7 @@ const _: () = {
     assert!(size_of::<RouterHooks<[u8; 64]>>() == 0);
     #[cfg(feature = "runtime")]
     assert!(size_of::<FactoryHooks>() == 0);
+    #[cfg(feature = "runtime")]
+    assert!(size_of::<DispatchHooks>() == 0);
     assert!(size_of::<KnownHooks>() == 0);
 };

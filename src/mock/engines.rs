@@ -50,6 +50,37 @@ pub struct MockStats {
     pub cached_blocks: AtomicU64,
     /// Tokens emitted.
     pub tokens: AtomicU64,
+    /// Streams dropped before their last response: the worker saw the caller's cancellation
+    /// (the server drops an engine stream on a Cancel frame, a deadline or a closed
+    /// connection).
+    pub cancelled: AtomicU64,
+}
+
+/// Counts a stream as cancelled if it is dropped before [`Unfinished::finish`].
+struct Unfinished {
+    stats: Arc<MockStats>,
+    finished: bool,
+}
+
+impl Unfinished {
+    fn new(stats: &Arc<MockStats>) -> Self {
+        Unfinished {
+            stats: Arc::clone(stats),
+            finished: false,
+        }
+    }
+
+    fn finish(&mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 impl MockStats {
@@ -151,10 +182,12 @@ impl Engine for MockPrefill {
             finish: Some(FinishReason::Length),
             prefill: Some(info),
         };
+        let mut unfinished = Unfinished::new(&self.worker.stats);
         Box::pin(stream::once(async move {
             if !cost.is_zero() {
                 tokio::time::sleep(cost).await;
             }
+            unfinished.finish();
             Ok(response)
         }))
     }
@@ -192,6 +225,8 @@ struct DecodeState {
     interval: Duration,
     prefill: Option<PrefillInfo>,
     stats: Arc<MockStats>,
+    /// Finished once the last token is out.
+    unfinished: Unfinished,
 }
 
 impl Engine for MockDecode {
@@ -208,10 +243,12 @@ impl Engine for MockDecode {
             delay,
             interval: self.worker.config.token_interval,
             prefill: Some(prefill),
+            unfinished: Unfinished::new(&self.worker.stats),
             stats: Arc::clone(&self.worker.stats),
         };
         Box::pin(stream::unfold(state, |mut s| async move {
             if s.emitted >= s.max_tokens {
+                s.unfinished.finish();
                 return None;
             }
             if !s.delay.is_zero() {
@@ -221,6 +258,9 @@ impl Engine for MockDecode {
             let i = s.emitted;
             s.emitted += 1;
             s.stats.tokens.fetch_add(1, Ordering::Relaxed);
+            if s.emitted == s.max_tokens {
+                s.unfinished.finish();
+            }
             let response = GenerateResponse {
                 token_ids: vec![token(s.prompt_len, i)],
                 finish: (s.emitted == s.max_tokens).then_some(FinishReason::Length),
@@ -297,6 +337,34 @@ mod tests {
         let first = out[0].as_ref().unwrap();
         assert_eq!(first.prefill.as_ref().unwrap().worker, 9);
         assert_eq!(out[4].as_ref().unwrap().finish, Some(FinishReason::Length));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_dropped_before_its_end_counts_as_cancelled() {
+        let prefill = MockPrefill::new(1, quick());
+        let done: Vec<_> = prefill
+            .generate(GenerateRequest::new((0..8).collect(), 1))
+            .collect()
+            .await;
+        assert_eq!(done.len(), 1);
+        let mut s = prefill.generate(GenerateRequest::new((100..108).collect(), 1));
+        assert!(
+            futures_util::poll!(s.next()).is_pending(),
+            "prefill under way"
+        );
+        drop(s);
+        assert_eq!(prefill.stats().cancelled.load(Ordering::Relaxed), 1);
+
+        let decode = MockDecode::new(2, quick());
+        let all: Vec<_> = decode
+            .generate(GenerateRequest::new(vec![1], 3))
+            .collect()
+            .await;
+        assert_eq!(all.len(), 3);
+        let mut s = decode.generate(GenerateRequest::new(vec![1], 3));
+        let _first = s.next().await;
+        drop(s);
+        assert_eq!(decode.stats().cancelled.load(Ordering::Relaxed), 1);
     }
 
     #[tokio::test(start_paused = true)]

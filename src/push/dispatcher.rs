@@ -11,13 +11,14 @@ use futures_core::Stream;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::error::PushError;
+use super::error::{Attempt, PushError, RetryCounts};
 use super::health::failure_class;
 use super::kv::{block_hashes, mix, KvSelector, MixState};
 use super::view::{InstanceStatus, RoutableView};
 use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
 use crate::discovery::{Instance, InstanceId};
-use crate::health::BackoffPolicy;
+use crate::health::{BackoffPolicy, FailureClass};
+use crate::hooks::DispatchHooks;
 use crate::transport::{
     ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
 };
@@ -72,6 +73,11 @@ pub struct PushConfig {
     /// breakers live in the [`RoutableView`], so this applies where the view is built from this
     /// configuration ([`RoutableView::spawn_with`], as the binding factory does).
     pub health: BackoffPolicy,
+    /// How many times [`Dispatcher::generate`] may retry a request on another worker after a
+    /// failure that is not the request's own fault ([`FailureClass::retry_elsewhere`]) and came
+    /// before the worker produced any output (default 2, so at most 3 attempts; 0 disables
+    /// retries). No attempt starts past the request's deadline. See docs/health.md.
+    pub retry_budget: u32,
 }
 
 impl Default for PushConfig {
@@ -82,6 +88,7 @@ impl Default for PushConfig {
             kv_capacity: 1 << 20,
             seed: 0x5eed,
             health: BackoffPolicy::default(),
+            retry_budget: 2,
         }
     }
 }
@@ -100,6 +107,10 @@ pub struct Dispatcher {
     kv: Option<Mutex<KvSelector>>,
     /// Requests in flight per instance (kept in KV mode only, where it is the load term).
     loads: Loads,
+    retries: Arc<RetryCounts>,
+    /// Where the mutant whose retries reuse the failed worker breaks the pick; zero-sized in
+    /// normal builds.
+    hooks: DispatchHooks,
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -134,7 +145,29 @@ impl Dispatcher {
             next: AtomicUsize::new(0),
             kv,
             loads: Arc::default(),
+            retries: Arc::default(),
+            hooks: DispatchHooks::default(),
         }
+    }
+
+    /// Count this dispatcher's retries in `counts` (shared, e.g. by every binding of one
+    /// factory) instead of its own.
+    #[must_use]
+    pub fn with_retry_counts(mut self, counts: Arc<RetryCounts>) -> Self {
+        self.retries = counts;
+        self
+    }
+
+    /// The retries this dispatcher counted, by the class of the failure that caused them.
+    pub fn retry_counts(&self) -> &Arc<RetryCounts> {
+        &self.retries
+    }
+
+    /// A dispatcher running the mutant whose retries may pick the worker that just failed.
+    #[cfg(test)]
+    pub(crate) fn with_reuse_failed_mutant(mut self) -> Self {
+        self.hooks = DispatchHooks::reuse_failed();
+        self
     }
 
     /// The view this router picks from.
@@ -158,17 +191,37 @@ impl Dispatcher {
     /// Pick an instance for `request` per the mode, without sending anything. In KV mode the
     /// pick is remembered (the request's blocks are attributed to the chosen worker).
     pub fn select(&self, request: &GenerateRequest) -> Result<Arc<Instance>, PushError> {
-        self.select_with_overlap(request).map(|(i, _)| i)
+        self.select_with_overlap(request, &[]).map(|(i, _)| i)
+    }
+
+    /// As [`select`](Self::select), never picking an instance in `excluded` (the workers a
+    /// request already failed on): the next-best pick of the mode. `Direct` ignores it.
+    pub fn select_excluding(
+        &self,
+        request: &GenerateRequest,
+        excluded: &[InstanceId],
+    ) -> Result<Arc<Instance>, PushError> {
+        self.select_with_overlap(request, excluded).map(|(i, _)| i)
     }
 
     fn select_with_overlap(
         &self,
         request: &GenerateRequest,
+        excluded: &[InstanceId],
     ) -> Result<(Arc<Instance>, Option<usize>), PushError> {
         if let PushMode::Direct(id) = self.mode {
             return self.direct_target(id).map(|i| (i, None));
         }
-        let routable = self.view.routable();
+        let all = self.view.routable();
+        // The common case (a first attempt) reads the shared snapshot as is.
+        let routable: Arc<[Arc<Instance>]> = if excluded.is_empty() {
+            all
+        } else {
+            all.iter()
+                .filter(|i| !excluded.contains(&i.instance_id))
+                .cloned()
+                .collect()
+        };
         if routable.is_empty() {
             return Err(PushError::NoRoutableInstances);
         }
@@ -220,7 +273,7 @@ impl Dispatcher {
     /// [`Selection`] counts as one request in flight on the instance (the KV load term) until
     /// dropped, exactly as a routed stream does.
     pub fn select_held(&self, request: &GenerateRequest) -> Result<Selection, PushError> {
-        let (instance, overlap) = self.select_with_overlap(request)?;
+        let (instance, overlap) = self.select_with_overlap(request, &[])?;
         let load = self
             .kv
             .is_some()
@@ -243,10 +296,76 @@ impl Dispatcher {
     }
 
     /// Route `request` per the mode and stream its responses.
+    ///
+    /// A failure before the worker produced any output (sending, or the first stream item an
+    /// error) whose class may be retried elsewhere ([`FailureClass::retry_elsewhere`]) is
+    /// retried on a different routable worker (the mode's next-best pick, never one the
+    /// request already failed on), at most [`PushConfig::retry_budget`] times and never past
+    /// the deadline. With a budget above 0 the call waits for the first response before
+    /// returning the stream (a first-item error is returned by this call); once a response
+    /// arrived, nothing is retried. A request tried
+    /// once fails with its own error; after retries, with [`PushError::Exhausted`] listing
+    /// every attempt. `Direct` mode never retries.
     pub async fn generate(&self, request: GenerateRequest) -> Result<RoutedStream, PushError> {
         let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
-        let (instance, overlap) = self.select_with_overlap(&request)?;
-        self.dispatch(instance, overlap, request, deadline).await
+        let budget = if matches!(self.mode, PushMode::Direct(_)) {
+            0
+        } else {
+            self.config.retry_budget
+        };
+        if budget == 0 {
+            let (instance, overlap) = self.select_with_overlap(&request, &[])?;
+            return self.dispatch(instance, overlap, request, deadline).await;
+        }
+        let mut attempts: Vec<Attempt> = Vec::new();
+        let mut excluded: Vec<InstanceId> = Vec::new();
+        let mut request = Some(request);
+        loop {
+            // Taken only by the last attempt, which never loops back.
+            let Some(current) = request.as_ref() else {
+                return Err(exhausted(attempts, PushError::NoRoutableInstances));
+            };
+            let (instance, overlap) = match self.select_with_overlap(current, &excluded) {
+                Ok(pick) => pick,
+                Err(e) => return Err(exhausted(attempts, e)),
+            };
+            let id = instance.instance_id;
+            let last = attempts.len() >= budget as usize;
+            // Keep a copy only while another attempt may follow.
+            let this = if last {
+                request.take()
+            } else {
+                request.clone()
+            }
+            .unwrap_or_default();
+            let failure = match self
+                .dispatch_classified(instance, overlap, this, deadline)
+                .await
+            {
+                // Every attempt reads its first item ahead, the last one too: a request that was
+                // retried ends with one error listing its attempts, never a stream error.
+                Ok(mut stream) => match stream.peek().await {
+                    None => return Ok(stream),
+                    Some((error, class)) => (error, class),
+                },
+                Err(failure) => failure,
+            };
+            let (error, class) = failure;
+            attempts.push(Attempt {
+                instance: id,
+                class,
+                error,
+            });
+            let expired = deadline.is_some_and(|d| Instant::now() >= d);
+            if last || !class.retry_elsewhere() || expired {
+                return Err(exhausted(attempts, PushError::NoRoutableInstances));
+            }
+            self.retries.record(class);
+            tracing::debug!(instance = id, %class, attempt = attempts.len(), "retrying the request on another worker");
+            if self.hooks.excludes_failed() {
+                excluded.push(id);
+            }
+        }
     }
 
     /// Send `request` to the named instance, whatever the mode.
@@ -267,6 +386,18 @@ impl Dispatcher {
         request: GenerateRequest,
         deadline: Option<Instant>,
     ) -> Result<RoutedStream, PushError> {
+        self.dispatch_classified(instance, overlap, request, deadline)
+            .await
+            .map_err(|(e, _)| e)
+    }
+
+    async fn dispatch_classified(
+        &self,
+        instance: Arc<Instance>,
+        overlap: Option<usize>,
+        request: GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> Result<RoutedStream, (PushError, FailureClass)> {
         let id = instance.instance_id;
         let load = self.kv.is_some().then(|| LoadGuard::new(&self.loads, id));
         let send = async {
@@ -285,6 +416,7 @@ impl Dispatcher {
                 overlap,
                 inner,
                 view: self.view.clone(),
+                peeked: None,
                 _load: load,
             }),
             Err(e) => Err(classify(&self.view, id, e)),
@@ -327,12 +459,26 @@ impl Dispatcher {
     }
 }
 
-/// Map a transport failure to a router error, and report it to the instance's breaker (which
-/// opens only on a connection-level failure, per [`failure_class`]).
-fn classify(view: &RoutableView, instance: InstanceId, error: TransportError) -> PushError {
+/// The error a request ends with: its only attempt's own error, or [`PushError::Exhausted`]
+/// after retries; `none_left` (why no attempt could start) when there was no attempt.
+fn exhausted(mut attempts: Vec<Attempt>, none_left: PushError) -> PushError {
+    match attempts.len() {
+        0 => none_left,
+        1 => attempts.pop().map_or(none_left, |a| a.error),
+        _ => PushError::Exhausted { attempts },
+    }
+}
+
+/// Map a transport failure to a router error and its class, and report it to the instance's
+/// breaker (which opens only on a connection-level failure, per [`failure_class`]).
+fn classify(
+    view: &RoutableView,
+    instance: InstanceId,
+    error: TransportError,
+) -> (PushError, FailureClass) {
     let class = failure_class(&error);
     view.report_failure(instance, class);
-    match error {
+    let error = match error {
         TransportError::Timeout => PushError::Timeout { instance },
         TransportError::Remote(_) | TransportError::RequestTooLarge { .. } => {
             PushError::Transport {
@@ -350,7 +496,8 @@ fn classify(view: &RoutableView, instance: InstanceId, error: TransportError) ->
                 PushError::InstanceGone(instance)
             }
         }
-    }
+    };
+    (error, class)
 }
 
 /// Counts one request in flight on an instance until dropped.
@@ -416,6 +563,8 @@ pub struct RoutedStream {
     overlap: Option<usize>,
     inner: ResponseStream,
     view: RoutableView,
+    /// The first item, read ahead by a retrying `generate` (`Some(None)`: the stream ended).
+    peeked: Option<Option<Result<GenerateResponse, PushError>>>,
     _load: Option<LoadGuard>,
 }
 
@@ -438,6 +587,23 @@ impl RoutedStream {
     pub fn expected_overlap_blocks(&self) -> Option<usize> {
         self.overlap
     }
+
+    /// Read the first item ahead. An error is returned with its class (the stream is then
+    /// spent); a response or the end is kept for the caller.
+    async fn peek(&mut self) -> Option<(PushError, FailureClass)> {
+        use futures_util::StreamExt;
+        match self.inner.next().await {
+            Some(Err(e)) => Some(classify(&self.view, self.instance, e)),
+            Some(Ok(response)) => {
+                self.peeked = Some(Some(Ok(response)));
+                None
+            }
+            None => {
+                self.peeked = Some(None);
+                None
+            }
+        }
+    }
 }
 
 impl Stream for RoutedStream {
@@ -445,9 +611,12 @@ impl Stream for RoutedStream {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
+        if let Some(first) = this.peeked.take() {
+            return Poll::Ready(first);
+        }
         match Pin::new(&mut this.inner).poll_next(cx) {
             Poll::Ready(Some(Err(e))) => {
-                Poll::Ready(Some(Err(classify(&this.view, this.instance, e))))
+                Poll::Ready(Some(Err(classify(&this.view, this.instance, e).0)))
             }
             Poll::Ready(Some(Ok(r))) => Poll::Ready(Some(Ok(r))),
             Poll::Ready(None) => Poll::Ready(None),

@@ -23,6 +23,12 @@ pub struct PrefillRouterConfig {
     pub fallback: FallbackPolicy,
     /// The router's name in logs and metrics (e.g. the model name).
     pub name: String,
+    /// How long a retired binding keeps serving the prefills in flight on it. `None` (the
+    /// default) lets them run to completion, however long; `Some(cap)`: a prefill still running
+    /// `cap` after its binding was retired (retarget, clear, shutdown) ends with
+    /// [`GenerateError::Drained`](super::GenerateError::Drained), which drops the request's
+    /// hold on the binding. Decode does not hold the binding, so it is never cut off.
+    pub drain_cap: Option<Duration>,
 }
 
 impl Default for PrefillRouterConfig {
@@ -34,6 +40,7 @@ impl Default for PrefillRouterConfig {
             jitter_seed: None,
             fallback: FallbackPolicy::default(),
             name: "prefill".to_owned(),
+            drain_cap: None,
         }
     }
 }

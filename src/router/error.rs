@@ -22,6 +22,15 @@ pub enum GenerateError {
     /// The decode hop failed.
     #[error(transparent)]
     Decode(#[from] DecodeError),
+    /// The request was prefilling on a binding that was retired, and the prefill had not
+    /// finished `after` the retirement: the drain cap
+    /// ([`PrefillRouterConfig::drain_cap`](super::PrefillRouterConfig::drain_cap)) cut it off
+    /// and released the binding (the worker sees the cancellation). Decode was not called.
+    #[error("prefill cut off {after:?} after its binding was retired (drain cap)")]
+    Drained {
+        /// The drain cap that expired.
+        after: Duration,
+    },
 }
 
 /// Why [`PrefillRouter::wait_active`](super::PrefillRouter::wait_active) returned early.

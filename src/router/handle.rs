@@ -67,6 +67,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
                 lifecycle: Lifecycle::Pending,
             }),
             lifecycle: watch::Sender::new(Lifecycle::Pending),
+            retirements: watch::Sender::new(0),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             shut_down: Default::default(),
@@ -152,7 +153,20 @@ impl<F: BindingFactory> PrefillRouter<F> {
             handoff: None,
             ..request.clone()
         };
-        let outcome = match binding.prefill(prefill_request).await {
+        let prefill = binding.prefill(prefill_request);
+        let result = match self.shared.config.drain_cap {
+            None => prefill.await,
+            Some(cap) => {
+                tokio::select! {
+                    result = prefill => result,
+                    () = self.drained(&binding, cap) => {
+                        bump(&self.shared.tally.drained);
+                        return Err(GenerateError::Drained { after: cap });
+                    }
+                }
+            }
+        };
+        let outcome = match result {
             Ok(outcome) => outcome,
             Err(error) => {
                 bump(&self.shared.tally.prefill_errors);
@@ -174,6 +188,25 @@ impl<F: BindingFactory> PrefillRouter<F> {
             ..request
         };
         Ok(decode.decode(decode_request, Some(outcome)).await?)
+    }
+
+    /// Completes `cap` after `binding` stops being the held one (it was retired); never while
+    /// it is held.
+    async fn drained(&self, binding: &Arc<F::Binding>, cap: Duration) {
+        let mut retirements = self.shared.retirements.subscribe();
+        loop {
+            // Seen before the check: a retirement after it is announced after it.
+            retirements.borrow_and_update();
+            if !self.shared.control.holds(binding) {
+                break;
+            }
+            if retirements.changed().await.is_err() {
+                // The sender lives in `shared`, which we hold: cannot close.
+                std::future::pending::<()>().await;
+            }
+        }
+        tracing::debug!(router = %self.shared.config.name, ?cap, "prefill on a retired binding: drain cap armed");
+        tokio::time::sleep(cap).await;
     }
 
     /// The route once the hop is Active, or the last bypass when `timeout` passes (or at once

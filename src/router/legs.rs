@@ -1,6 +1,7 @@
 //! The seams to the real parts: what a binding does ([`Prefill`]), what the decode hop does
 //! ([`Decode`]), and how bindings are built ([`BindingFactory`]).
 
+use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::target::WorkerSetTarget;
 use crate::discovery::InstanceId;
+use crate::health::FailureClass;
 use crate::push::PushError;
 use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 
@@ -146,6 +148,45 @@ pub trait Prefill: Send + Sync + 'static {
         &self,
         request: GenerateRequest,
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>>;
+
+    /// The health of this binding's workers (open breakers, retries). The default reports
+    /// nothing (a binding without breakers); [`PrefillBinding`](crate::binding::PrefillBinding)
+    /// reports its routable view's and dispatcher's.
+    fn health(&self) -> BindingHealth {
+        BindingHealth::default()
+    }
+}
+
+/// What a binding reports about its workers' health, for the router's status and metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BindingHealth {
+    /// Discovered instances whose health breaker is open or probing (not routable until a
+    /// probe succeeds; docs/health.md).
+    pub open_breakers: usize,
+    /// Prefills retried on another worker, by the class of the failure that caused the retry.
+    pub retries: BTreeMap<FailureClass, u64>,
+}
+
+impl BindingHealth {
+    /// A report of `open_breakers` open breakers and these retry counts.
+    pub fn new(open_breakers: usize, retries: BTreeMap<FailureClass, u64>) -> Self {
+        BindingHealth {
+            open_breakers,
+            retries,
+        }
+    }
+}
+
+#[cfg(test)]
+impl BindingHealth {
+    /// This report with a zero count for every failure class (as a dispatcher reports).
+    pub(crate) fn with_zero_retries(mut self) -> Self {
+        for class in FailureClass::ALL {
+            self.retries.entry(class).or_insert(0);
+        }
+        self
+    }
 }
 
 /// The decode hop (the decode pool's dispatcher).

@@ -21,6 +21,9 @@
 //! | `bypassed_total{reason}` | counter | requests sent to decode without prefill |
 //! | `rejected_total{reason}` | counter | requests rejected with `NotActivated` |
 //! | `waited_total` | counter | requests that waited for activation |
+//! | `drained_total` | counter | prefills cut off by the drain cap after their binding was retired |
+//! | `open_breakers` | gauge | the serving binding's instances whose health breaker is open (0 when not Active) |
+//! | `prefill_retries_total{class}` | counter | prefills retried on another worker, by the failure's class (the serving binding's; the default factory's bindings share one count) |
 
 use std::fmt;
 use std::sync::Weak;
@@ -187,6 +190,32 @@ impl Collector for RouterCollector {
             &c.rejected,
         )?;
         counter(e, "waited", "Requests that waited for activation", c.waited)?;
+        counter(
+            e,
+            "drained",
+            "Prefills cut off by the drain cap after their binding was retired",
+            c.drained,
+        )?;
+        gauge(
+            e,
+            "open_breakers",
+            "Instances of the serving binding whose health breaker is open",
+            saturating_i64(s.health.open_breakers),
+        )?;
+        {
+            let kind = ConstCounter::new(0u64).metric_type();
+            let mut family = e.encode_descriptor(
+                "prefill_retries",
+                "Prefills retried on another worker, by the class of the failure",
+                None,
+                kind,
+            )?;
+            for class in crate::health::FailureClass::ALL {
+                let labels = [("class", class.as_str())];
+                let m = family.encode_family(&labels)?;
+                ConstCounter::new(s.health.retries.get(&class).copied().unwrap_or(0)).encode(m)?;
+            }
+        }
         Ok(())
     }
 }

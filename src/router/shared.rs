@@ -41,6 +41,8 @@ pub(crate) struct Shared<F: BindingFactory> {
     pub(crate) announced: watch::Sender<Announced>,
     /// The public lifecycle channel (`subscribe`).
     pub(crate) lifecycle: watch::Sender<Lifecycle>,
+    /// Retirements so far (bumped by `announce`), for requests under a drain cap.
+    pub(crate) retirements: watch::Sender<u64>,
     /// Root of every token the router hands out; cancelled by shutdown and Drop.
     pub(crate) cancel: CancellationToken,
     /// Every task the router spawns (driver, builds).
@@ -72,6 +74,14 @@ impl<F: BindingFactory> Shared<F> {
     /// older state than the cell (reading first and sending after could store a stale value
     /// last).
     pub(crate) fn announce(&self) {
+        if self.config.drain_cap.is_some() {
+            let retired = self.control.retired_count();
+            self.retirements.send_if_modified(|seen| {
+                let changed = *seen != retired;
+                *seen = retired;
+                changed
+            });
+        }
         let mut transition = None;
         self.announced.send_if_modified(|last| {
             let snapshot = self.control.load();
@@ -108,6 +118,12 @@ impl<F: BindingFactory> Shared<F> {
 
 impl<F: BindingFactory> StatusSource for Shared<F> {
     fn status(&self) -> RouterStatus {
+        let health = self
+            .control
+            .route()
+            .binding()
+            .map(|b| crate::router::Prefill::health(&**b))
+            .unwrap_or_default();
         let c = self.control.status();
         let mut counters = RouterCounters::default();
         self.tally.fill(&mut counters);
@@ -128,6 +144,7 @@ impl<F: BindingFactory> StatusSource for Shared<F> {
             shut_down: c.shut_down,
             epoch: c.epoch,
             counters,
+            health,
         }
     }
 }

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::legs::BindingHealth;
 use super::target::WorkerSetTargetId;
 use crate::lifecycle::{BuildId, Lifecycle};
 use crate::snapshot::BypassReason;
@@ -54,6 +55,8 @@ pub struct RouterCounters {
     pub rejected: BTreeMap<BypassReason, u64>,
     /// Requests that waited for activation (policy `WaitUpTo`).
     pub waited: u64,
+    /// Prefills cut off by the drain cap after their binding was retired.
+    pub drained: u64,
 }
 
 /// A picture of the router, for status pages and tests.
@@ -84,6 +87,9 @@ pub struct RouterStatus {
     pub epoch: u64,
     /// Counters since creation.
     pub counters: RouterCounters,
+    /// The health of the workers of the binding serving now ([`super::Prefill::health`]);
+    /// empty while the hop is not Active.
+    pub health: BindingHealth,
 }
 
 /// Lock-free counters kept by the driver and the request path.
@@ -95,6 +101,7 @@ pub(crate) struct Tally {
     pub(crate) prefilled: AtomicU64,
     pub(crate) prefill_errors: AtomicU64,
     pub(crate) waited: AtomicU64,
+    pub(crate) drained: AtomicU64,
     bypassed: [AtomicU64; 5],
     rejected: [AtomicU64; 5],
 }
@@ -122,6 +129,7 @@ impl Tally {
         out.prefilled = get(&self.prefilled);
         out.prefill_errors = get(&self.prefill_errors);
         out.waited = get(&self.waited);
+        out.drained = get(&self.drained);
         out.bypassed = REASONS
             .iter()
             .map(|r| (*r, get(&self.bypassed[reason_index(*r)])))

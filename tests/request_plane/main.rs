@@ -7,6 +7,7 @@
 //! - `push_modes`: round robin, random, direct, KV on loopback workers.
 //! - `push_admission`: the routable view under admission and discovery changes.
 //! - `push_health`: worker breakers: a blipped worker comes back, load never opens a breaker.
+//! - `push_retry`: a failed request retried on another worker, the attempts listed, KV next-best.
 //! - `push_kv_selector`: the KV selector alone (hashing, scoring, ties, bounded memory).
 #![cfg(feature = "runtime")]
 
@@ -14,6 +15,7 @@ mod push_admission;
 mod push_health;
 mod push_kv_selector;
 mod push_modes;
+mod push_retry;
 mod support;
 mod transport_garbage;
 mod transport_stream;

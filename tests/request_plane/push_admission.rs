@@ -109,7 +109,11 @@ async fn a_failed_instance_is_unroutable_until_its_probe_connects() {
     let router = Dispatcher::new(
         discovery.view.clone(),
         PushMode::RoundRobin,
-        PushConfig::default(),
+        // The breaker alone: no retry on the other worker hides the failure.
+        PushConfig {
+            retry_budget: 0,
+            ..PushConfig::default()
+        },
     );
     let first = served_by(&router).await;
     assert!(
@@ -212,6 +216,8 @@ async fn a_silent_worker_yields_timeout_at_the_deadline() {
         PushMode::RoundRobin,
         PushConfig {
             request_timeout: Some(Duration::from_millis(300)),
+            // The stream's own timeout item (a retrying call would read it ahead).
+            retry_budget: 0,
             ..PushConfig::default()
         },
     );

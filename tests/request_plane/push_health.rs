@@ -61,7 +61,11 @@ async fn a_blipped_worker_gets_a_fair_share_again_within_the_probe_cap() {
     let router = Dispatcher::new(
         discovery.view.clone(),
         PushMode::RoundRobin,
-        PushConfig::default(),
+        // The breaker alone: no retry on worker 1 hides the failure.
+        PushConfig {
+            retry_budget: 0,
+            ..PushConfig::default()
+        },
     );
     for _ in 0..4 {
         served_by(&router).await.expect("both workers up");

@@ -98,6 +98,17 @@ impl Prefill for FakeBinding {
             })
         })
     }
+
+    /// One open breaker per admitted instance past the first, and one overload retry per
+    /// prefill served: distinct values for the metrics test to find.
+    fn health(&self) -> crate::router::BindingHealth {
+        let open = self.admitted.borrow().len().saturating_sub(1);
+        let served = self.prefills.lock().len() as u64;
+        crate::router::BindingHealth::new(
+            open,
+            [(crate::health::FailureClass::Overloaded, served)].into(),
+        )
+    }
 }
 
 /// What one build does.

@@ -5,7 +5,7 @@ use std::time::Duration;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::registry::Registry;
 
-use super::fakes::{target, FakeDecode, ScriptFactory, Step};
+use super::fakes::{target_with, FakeDecode, ScriptFactory, Step};
 use crate::lifecycle::RetryPolicy;
 use crate::router::{FallbackPolicy, PrefillRouter, PrefillRouterConfig};
 use crate::transport::GenerateRequest;
@@ -21,7 +21,7 @@ fn has(text: &str, line: &str) -> bool {
 }
 
 #[tokio::test(start_paused = true)]
-async fn metrics_report_lifecycle_activations_failures_and_bypasses_by_reason() {
+async fn metrics_report_lifecycle_activations_failures_bypasses_and_worker_health() {
     let (factory, _log) = ScriptFactory::new([Step::Fail("boom")]);
     let config = PrefillRouterConfig {
         name: "llama".into(),
@@ -37,7 +37,8 @@ async fn metrics_report_lifecycle_activations_failures_and_bypasses_by_reason() 
     let _bypassed = router
         .generate(GenerateRequest::new(vec![1], 4), &decode)
         .await;
-    router.set_target(Some(target(1)));
+    let admitted = tokio::sync::watch::channel(std::collections::BTreeSet::from([1, 2, 3])).1;
+    router.set_target(Some(target_with(1, admitted)));
     router.wait_active(Duration::from_secs(5)).await.unwrap();
     let _prefilled = router
         .generate(GenerateRequest::new(vec![1], 4), &decode)
@@ -54,6 +55,20 @@ async fn metrics_report_lifecycle_activations_failures_and_bypasses_by_reason() 
         r#"prefill_router_bypassed_total{router="llama",reason="building"} 0"#,
         r#"prefill_router_prefilled_total{router="llama"} 1"#,
         r#"prefill_router_retired_bindings_alive{router="llama"} 0"#,
+    ] {
+        assert!(has(&text, line), "missing {line:?} in\n{text}");
+    }
+
+    // The serving binding's health: the fake reports admitted - 1 open breakers and one
+    // overload retry per prefill; every class has a line.
+    let status = router.status();
+    assert_eq!(status.health.open_breakers, 2);
+    let text = scrape(&registry);
+    for line in [
+        r#"prefill_router_open_breakers{router="llama"} 2"#,
+        r#"prefill_router_prefill_retries_total{router="llama",class="overloaded"} 1"#,
+        r#"prefill_router_prefill_retries_total{router="llama",class="connection_refused"} 0"#,
+        r#"prefill_router_prefill_retries_total{router="llama",class="deadline"} 0"#,
     ] {
         assert!(has(&text, line), "missing {line:?} in\n{text}");
     }

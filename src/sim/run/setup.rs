@@ -44,6 +44,7 @@ impl Run {
             jitter_seed: Some(scenario.next_u64()),
             fallback,
             name: format!("sim-{}", config.seed),
+            drain_cap: None,
         };
         let router = Arc::new(PrefillRouter::new(
             SimFactory::new(Arc::clone(&world), config.mutant),
