@@ -251,3 +251,49 @@ fn without_prefill_workers_requests_bypass_or_get_503_per_policy_and_ready_follo
         assert_eq!((r.status, prefill_worker(&r)), (200, 3));
     }
 }
+
+/// Scale-out on a real distributed store: two frontends on one etcd reach Active on the same
+/// generation; one is SIGKILLed, the other keeps serving without an error.
+#[cfg(feature = "etcd")]
+#[test]
+fn etcd_two_serves_share_a_generation_and_one_survives_the_others_kill() {
+    let Some(cluster) = Cluster::on_etcd() else {
+        return;
+    };
+    let _p1 = cluster.worker("prefill", 1, &[]);
+    let _p2 = cluster.worker("prefill", 2, &[]);
+    let _d = cluster.worker("decode", DECODE, &[]);
+    let (a, a_addr) = cluster.serve(&[]);
+    let (_b, b_addr) = cluster.serve(&[]);
+    let mut targets = Vec::new();
+    for addr in [a_addr, b_addr] {
+        until("active", || {
+            get(addr, "/ready").json()["lifecycle"] == "active"
+        });
+        targets.push(get(addr, "/ready").json()["target"].clone());
+    }
+    assert!(targets[0].is_string(), "{targets:?}");
+    assert_eq!(
+        targets[0], targets[1],
+        "both frontends on the same generation"
+    );
+    for addr in [a_addr, b_addr] {
+        let r = post(
+            addr,
+            "/v1/completions",
+            &json!({"model": "m", "prompt": "hi", "max_tokens": 2}),
+        );
+        assert_eq!(r.status, 200);
+    }
+    a.kill();
+    for n in 0..20 {
+        let r = post(
+            b_addr,
+            "/v1/completions",
+            &json!({"model": "m", "prompt": format!("after the kill {n}"), "max_tokens": 2}),
+        );
+        assert_eq!(r.status, 200, "the survivor serves: {r:?}");
+        assert!(matches!(prefill_worker(&r), 1 | 2));
+    }
+    assert_eq!(get(b_addr, "/ready").json()["target"], targets[0]);
+}

@@ -117,10 +117,13 @@ impl Drop for Proc {
     }
 }
 
-/// A file store in a fresh temporary directory, and the processes started on it.
+/// A discovery store (a file store in a fresh temporary directory, or a fresh key root on
+/// etcd) and the processes started on it.
 pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub namespace: String,
+    /// `etcd://HOST:PORT` and a key root, when on etcd.
+    etcd: Option<(String, String)>,
 }
 
 impl Cluster {
@@ -128,30 +131,68 @@ impl Cluster {
         Cluster {
             dir: tempfile::tempdir().unwrap(),
             namespace: "procs".to_owned(),
+            etcd: None,
         }
     }
 
+    /// On etcd at `PREFILL_ETCD_ENDPOINT` (e.g. `http://127.0.0.1:2379`) under a fresh key
+    /// root, or `None` (with a notice) when it is unset outside CI; in CI unset fails.
+    pub fn on_etcd() -> Option<Cluster> {
+        let endpoint = match std::env::var("PREFILL_ETCD_ENDPOINT") {
+            Ok(e) if !e.is_empty() => e,
+            _ => {
+                assert!(
+                    std::env::var_os("CI").is_none(),
+                    "PREFILL_ETCD_ENDPOINT is not set in CI: source .ci/etcd.sh in .ci/run"
+                );
+                eprintln!("NOTICE: PREFILL_ETCD_ENDPOINT unset; skipping the etcd process test");
+                return None;
+            }
+        };
+        let host = endpoint
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_owned();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let root = format!("prefill-procs/{}-{nanos}/", std::process::id());
+        Some(Cluster {
+            etcd: Some((format!("etcd://{host}"), root)),
+            ..Cluster::new()
+        })
+    }
+
     pub fn store(&self) -> String {
-        format!("file://{}", self.dir.path().join("store").display())
+        match &self.etcd {
+            Some((spec, _)) => spec.clone(),
+            None => format!("file://{}", self.dir.path().join("store").display()),
+        }
+    }
+
+    fn store_args(&self) -> Vec<String> {
+        let mut args = vec!["--discovery".to_owned(), self.store()];
+        if let Some((_, root)) = &self.etcd {
+            args.extend(["--etcd-root".to_owned(), root.clone()]);
+        }
+        args
     }
 
     /// A worker (`role` prefill or decode) with id `id`, waiting until it is ready.
     pub fn worker(&self, role: &str, id: u64, extra: &[&str]) -> Proc {
-        let store = self.store();
+        let store = self.store_args();
         let id = id.to_string();
-        let mut args = vec![
-            "worker",
-            "--role",
-            role,
-            "--discovery",
-            &store,
+        let mut args = vec!["worker", "--role", role];
+        args.extend(store.iter().map(String::as_str));
+        args.extend([
             "--namespace",
             &self.namespace,
             "--id",
             &id,
             "--ttl-ms",
             "2000",
-        ];
+        ]);
         args.extend_from_slice(extra);
         let proc = Proc::spawn(&format!("{role} worker {id}"), &args);
         proc.wait_event("ready");
@@ -160,11 +201,10 @@ impl Cluster {
 
     /// A frontend on a free loopback port; its address once it listens.
     pub fn serve(&self, extra: &[&str]) -> (Proc, SocketAddr) {
-        let store = self.store();
-        let mut args = vec![
-            "serve",
-            "--discovery",
-            &store,
+        let store = self.store_args();
+        let mut args = vec!["serve"];
+        args.extend(store.iter().map(String::as_str));
+        args.extend([
             "--namespace",
             &self.namespace,
             "--listen",
@@ -173,7 +213,7 @@ impl Cluster {
             "2000",
             "--request-timeout-ms",
             "10000",
-        ];
+        ]);
         args.extend_from_slice(extra);
         let proc = Proc::spawn("serve", &args);
         let addr = proc.wait_event("listening")["addr"]
