@@ -27,6 +27,7 @@
 //!   admission, generations).
 //! - [`hop`] (feature `runtime`): [`PrefillHop`], the one handle a frontend embeds: the
 //!   topology watcher, the prefill router and a decode hop following the decode set.
+//! - [`http`] (feature `http`): the OpenAI-compatible HTTP frontend over a [`PrefillHop`].
 //! - [`mock`] (feature `runtime`): mock prefill and decode engines with a bounded KV block
 //!   cache, for the demo, tests and benchmarks.
 //! - `sim` (feature `sim`): the deterministic simulator of the hop under seeded faults
@@ -51,6 +52,8 @@ pub mod health;
 mod hooks;
 #[cfg(feature = "runtime")]
 pub mod hop;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod lifecycle;
 #[cfg(feature = "runtime")]
 pub mod mock;

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use crate::args::CliError;
-use crate::{demo, replay, simulate};
+use crate::{demo, replay, serve, simulate, worker};
 
 /// Top-level usage.
 pub const USAGE: &str = "\
@@ -13,6 +13,8 @@ commands:
   demo     run the prefill-router story on loopback workers (see `prefill-router demo --help`)
   simulate run the deterministic simulator (see `prefill-router simulate --help`)
   replay   replay a request trace in virtual time, per routing policy (see `prefill-router replay --help`)
+  serve    the OpenAI-compatible HTTP frontend (see `prefill-router serve --help`)
+  worker   a mock prefill or decode worker process (see `prefill-router worker --help`)
   help     show this text, or `help COMMAND` that command's (as `COMMAND --help` does)";
 
 /// A parsed command line.
@@ -23,6 +25,10 @@ pub enum Command {
     Simulate(simulate::SimulateOptions),
     /// `prefill-router replay`.
     Replay(replay::ReplayOptions),
+    /// `prefill-router serve`.
+    Serve(serve::ServeOptions),
+    /// `prefill-router worker`.
+    Worker(worker::WorkerOptions),
 }
 
 impl Command {
@@ -35,6 +41,8 @@ impl Command {
             "demo" => demo::DemoOptions::parse(rest).map(Command::Demo),
             "simulate" => simulate::SimulateOptions::parse(rest).map(Command::Simulate),
             "replay" => replay::ReplayOptions::parse(rest).map(Command::Replay),
+            "serve" => serve::ServeOptions::parse(rest).map(Command::Serve),
+            "worker" => worker::WorkerOptions::parse(rest).map(Command::Worker),
             "help" | "--help" | "-h" => Err(CliError::Help(help_on(rest.first())?.to_owned())),
             other => Err(CliError::Usage(format!("unknown command `{other}`"))),
         }
@@ -46,6 +54,8 @@ impl Command {
             Command::Demo(options) => demo::run(options).await,
             Command::Simulate(options) => simulate::run(options).await,
             Command::Replay(options) => replay::run(options).await,
+            Command::Serve(options) => serve::run(options).await,
+            Command::Worker(options) => worker::run(options).await,
         }
     }
 }
@@ -57,6 +67,8 @@ fn help_on(topic: Option<&String>) -> Result<&'static str, CliError> {
         Some("demo") => Ok(demo::USAGE),
         Some("simulate") => Ok(simulate::USAGE),
         Some("replay") => Ok(replay::USAGE),
+        Some("serve") => Ok(serve::USAGE),
+        Some("worker") => Ok(worker::USAGE),
         Some(other) => Err(CliError::Usage(format!("no help on `{other}`"))),
     }
 }
@@ -96,6 +108,18 @@ mod tests {
         for line in ["replay --help", "replay -h", "help replay"] {
             assert!(
                 help(line).starts_with("usage: prefill-router replay"),
+                "{line}"
+            );
+        }
+        for line in ["serve --help", "help serve"] {
+            assert!(
+                help(line).starts_with("usage: prefill-router serve"),
+                "{line}"
+            );
+        }
+        for line in ["worker --help", "help worker", "worker --role prefill -h"] {
+            assert!(
+                help(line).starts_with("usage: prefill-router worker"),
                 "{line}"
             );
         }

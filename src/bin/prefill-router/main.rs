@@ -5,6 +5,8 @@
 //!   returns while traffic flows; then RoundRobin vs KV prefill routing on the same traffic.
 //! - `simulate`: the deterministic simulator (feature `sim`), `--seed N --steps K`.
 //! - `replay`: a request trace in virtual time through the router, per routing policy.
+//! - `serve`: the OpenAI-compatible HTTP frontend over a `PrefillHop` (`docs/frontend.md`).
+//! - `worker`: a mock prefill or decode worker in its own process, registered in discovery.
 //!
 //! Adding a subcommand: a module with `USAGE`, an options struct with `parse(&[String])` and
 //! `async fn run(options) -> ExitCode`, and one arm in [`Command`] (`commands.rs`); shared parsing helpers are in `args.rs`.
@@ -15,7 +17,10 @@ mod args;
 mod commands;
 mod demo;
 mod replay;
+mod serve;
 mod simulate;
+mod store;
+mod worker;
 
 use args::CliError;
 use commands::Command;

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# Real clients against real processes: one `serve` (policy decode), one `serve` (policy reject),
+# two prefill workers and one decode worker on a temporary file store; the `openai` Python
+# package (in a fresh venv) and curl run the checks in tests/clients/openai_client.py and
+# below. Every check prints PASS or FAIL; any FAIL exits non-zero. Every process started here
+# is killed at exit; every wait is bounded. Needs python3 (with venv and pip) and curl; no root.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+cargo build --release --features cli
+bin="$PWD/target/release/prefill-router"
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+    for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+    rm -rf "$work"
+}
+trap cleanup EXIT
+failures=0
+pass() { echo "PASS $1"; }
+fail() { echo "FAIL $1"; failures=$((failures + 1)); }
+store="file://$work/store"
+ns=clients
+
+# wait_event LOG EVENT: the first JSON line of LOG with that event, within 30 s.
+wait_event() {
+    local i
+    for i in $(seq 1 300); do
+        if grep -q "\"event\":\"$2\"" "$1" 2>/dev/null; then
+            grep -m1 "\"event\":\"$2\"" "$1"
+            return 0
+        fi
+        sleep 0.1
+    done
+    echo "timed out waiting for $2 in $1:" >&2
+    cat "$1" >&2 || true
+    return 1
+}
+
+# start NAME ARGS...: run the binary in the background, stdout to $work/NAME.log.
+start() {
+    local name="$1"
+    shift
+    "$bin" "$@" >"$work/$name.log" 2>"$work/$name.err" &
+    pids+=("$!")
+    eval "pid_$name=$!"
+}
+
+worker() { # NAME ROLE ID EXTRA...
+    local name="$1" role="$2" id="$3"
+    shift 3
+    start "$name" worker --role "$role" --discovery "$store" --namespace "$ns" --id "$id" --ttl-ms 2000 "$@"
+    wait_event "$work/$name.log" ready >/dev/null
+}
+
+serve() { # NAME EXTRA...
+    local name="$1"
+    shift
+    start "$name" serve --discovery "$store" --namespace "$ns" --listen 127.0.0.1:0 --ttl-ms 2000 \
+        --request-timeout-ms 10000 "$@"
+    wait_event "$work/$name.log" listening | sed 's/.*"addr":"\([^"]*\)".*/\1/'
+}
+
+# until_ready URL STATUS LIFECYCLE: wait (30 s) until GET URL/ready answers STATUS with LIFECYCLE.
+until_ready() {
+    local i
+    for i in $(seq 1 300); do
+        local out
+        out="$(curl -s -m 2 -w ' %{http_code}' "$1/ready" || true)"
+        if [[ "$out" == *"\"lifecycle\":\"$3\""*" $2" ]]; then return 0; fi
+        sleep 0.1
+    done
+    echo "last /ready: $out" >&2
+    return 1
+}
+
+# Slow prefills (150 ms per uncached block): requests are in flight when a worker is killed.
+worker p1 prefill 1 --block-cost-us 150000
+worker p2 prefill 2 --block-cost-us 150000
+worker d decode 100 --token-interval-us 5000
+addr="$(serve frontend --fallback decode)"
+strict="$(serve strict --fallback reject)"
+base="http://$addr"
+strict_base="http://$strict"
+until_ready "$base" 200 active && pass "serve (policy decode) ready and active" || fail "serve ready"
+until_ready "$strict_base" 200 active && pass "serve (policy reject) ready and active" || fail "strict serve ready"
+
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install --quiet --disable-pip-version-check openai
+py="$work/venv/bin/python"
+
+# curl: a streaming chat completion ends with [DONE]; a completion; models; a malformed body.
+out="$(curl -sN -m 20 "$base/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"mock-llm","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true}')"
+[[ "$(grep -c '^data: {' <<<"$out")" == 3 && "$(tail -n1 <<<"$out" | tr -d '\r')" == "data: [DONE]" ]] \
+    && pass "curl: streaming chat, 3 chunks then [DONE]" || fail "curl: streaming chat: $out"
+out="$(curl -s -m 20 "$base/v1/completions" -d '{"model":"mock-llm","prompt":"hello","max_tokens":4}')"
+[[ "$out" == *'"completion_tokens":4'* ]] && pass "curl: completion" || fail "curl: completion: $out"
+out="$(curl -s -m 5 "$base/v1/models")"
+[[ "$out" == *'"id":"mock-llm"'* ]] && pass "curl: /v1/models" || fail "curl: models: $out"
+code="$(curl -s -m 5 -o "$work/bad.json" -w '%{http_code}' "$base/v1/chat/completions" -d '{"model": ')"
+[[ "$code" == 400 ]] && grep -q '"type":"invalid_request_error"' "$work/bad.json" \
+    && pass "curl: malformed body is a 400 with an OpenAI error" || fail "curl: malformed: $code $(cat "$work/bad.json")"
+code="$(curl -s -m 5 -o /dev/null -w '%{http_code}' "$base/health")"
+[[ "$code" == 200 ]] && pass "curl: /health" || fail "curl: health $code"
+
+# curl: a client that disconnects mid-stream (curl -m) cancels the request at the decode worker.
+before="$(grep -c '"event":"cancelled"' "$work/d.log" || true)"
+curl -sN -m 1 "$base/v1/chat/completions" \
+    -d '{"model":"mock-llm","messages":[{"role":"user","content":"long"}],"max_tokens":2000,"stream":true}' \
+    >/dev/null || true
+ok=0
+for _ in $(seq 1 100); do
+    if (( $(grep -c '"event":"cancelled"' "$work/d.log" || true) > before )); then ok=1; break; fi
+    sleep 0.1
+done
+(( ok )) && pass "curl: disconnect mid-stream cancels at the decode worker" || fail "curl: disconnect"
+
+# The openai package: streaming chat, completion, models, a second turn, a disconnect.
+before="$(grep -c '"event":"cancelled"' "$work/d.log" || true)"
+"$py" tests/clients/openai_client.py basic --base "$base" --prefill-ids 1,2 || failures=$((failures + 1))
+ok=0
+for _ in $(seq 1 100); do
+    if (( $(grep -c '"event":"cancelled"' "$work/d.log" || true) > before )); then ok=1; break; fi
+    sleep 0.1
+done
+(( ok )) && pass "openai: closing a stream cancels at the decode worker" || fail "openai: disconnect not seen by the worker"
+metrics="$(curl -s -m 5 "$base/metrics")"
+grep -q '^prefill_router_http_client_disconnects_total [1-9]' <<<"$metrics" \
+    && pass "/metrics counts client disconnects" || fail "/metrics: no disconnects counted"
+grep -q '^prefill_router_prefilled_total{router="prefill"} [1-9]' <<<"$metrics" \
+    && pass "/metrics has the router's metrics" || fail "/metrics: no router metrics"
+
+# SIGKILL prefill worker 1 under traffic (the Python script sends the signal).
+"$py" tests/clients/openai_client.py kill --base "$base" --kill-pid "$pid_p1" --survivor 2 \
+    || failures=$((failures + 1))
+
+# Every prefill worker leaves: policy decode bypasses, policy reject answers 503; /ready follows.
+kill -TERM "$pid_p2"
+wait "$pid_p2" && pass "prefill worker exits 0 on SIGTERM" || fail "prefill worker exit status"
+grep -q '"deregistered":true' "$work/p2.log" && pass "prefill worker deregistered" || fail "deregistration"
+until_ready "$strict_base" 503 unavailable && pass "/ready is 503 under policy reject without prefill" \
+    || fail "strict /ready did not turn 503"
+until_ready "$base" 200 unavailable && pass "/ready stays 200 under policy decode without prefill" \
+    || fail "bypass /ready"
+"$py" tests/clients/openai_client.py bypass --base "$base" --strict-base "$strict_base" --decode-id 100 \
+    || failures=$((failures + 1))
+code="$(curl -s -m 5 -o "$work/ready.json" -w '%{http_code}' "$strict_base/ready")"
+[[ "$code" == 503 ]] && grep -q 'prefill not active' "$work/ready.json" \
+    && pass "curl: /ready 503 says why" || fail "curl: /ready $code $(cat "$work/ready.json")"
+
+if (( failures > 0 )); then
+    echo "clients: $failures failure(s)"
+    exit 1
+fi
+echo "clients: every check passed"

@@ -1,0 +1,482 @@
+//! What the HTTP frontend adds: requests/s and latency of three sides, interleaved in rounds
+//! in one process, with zero-cost loopback mock workers (2 prefill, 1 decode):
+//!
+//! - `in-process`: `PrefillHop::generate` called directly (the request drained);
+//! - `serve`: the same hop behind `prefill_router::http` (what `prefill-router serve` runs),
+//!   non-streaming `POST /v1/completions` over loopback HTTP/1.1 keep-alive connections;
+//! - `floor`: a minimal axum server on the same HTTP stack answering a fixed completion.
+//!
+//! Two passes, each interleaved in rounds: throughput with C concurrent callers (each with its
+//! own keep-alive connection), then latency with one caller (no queueing: what each side adds
+//! to one request on an idle box).
+//!
+//! `cargo bench --bench serve --features http -- [--secs S] [--rounds N] [--concurrency C]
+//! [--svg PATH]` (defaults: 1 s per side per round, 5 rounds, 16 connections/callers).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
+use prefill_router::discovery::{
+    Discovery, EndpointId, Instance, InstanceId, MemoryConfig, MemoryDiscovery, Registration,
+};
+use prefill_router::http::HttpConfig;
+use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
+use prefill_router::transport::{serve, Engine, GenerateRequest, ServerConfig, ServerHandle};
+use prefill_router::{PrefillHop, PrefillHopConfig};
+use tokio::net::{TcpListener, TcpStream};
+
+const MAX_TOKENS: u32 = 4;
+const PROMPT: &str = "the prefill hop routes one request to one worker";
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+fn num(name: &str, default: u64) -> u64 {
+    arg(name).and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+async fn worker(
+    discovery: &Arc<dyn Discovery>,
+    endpoint: EndpointId,
+    id: InstanceId,
+    engine: Arc<dyn Engine>,
+    card: ModelCard,
+) -> (ServerHandle, Registration) {
+    let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .await
+        .unwrap();
+    let server = serve(listener, engine, ServerConfig::default()).unwrap();
+    let instance = Instance {
+        endpoint,
+        instance_id: id,
+        address: server.local_addr(),
+    };
+    let registration = discovery.register(instance, card).await.unwrap();
+    (server, registration)
+}
+
+/// The latencies of one side in one round, and its request rate.
+struct Run {
+    rate: f64,
+    latencies: Vec<Duration>,
+}
+
+/// `concurrency` loops calling `call` for `secs`; each call's latency recorded.
+async fn saturate<F, Fut>(concurrency: u64, secs: Duration, call: F) -> Run
+where
+    F: Fn(u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let call = Arc::new(call);
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    let start = Instant::now();
+    for c in 0..concurrency {
+        let (call, stop) = (Arc::clone(&call), Arc::clone(&stop));
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                call(c).await;
+                latencies.push(t.elapsed());
+            }
+            latencies
+        }));
+    }
+    tokio::time::sleep(secs).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    let elapsed = start.elapsed();
+    Run {
+        rate: latencies.len() as f64 / elapsed.as_secs_f64(),
+        latencies,
+    }
+}
+
+/// One keep-alive HTTP/1.1 connection per caller.
+async fn connections(
+    addr: SocketAddr,
+    n: u64,
+) -> Vec<tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<Full<Bytes>>>> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        out.push(tokio::sync::Mutex::new(sender));
+    }
+    out
+}
+
+async fn http_side(addr: SocketAddr, concurrency: u64, secs: Duration) -> Run {
+    let conns = Arc::new(connections(addr, concurrency).await);
+    let body = Bytes::from(
+        serde_json::json!({"model": "mock-llm", "prompt": PROMPT, "max_tokens": MAX_TOKENS})
+            .to_string(),
+    );
+    saturate(concurrency, secs, move |c| {
+        let (conns, body) = (Arc::clone(&conns), body.clone());
+        async move {
+            let mut sender = conns[c as usize].lock().await;
+            sender.ready().await.unwrap();
+            let request = hyper::Request::post("/v1/completions")
+                .header("host", "bench")
+                .header("content-type", "application/json")
+                .body(Full::new(body))
+                .unwrap();
+            let response = sender.send_request(request).await.unwrap();
+            assert_eq!(response.status(), 200);
+            let bytes = response.into_body().collect().await.unwrap().to_bytes();
+            assert!(bytes.len() > 50);
+        }
+    })
+    .await
+}
+
+async fn in_process_side(hop: &Arc<PrefillHop>, concurrency: u64, secs: Duration) -> Run {
+    let hop = Arc::clone(hop);
+    let prompt = prefill_router::http::tokenizer::tokenize(PROMPT);
+    saturate(concurrency, secs, move |_| {
+        let (hop, prompt) = (Arc::clone(&hop), prompt.clone());
+        async move {
+            let stream = hop
+                .generate(GenerateRequest::new(prompt, MAX_TOKENS))
+                .await
+                .unwrap();
+            assert_eq!(stream.count().await, MAX_TOKENS as usize);
+        }
+    })
+    .await
+}
+
+/// The floor: the same HTTP stack answering a fixed completion, no routing at all.
+async fn floor_server() -> SocketAddr {
+    async fn fixed(body: Bytes) -> axum::Json<serde_json::Value> {
+        let _: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        axum::Json(serde_json::json!({
+            "id": "cmpl-0", "object": "text_completion", "created": 0, "model": "mock-llm",
+            "choices": [{"index": 0, "text": " the prefill hop routes", "logprobs": null,
+                         "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13},
+        }))
+    }
+    let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().route("/v1/completions", axum::routing::post(fixed));
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+fn quantile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() - 1) as f64 * q).round() as usize;
+    sorted[i]
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+const SIDES: [&str; 3] = ["in-process", "serve", "floor"];
+const COLORS: [&str; 3] = ["#2ca02c", "#1f77b4", "#7f7f7f"];
+
+/// Latency CDFs (log time axis) of the sides, as SVG text.
+fn svg(latencies: &[Vec<Duration>; 3], concurrency: u64) -> String {
+    use std::fmt::Write;
+    let (w, h, pad) = (520.0, 300.0, 60.0);
+    let lo = latencies
+        .iter()
+        .filter_map(|l| l.first())
+        .min()
+        .map_or(1.0, |d| us(*d).max(1.0))
+        .log10()
+        .floor();
+    let hi = latencies
+        .iter()
+        .filter_map(|l| l.last())
+        .max()
+        .map_or(10.0, |d| us(*d).max(10.0))
+        .log10()
+        .ceil();
+    let x = |v: f64| pad + (v.max(1.0).log10() - lo) / (hi - lo) * w;
+    let y = |p: f64| pad + (1.0 - p) * h;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0}\" height=\"{:.0}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{pad}\" y=\"25\" font-size=\"14\">Request latency CDF, {concurrency} caller(s), zero-cost mock workers (benches/serve.rs)</text>",
+        w + 2.0 * pad,
+        h + 2.0 * pad + 70.0
+    );
+    let _ = writeln!(
+        out,
+        "<rect x=\"{pad}\" y=\"{pad}\" width=\"{w}\" height=\"{h}\" fill=\"none\" stroke=\"#999\"/>"
+    );
+    let mut decade = lo;
+    while decade <= hi {
+        let xv = x(10f64.powf(decade));
+        let _ = writeln!(
+            out,
+            "<line x1=\"{xv:.1}\" y1=\"{pad}\" x2=\"{xv:.1}\" y2=\"{:.1}\" stroke=\"#eee\"/><text x=\"{xv:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{} us</text>",
+            pad + h,
+            pad + h + 15.0,
+            10f64.powf(decade)
+        );
+        decade += 1.0;
+    }
+    for p in [0.0, 0.5, 0.99, 1.0] {
+        let _ = writeln!(
+            out,
+            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{p}</text>",
+            pad - 5.0,
+            y(p) + 4.0
+        );
+    }
+    for (i, l) in latencies.iter().enumerate() {
+        if l.is_empty() {
+            continue;
+        }
+        let step = (l.len() / 400).max(1);
+        let mut points = String::new();
+        for (k, d) in l.iter().enumerate().step_by(step) {
+            let _ = write!(
+                points,
+                "{:.1},{:.1} ",
+                x(us(*d)),
+                y(k as f64 / l.len() as f64)
+            );
+        }
+        let last = l[l.len() - 1];
+        let _ = write!(points, "{:.1},{:.1}", x(us(last)), y(1.0));
+        let _ = writeln!(
+            out,
+            "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"2\" points=\"{points}\"/>",
+            COLORS[i]
+        );
+        let ly = pad + h + 35.0 + 15.0 * i as f64;
+        let _ = writeln!(
+            out,
+            "<rect x=\"{pad}\" y=\"{:.0}\" width=\"10\" height=\"10\" fill=\"{}\"/><text x=\"{:.0}\" y=\"{:.0}\">{}: p50 {:.0} us, p99 {:.0} us</text>",
+            ly - 9.0,
+            COLORS[i],
+            pad + 15.0,
+            ly,
+            SIDES[i],
+            us(quantile(l, 0.5)),
+            us(quantile(l, 0.99))
+        );
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+/// One pass: `rounds` rounds (after a warm-up) of the three sides, order rotating per round;
+/// per side the rate of every round and every latency.
+async fn pass(
+    hop: &Arc<PrefillHop>,
+    serve_addr: SocketAddr,
+    floor_addr: SocketAddr,
+    concurrency: u64,
+    secs: Duration,
+    rounds: u64,
+) -> ([Vec<f64>; 3], [Vec<Duration>; 3]) {
+    println!();
+    println!("{concurrency} caller(s):");
+    println!(
+        "{:<8} {:>14} {:>14} {:>14} {:>12} {:>12}",
+        "round", "in-process/s", "serve/s", "floor/s", "serve/floor", "serve/inproc"
+    );
+    let mut all: [Vec<Duration>; 3] = Default::default();
+    let mut rates: [Vec<f64>; 3] = Default::default();
+    for round in 0..=rounds {
+        let mut got: [f64; 3] = [0.0; 3];
+        // Rotate the order so drift within a round favours no side.
+        for k in 0..3 {
+            let side = (k + round as usize) % 3;
+            let run = match side {
+                0 => in_process_side(hop, concurrency, secs).await,
+                1 => http_side(serve_addr, concurrency, secs).await,
+                _ => http_side(floor_addr, concurrency, secs).await,
+            };
+            got[side] = run.rate;
+            if round > 0 {
+                all[side].extend(run.latencies);
+                rates[side].push(run.rate);
+            }
+        }
+        let label = if round == 0 {
+            "warm-up".to_owned()
+        } else {
+            round.to_string()
+        };
+        println!(
+            "{label:<8} {:>14.0} {:>14.0} {:>14.0} {:>12.3} {:>12.3}",
+            got[0],
+            got[1],
+            got[2],
+            got[1] / got[2],
+            got[1] / got[0]
+        );
+    }
+    (rates, all)
+}
+
+async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<String>) {
+    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
+    let mock = MockConfig {
+        block_size: 16,
+        block_cost: Duration::ZERO,
+        token_interval: Duration::ZERO,
+        cache_blocks: 4096,
+    };
+    let card = ModelCard {
+        kv_cache_block_size: 16,
+        router_config: Some(RouterConfig {
+            router_mode: SelectionMode::RoundRobin,
+            ..RouterConfig::default()
+        }),
+        ..ModelCard::named("mock-llm")
+    };
+    let mut held = Vec::new();
+    for id in 1..=2 {
+        let ep = EndpointId::new("bench", "prefill", "generate");
+        held.push(
+            worker(
+                &discovery,
+                ep,
+                id,
+                MockPrefill::new(id, mock.clone()),
+                card.clone(),
+            )
+            .await,
+        );
+    }
+    let ep = EndpointId::new("bench", "decode", "generate");
+    held.push(
+        worker(
+            &discovery,
+            ep,
+            100,
+            MockDecode::new(100, mock.clone()),
+            card.clone(),
+        )
+        .await,
+    );
+
+    let hop = Arc::new(
+        PrefillHop::start(Arc::clone(&discovery), "bench", PrefillHopConfig::default())
+            .await
+            .unwrap(),
+    );
+    let mut status = hop.subscribe();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        status.wait_for(|s| s.readiness.is_ready() && s.lifecycle.to_string() == "active"),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .await
+        .unwrap();
+    let serve_addr = listener.local_addr().unwrap();
+    let http = Arc::clone(&hop);
+    tokio::spawn(async move {
+        prefill_router::http::serve(
+            listener,
+            http,
+            HttpConfig::default(),
+            std::future::pending(),
+        )
+        .await
+        .unwrap()
+    });
+    let floor_addr = floor_server().await;
+
+    println!(
+        "serve overhead, 2 prefill + 1 decode zero-cost loopback mock workers, {MAX_TOKENS} tokens per request, {secs:?} per side per round"
+    );
+    let (rates, _) = pass(&hop, serve_addr, floor_addr, concurrency, secs, rounds).await;
+    let (_, mut one) = pass(&hop, serve_addr, floor_addr, 1, secs, rounds).await;
+    for l in &mut one {
+        l.sort();
+    }
+    let ratio =
+        |a: usize, b: usize| median(rates[a].iter().zip(&rates[b]).map(|(x, y)| x / y).collect());
+    println!();
+    println!(
+        "{:<11} {:>14} {:>14} {:>14}",
+        "side",
+        format!("req/s ({concurrency})"),
+        "p50 us (1)",
+        "p99 us (1)"
+    );
+    for (i, name) in SIDES.iter().enumerate() {
+        println!(
+            "{name:<11} {:>14.0} {:>14.0} {:>14.0}",
+            median(rates[i].clone()),
+            us(quantile(&one[i], 0.5)),
+            us(quantile(&one[i], 0.99))
+        );
+    }
+    let added50 = us(quantile(&one[1], 0.5)) - us(quantile(&one[0], 0.5));
+    let added99 = us(quantile(&one[1], 0.99)) - us(quantile(&one[0], 0.99));
+    println!(
+        "requests/s, median of per-round ratios: serve/floor {:.3} (goal >= 0.7), serve/in-process {:.3}, in-process/floor {:.3}",
+        ratio(1, 2),
+        ratio(1, 0),
+        ratio(0, 2)
+    );
+    println!(
+        "added latency of serve over in-process, one caller: p50 {added50:.0} us (goal < 100), p99 {added99:.0} us; floor p50 {:.0} us",
+        us(quantile(&one[2], 0.5))
+    );
+    if let Some(path) = svg_path {
+        std::fs::write(&path, svg(&one, 1)).unwrap();
+        println!("wrote {path}");
+    }
+    hop.shutdown().await;
+    drop(held);
+}
+
+fn main() {
+    let secs = Duration::from_millis(num("--secs", 1) * 1000);
+    let rounds = num("--rounds", 5).max(1);
+    let concurrency = num("--concurrency", 16).max(1);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(run(secs, rounds, concurrency, arg("--svg")));
+}

@@ -1,0 +1,228 @@
+//! `prefill-router serve`: the OpenAI-compatible HTTP frontend over a `PrefillHop`.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prefill_router::http::HttpConfig;
+use prefill_router::push::PushConfig;
+use prefill_router::router::{AfterWait, FallbackPolicy, PrefillRouterConfig};
+use prefill_router::{PrefillHop, PrefillHopConfig};
+use tokio::net::TcpListener;
+
+use crate::args::{CliError, Flags};
+use crate::store::{terminated, StoreSpec, DEFAULT_ETCD_ROOT};
+
+/// `serve` usage.
+pub const USAGE: &str = "\
+usage: prefill-router serve --discovery file://DIR|etcd://HOST:PORT --namespace NS
+                            [--listen 127.0.0.1:8000] [options]
+
+An OpenAI-compatible HTTP frontend: POST /v1/completions, POST /v1/chat/completions
+(\"stream\": true for server-sent events), GET /v1/models, /health, /ready, /metrics.
+Requests prefill on the namespace's prefill set and decode on its decode set, both found in
+discovery and followed as they change (docs/frontend.md). Prints one JSON line on stdout once
+listening: {\"event\":\"listening\",\"addr\":...}. SIGTERM (or Ctrl-C) stops it in order.
+
+options:
+  --discovery SPEC         file://DIR (a directory shared on this host) or etcd://HOST:PORT
+  --namespace NS           the deployment's namespace
+  --listen ADDR            the HTTP address (default 127.0.0.1:8000: loopback only)
+  --fallback POLICY        while prefill is not active: decode (bypass, the default), reject
+                           (503), or wait-MS (wait up to MS ms, then bypass)
+  --request-timeout-ms N   deadline of one request, arrival to last token (default 30000): 504
+  --body-limit BYTES       largest request body (default 1048576): 413
+  --max-tokens N           max_tokens when a request does not say (default 16)
+  --max-tokens-limit N     largest max_tokens accepted (default 4096)
+  --model NAME             the model /v1/models lists (default mock-llm)
+  --name NAME              the router's name in logs and metrics (default prefill)
+  --ttl-ms N               discovery lease TTL in milliseconds (default 10000)
+  --etcd-root PREFIX       etcd key root (default prefill-router/v1/instances/)";
+
+/// Parsed `serve` options.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    discovery: StoreSpec,
+    namespace: String,
+    listen: SocketAddr,
+    fallback: FallbackPolicy,
+    http: HttpConfig,
+    name: String,
+    ttl: Duration,
+    etcd_root: String,
+}
+
+fn fallback(raw: &str) -> Result<FallbackPolicy, CliError> {
+    match raw {
+        "decode" => Ok(FallbackPolicy::Decode),
+        "reject" => Ok(FallbackPolicy::Reject),
+        _ => match raw.strip_prefix("wait-").and_then(|ms| ms.parse().ok()) {
+            Some(ms) => Ok(FallbackPolicy::WaitUpTo {
+                timeout: Duration::from_millis(ms),
+                then: AfterWait::Decode,
+            }),
+            None => Err(CliError::Usage(format!(
+                "--fallback: expected decode, reject or wait-MS, got `{raw}`"
+            ))),
+        },
+    }
+}
+
+impl ServeOptions {
+    /// Parse the arguments after `serve`.
+    pub fn parse(args: &[String]) -> Result<Self, CliError> {
+        let mut discovery = None;
+        let mut namespace = None;
+        let mut options = ServeOptions {
+            discovery: StoreSpec::File(std::path::PathBuf::new()),
+            namespace: String::new(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            fallback: FallbackPolicy::Decode,
+            http: HttpConfig::default(),
+            name: "prefill".to_owned(),
+            ttl: Duration::from_secs(10),
+            etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
+        };
+        let mut flags = Flags::new(args);
+        while let Some(flag) = flags.next_flag() {
+            match flag {
+                "--discovery" => discovery = Some(StoreSpec::parse(flag, flags.value(flag)?)?),
+                "--namespace" => namespace = Some(flags.value(flag)?.to_owned()),
+                "--listen" => options.listen = flags.parsed(flag)?,
+                "--fallback" => options.fallback = fallback(flags.value(flag)?)?,
+                "--request-timeout-ms" => {
+                    options.http.request_timeout = Duration::from_millis(flags.parsed(flag)?)
+                }
+                "--body-limit" => options.http.body_limit = flags.parsed(flag)?,
+                "--max-tokens" => options.http.default_max_tokens = flags.parsed(flag)?,
+                "--max-tokens-limit" => options.http.max_tokens_limit = flags.parsed(flag)?,
+                "--model" => options.http.model = flags.value(flag)?.to_owned(),
+                "--name" => options.name = flags.value(flag)?.to_owned(),
+                "--ttl-ms" => options.ttl = Duration::from_millis(flags.parsed(flag)?),
+                "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
+                "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
+                other => return Err(CliError::Usage(format!("unknown serve option `{other}`"))),
+            }
+        }
+        options.discovery =
+            discovery.ok_or_else(|| CliError::Usage("serve needs --discovery".into()))?;
+        options.namespace =
+            namespace.ok_or_else(|| CliError::Usage("serve needs --namespace".into()))?;
+        if options.namespace.is_empty() || options.namespace.contains('/') {
+            return Err(CliError::Usage(
+                "--namespace must be non-empty, without `/`".into(),
+            ));
+        }
+        if options.http.request_timeout.is_zero() {
+            return Err(CliError::Usage(
+                "--request-timeout-ms must be positive".into(),
+            ));
+        }
+        if options.http.default_max_tokens == 0
+            || options.http.default_max_tokens > options.http.max_tokens_limit
+        {
+            return Err(CliError::Usage(
+                "--max-tokens must be between 1 and --max-tokens-limit".into(),
+            ));
+        }
+        if options.ttl < Duration::from_millis(300) {
+            return Err(CliError::Usage("--ttl-ms must be at least 300".into()));
+        }
+        Ok(options)
+    }
+}
+
+/// Run the frontend until SIGTERM.
+pub async fn run(options: ServeOptions) -> ExitCode {
+    match serve(options).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("serve failed: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(options: ServeOptions) -> Result<(), String> {
+    let discovery = options
+        .discovery
+        .open(options.ttl, &options.etcd_root)
+        .await?;
+    // Each leg's own deadline is the request's: the HTTP layer answers 504 at the same time.
+    let push = PushConfig {
+        request_timeout: Some(options.http.request_timeout),
+        ..PushConfig::default()
+    };
+    let mut config = PrefillHopConfig {
+        router: PrefillRouterConfig {
+            name: options.name.clone(),
+            fallback: options.fallback,
+            build_timeout: Duration::from_secs(10),
+            ..PrefillRouterConfig::default()
+        },
+        decode_push: push.clone(),
+        ..PrefillHopConfig::default()
+    };
+    config.factory.push = push;
+    let hop = PrefillHop::start(discovery, &options.namespace, config)
+        .await
+        .map_err(|e| e.to_string())?;
+    let hop = Arc::new(hop);
+    let listener = TcpListener::bind(options.listen)
+        .await
+        .map_err(|e| format!("listening on {}: {e}", options.listen))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    println!(
+        "{}",
+        serde_json::json!({"event": "listening", "addr": addr.to_string(), "pid": std::process::id()})
+    );
+    let served =
+        prefill_router::http::serve(listener, Arc::clone(&hop), options.http, terminated())
+            .await
+            .map_err(|e| format!("serving HTTP: {e}"));
+    hop.shutdown().await;
+    println!("{}", serde_json::json!({"event": "stopped"}));
+    served
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(line: &str) -> Vec<String> {
+        line.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn serve_listens_on_loopback_by_default() {
+        let options = ServeOptions::parse(&args("--discovery file:///tmp/x --namespace ns"))
+            .ok()
+            .unwrap();
+        assert_eq!(options.listen, SocketAddr::from(([127, 0, 0, 1], 8000)));
+        assert_eq!(options.fallback, FallbackPolicy::Decode);
+    }
+
+    #[test]
+    fn serve_rejects_bad_flags_with_usage() {
+        for line in [
+            "--namespace ns",
+            "--discovery file:///tmp/x",
+            "--discovery etcd:// --namespace ns",
+            "--discovery file:///tmp/x --namespace ns --fallback maybe",
+            "--discovery file:///tmp/x --namespace ns --request-timeout-ms 0",
+            "--discovery file:///tmp/x --namespace ns --listen nowhere",
+        ] {
+            assert!(
+                matches!(ServeOptions::parse(&args(line)), Err(CliError::Usage(_))),
+                "{line}"
+            );
+        }
+        let wait = ServeOptions::parse(&args(
+            "--discovery file:///tmp/x --namespace ns --fallback wait-250",
+        ))
+        .ok()
+        .unwrap();
+        assert!(matches!(wait.fallback, FallbackPolicy::WaitUpTo { .. }));
+    }
+}

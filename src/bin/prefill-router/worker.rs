@@ -1,0 +1,360 @@
+//! `prefill-router worker`: a mock engine in its own process, registered in discovery.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
+use prefill_router::discovery::{EndpointId, Instance, InstanceId};
+use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
+use prefill_router::transport::{
+    serve, Engine, EngineError, EngineStream, GenerateRequest, GenerateResponse, ServerConfig,
+};
+use tokio::net::TcpListener;
+
+use crate::args::{CliError, Flags};
+use crate::store::{terminated, StoreSpec, DEFAULT_ETCD_ROOT};
+
+/// `worker` usage.
+pub const USAGE: &str = "\
+usage: prefill-router worker --role prefill|decode --discovery file://DIR|etcd://HOST:PORT
+                             --namespace NS [--card FILE] [--id N] [--listen 127.0.0.1:0]
+
+Runs a mock engine (no model, the timing shape of one) serving the request plane, registered
+in discovery as endpoint NS/prefill/generate or NS/decode/generate (lease with heartbeats);
+SIGTERM (or Ctrl-C) deregisters it and stops. Prints one JSON line per event on stdout:
+{\"event\":\"ready\",...} once serving and registered, {\"event\":\"cancelled\",...} each time a
+request is cancelled before its end (the caller dropped it), {\"event\":\"stopped\",...} at exit.
+
+options:
+  --role R               prefill or decode
+  --discovery SPEC       file://DIR (a directory shared on this host) or etcd://HOST:PORT
+  --namespace NS         the deployment's namespace
+  --card FILE            the model card to advertise (JSON); default: model `mock-llm`,
+                         block size --block-size, prefill cards advertise KV routing
+  --id N                 the instance id (default: the process id)
+  --listen ADDR          the request plane's address (default 127.0.0.1:0, any free port)
+  --block-size N         the mock's KV block size when no card is given (default 16)
+  --block-cost-us N      prefill time per uncached block, microseconds (default 500)
+  --token-interval-us N  decode time per token, microseconds (default 2000)
+  --ttl-ms N             discovery lease TTL in milliseconds (default 10000)
+  --etcd-root PREFIX     etcd key root (default prefill-router/v1/instances/)";
+
+/// The worker's role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A prefill worker.
+    Prefill,
+    /// A decode worker.
+    Decode,
+}
+
+impl Role {
+    fn component(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// Parsed `worker` options.
+#[derive(Clone, Debug)]
+pub struct WorkerOptions {
+    role: Role,
+    discovery: StoreSpec,
+    namespace: String,
+    card: Option<std::path::PathBuf>,
+    id: Option<InstanceId>,
+    listen: SocketAddr,
+    block_size: u32,
+    block_cost: Duration,
+    token_interval: Duration,
+    ttl: Duration,
+    etcd_root: String,
+}
+
+impl WorkerOptions {
+    /// Parse the arguments after `worker`.
+    pub fn parse(args: &[String]) -> Result<Self, CliError> {
+        let mut role = None;
+        let mut discovery = None;
+        let mut namespace = None;
+        let mut options = WorkerOptions {
+            role: Role::Prefill,
+            discovery: StoreSpec::File(std::path::PathBuf::new()),
+            namespace: String::new(),
+            card: None,
+            id: None,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            block_size: 16,
+            block_cost: Duration::from_micros(500),
+            token_interval: Duration::from_micros(2000),
+            ttl: Duration::from_secs(10),
+            etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
+        };
+        let mut flags = Flags::new(args);
+        while let Some(flag) = flags.next_flag() {
+            match flag {
+                "--role" => {
+                    role = Some(match flags.value(flag)? {
+                        "prefill" => Role::Prefill,
+                        "decode" => Role::Decode,
+                        other => {
+                            return Err(CliError::Usage(format!(
+                                "--role: expected prefill or decode, got `{other}`"
+                            )))
+                        }
+                    })
+                }
+                "--discovery" => discovery = Some(StoreSpec::parse(flag, flags.value(flag)?)?),
+                "--namespace" => namespace = Some(flags.value(flag)?.to_owned()),
+                "--card" => options.card = Some(flags.value(flag)?.into()),
+                "--id" => options.id = Some(flags.parsed(flag)?),
+                "--listen" => options.listen = flags.parsed(flag)?,
+                "--block-size" => options.block_size = flags.parsed(flag)?,
+                "--block-cost-us" => {
+                    options.block_cost = Duration::from_micros(flags.parsed(flag)?)
+                }
+                "--token-interval-us" => {
+                    options.token_interval = Duration::from_micros(flags.parsed(flag)?)
+                }
+                "--ttl-ms" => options.ttl = Duration::from_millis(flags.parsed(flag)?),
+                "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
+                "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
+                other => return Err(CliError::Usage(format!("unknown worker option `{other}`"))),
+            }
+        }
+        options.role = role.ok_or_else(|| CliError::Usage("worker needs --role".into()))?;
+        options.discovery =
+            discovery.ok_or_else(|| CliError::Usage("worker needs --discovery".into()))?;
+        options.namespace =
+            namespace.ok_or_else(|| CliError::Usage("worker needs --namespace".into()))?;
+        if options.namespace.is_empty() || options.namespace.contains('/') {
+            return Err(CliError::Usage(
+                "--namespace must be non-empty, without `/`".into(),
+            ));
+        }
+        if options.ttl < Duration::from_millis(300) {
+            return Err(CliError::Usage("--ttl-ms must be at least 300".into()));
+        }
+        Ok(options)
+    }
+}
+
+/// Run the worker until SIGTERM.
+pub async fn run(options: WorkerOptions) -> ExitCode {
+    match worker(options).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("worker failed: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn default_card(role: Role, block_size: u32) -> ModelCard {
+    ModelCard {
+        kv_cache_block_size: block_size,
+        router_config: (role == Role::Prefill).then(|| RouterConfig {
+            router_mode: SelectionMode::KV,
+            ..RouterConfig::default()
+        }),
+        ..ModelCard::named("mock-llm")
+    }
+}
+
+async fn worker(options: WorkerOptions) -> Result<(), String> {
+    let card = match &options.card {
+        Some(path) => {
+            let bytes =
+                std::fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+            ModelCard::from_json(&bytes).map_err(|e| format!("parsing {}: {e}", path.display()))?
+        }
+        None => default_card(options.role, options.block_size),
+    };
+    let id = options.id.unwrap_or_else(|| u64::from(std::process::id()));
+    let mock = MockConfig {
+        block_size: if card.kv_cache_block_size == 0 {
+            options.block_size
+        } else {
+            card.kv_cache_block_size
+        },
+        block_cost: options.block_cost,
+        token_interval: options.token_interval,
+        cache_blocks: 8192,
+    };
+    let engine: Arc<dyn Engine> = match options.role {
+        Role::Prefill => MockPrefill::new(id, mock),
+        Role::Decode => MockDecode::new(id, mock),
+    };
+    let cancelled = Arc::new(AtomicU64::new(0));
+    let engine: Arc<dyn Engine> = Arc::new(Watched {
+        inner: engine,
+        id,
+        cancelled: Arc::clone(&cancelled),
+    });
+    let discovery = options
+        .discovery
+        .open(options.ttl, &options.etcd_root)
+        .await?;
+    let listener = TcpListener::bind(options.listen)
+        .await
+        .map_err(|e| format!("listening on {}: {e}", options.listen))?;
+    let server =
+        serve(listener, engine, ServerConfig::default()).map_err(|e| format!("serving: {e}"))?;
+    let endpoint = EndpointId::new(&options.namespace, options.role.component(), "generate");
+    let instance = Instance {
+        endpoint: endpoint.clone(),
+        instance_id: id,
+        address: server.local_addr(),
+    };
+    let registration = discovery
+        .register(instance, card)
+        .await
+        .map_err(|e| format!("registering: {e}"))?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "event": "ready",
+            "role": options.role.component(),
+            "id": id,
+            "addr": server.local_addr().to_string(),
+            "endpoint": endpoint.to_string(),
+            "pid": std::process::id(),
+        })
+    );
+    terminated().await;
+    // Deregister first (frontends stop routing here), then stop serving.
+    let deregistered = registration.deregister().await;
+    server.stop().await;
+    println!(
+        "{}",
+        serde_json::json!({
+            "event": "stopped",
+            "id": id,
+            "deregistered": deregistered.is_ok(),
+            "cancelled": cancelled.load(Ordering::Relaxed),
+        })
+    );
+    deregistered.map_err(|e| format!("deregistering: {e}"))
+}
+
+/// An engine whose streams report being dropped before their end (a Cancel from the caller,
+/// a deadline, or the connection closing).
+struct Watched {
+    inner: Arc<dyn Engine>,
+    id: InstanceId,
+    cancelled: Arc<AtomicU64>,
+}
+
+impl Engine for Watched {
+    fn generate(&self, request: GenerateRequest) -> EngineStream {
+        Box::pin(WatchedStream {
+            inner: self.inner.generate(request),
+            id: self.id,
+            ended: false,
+            cancelled: Arc::clone(&self.cancelled),
+        })
+    }
+}
+
+struct WatchedStream {
+    inner: EngineStream,
+    id: InstanceId,
+    ended: bool,
+    cancelled: Arc<AtomicU64>,
+}
+
+impl futures_core::Stream for WatchedStream {
+    type Item = Result<GenerateResponse, EngineError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let polled = self.inner.as_mut().poll_next(cx);
+        if let std::task::Poll::Ready(item) = &polled {
+            match item {
+                None | Some(Err(_)) => self.ended = true,
+                Some(Ok(response)) if response.finish.is_some() => self.ended = true,
+                Some(Ok(_)) => {}
+            }
+        }
+        polled
+    }
+}
+
+impl Drop for WatchedStream {
+    fn drop(&mut self) {
+        if !self.ended {
+            let total = self.cancelled.fetch_add(1, Ordering::Relaxed) + 1;
+            println!(
+                "{}",
+                serde_json::json!({"event": "cancelled", "id": self.id, "total": total})
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+
+    fn args(line: &str) -> Vec<String> {
+        line.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn worker_needs_role_discovery_and_namespace() {
+        for line in [
+            "--discovery file:///tmp/x --namespace ns",
+            "--role prefill --namespace ns",
+            "--role prefill --discovery file:///tmp/x",
+            "--role both --discovery file:///tmp/x --namespace ns",
+            "--role decode --discovery http://x --namespace ns",
+        ] {
+            assert!(
+                matches!(WorkerOptions::parse(&args(line)), Err(CliError::Usage(_))),
+                "{line}"
+            );
+        }
+        let ok = WorkerOptions::parse(&args(
+            "--role decode --discovery file:///tmp/x --namespace ns --id 7 --listen 127.0.0.1:0",
+        ))
+        .ok()
+        .unwrap();
+        assert_eq!((ok.role, ok.id), (Role::Decode, Some(7)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_dropped_before_its_end_counts_as_cancelled() {
+        let mock = MockConfig {
+            token_interval: Duration::from_millis(1),
+            ..MockConfig::default()
+        };
+        let cancelled = Arc::new(AtomicU64::new(0));
+        let engine = Watched {
+            inner: MockDecode::new(1, mock),
+            id: 1,
+            cancelled: Arc::clone(&cancelled),
+        };
+        let whole: Vec<_> = engine
+            .generate(GenerateRequest::new(vec![1, 2, 3], 3))
+            .collect()
+            .await;
+        assert_eq!(whole.len(), 3);
+        assert_eq!(
+            cancelled.load(Ordering::Relaxed),
+            0,
+            "finished streams are not"
+        );
+        let mut partial = engine.generate(GenerateRequest::new(vec![1, 2, 3], 10));
+        partial.next().await.unwrap().unwrap();
+        drop(partial);
+        assert_eq!(cancelled.load(Ordering::Relaxed), 1);
+    }
+}

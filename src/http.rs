@@ -1,0 +1,15 @@
+//! The OpenAI-compatible HTTP frontend over a [`PrefillHop`](crate::PrefillHop) (feature
+//! `http`; `prefill-router serve` runs it).
+//!
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming with `"stream":
+//! true`: server-sent events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`,
+//! `GET /ready` (200 only when a request would be served), `GET /metrics` (the router's
+//! Prometheus metrics and the HTTP counters). Errors are OpenAI-style JSON bodies. Prompts go
+//! through the built-in [`tokenizer`]. See `docs/frontend.md`.
+
+mod openai;
+mod server;
+pub mod tokenizer;
+
+pub use openai::ApiError;
+pub use server::{router, serve, HttpConfig};

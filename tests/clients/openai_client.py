@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Real-client checks of `prefill-router serve` with the `openai` package (run by .ci/clients.sh).
+
+Each check prints PASS or FAIL; the exit status is non-zero if any failed. Phases:
+  basic   streaming chat, non-streaming completion, models, a client disconnect mid-stream
+  kill    traffic while prefill worker --kill-pid is SIGKILLed: in-flight requests end with a
+          typed error, none hangs, later requests go to --survivor
+  bypass  no prefill worker left: --base (policy decode) serves through decode (--decode-id),
+          --strict-base (policy reject) answers 503
+"""
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+import openai
+
+FAILED = []
+
+
+def check(name, ok, detail=""):
+    print(("PASS " if ok else "FAIL ") + name + (f": {detail}" if detail and not ok else ""))
+    if not ok:
+        FAILED.append(name)
+
+
+def client(base, timeout=10.0):
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=timeout, max_retries=0)
+
+
+def prefill_worker(raw):
+    value = raw.headers.get("x-prefill-worker")
+    return int(value) if value is not None else None
+
+
+def basic(args):
+    c = client(args.base)
+    models = c.models.list()
+    check("models lists mock-llm", [m.id for m in models.data] == ["mock-llm"], models)
+
+    done = c.completions.create(model="mock-llm", prompt="Say hello", max_tokens=5)
+    check(
+        "non-streaming completion",
+        done.object == "text_completion"
+        and done.usage.completion_tokens == 5
+        and done.choices[0].finish_reason == "length"
+        and len(done.choices[0].text.split()) == 5,
+        done,
+    )
+
+    messages = [{"role": "user", "content": "What is a prefill hop?"}]
+    stream = c.chat.completions.create(
+        model="mock-llm", messages=messages, max_tokens=6, stream=True
+    )
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    check(
+        "streaming chat completion",
+        len(chunks) == 6
+        and chunks[0].choices[0].delta.role == "assistant"
+        and chunks[-1].choices[0].finish_reason == "length"
+        and len(text.split()) == 6,
+        chunks,
+    )
+
+    # A second turn extends the first: its prompt shares the first's prefix blocks.
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "More?"}]
+    raw = c.chat.completions.with_raw_response.create(
+        model="mock-llm", messages=messages, max_tokens=3
+    )
+    reply = raw.parse()
+    check(
+        "second chat turn through a prefill worker",
+        reply.choices[0].message.content.strip() != ""
+        and prefill_worker(raw) in args.prefill_ids,
+        (raw.headers, reply),
+    )
+
+    # Client disconnect mid-stream: read a few chunks, close the response.
+    stream = c.chat.completions.create(
+        model="mock-llm",
+        messages=[{"role": "user", "content": "a long answer please"}],
+        max_tokens=2000,
+        stream=True,
+    )
+    got = 0
+    for _ in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()
+    check("disconnect after 3 chunks", got == 3)
+
+
+def kill(args):
+    c = client(args.base, timeout=15.0)
+    results = []
+    lock = threading.Lock()
+
+    def one(n):
+        prompt = " ".join(f"w{n}x{i}" for i in range(64))
+        start = time.monotonic()
+        try:
+            raw = c.completions.with_raw_response.create(
+                model="mock-llm", prompt=prompt, max_tokens=2
+            )
+            outcome = ("ok", prefill_worker(raw))
+        except openai.APIStatusError as e:
+            outcome = ("error", e.status_code, e.body)
+        except Exception as e:  # a hang (timeout) or a broken connection: both fail the check
+            outcome = ("broken", repr(e))
+        with lock:
+            results.append((outcome, time.monotonic() - start))
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.25)
+    os.kill(args.kill_pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=20)
+    check("no request hangs", all(not t.is_alive() for t in threads) and len(results) == 8, results)
+    typed = [o for o, _ in results if o[0] == "error"]
+    broken = [o for o, _ in results if o[0] == "broken"]
+    check("requests in flight on the killed worker end with a typed error", len(typed) >= 1 and not broken, results)
+    check(
+        "typed errors are 502/503 with an OpenAI error body",
+        all(o[1] in (502, 503) and isinstance(o[2], dict) and "code" in o[2] for o in typed),
+        typed,
+    )
+    later = []
+    for n in range(100, 110):
+        raw = c.completions.with_raw_response.create(
+            model="mock-llm", prompt=f"later request {n}", max_tokens=2
+        )
+        later.append(prefill_worker(raw))
+    check("later requests route to the survivor", later == [args.survivor] * 10, later)
+
+
+def bypass(args):
+    c = client(args.base)
+    raw = c.chat.completions.with_raw_response.create(
+        model="mock-llm", messages=[{"role": "user", "content": "hello"}], max_tokens=2
+    )
+    check(
+        "policy decode bypasses to decode",
+        prefill_worker(raw) == args.decode_id and raw.parse().usage.completion_tokens == 2,
+        raw.headers,
+    )
+    strict = client(args.strict_base)
+    try:
+        strict.chat.completions.create(
+            model="mock-llm", messages=[{"role": "user", "content": "hello"}], max_tokens=2
+        )
+        check("policy reject answers 503", False, "the request succeeded")
+    except openai.APIStatusError as e:
+        check(
+            "policy reject answers 503",
+            e.status_code == 503 and e.body.get("code") == "prefill_not_active",
+            (e.status_code, e.body),
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("phase", choices=["basic", "kill", "bypass"])
+    parser.add_argument("--base", required=True)
+    parser.add_argument("--strict-base")
+    parser.add_argument("--prefill-ids", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    parser.add_argument("--kill-pid", type=int)
+    parser.add_argument("--survivor", type=int)
+    parser.add_argument("--decode-id", type=int)
+    args = parser.parse_args()
+    {"basic": basic, "kill": kill, "bypass": bypass}[args.phase](args)
+    if FAILED:
+        print(f"{len(FAILED)} check(s) failed: {FAILED}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
