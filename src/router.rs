@@ -25,7 +25,7 @@ mod target;
 pub use config::PrefillRouterConfig;
 pub use error::{GenerateError, WaitError};
 pub use fallback::{AfterWait, FallbackPolicy};
-pub use handle::PrefillRouter;
+pub use handle::{PrefillRouter, MAX_REROUTES};
 pub use legs::{
     BindingFactory, BindingHealth, BuildError, Decode, DecodeError, DecodeStream, Prefill,
     PrefillError, PrefillOutcome,

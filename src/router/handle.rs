@@ -14,7 +14,7 @@ use super::config::PrefillRouterConfig;
 use super::driver::{deadline_after, Driver};
 use super::error::{GenerateError, WaitError};
 use super::fallback::{Fallback, Final};
-use super::legs::{BindingFactory, Decode, DecodeStream, Prefill as _};
+use super::legs::{BindingFactory, Decode, DecodeError, DecodeStream, Prefill as _, PrefillError};
 use super::metrics::{RouterCollector, StatusSource};
 use super::shared::{Announced, Msg, Shared};
 use super::status::{bump, RouterStatus, Tally};
@@ -22,8 +22,32 @@ use super::target::WorkerSetTarget;
 use crate::control::Control;
 use crate::hooks::RouterHooks;
 use crate::lifecycle::Lifecycle;
+use crate::push::PushError;
 use crate::snapshot::{BypassReason, Route, SnapshotGuard};
 use crate::transport::{GenerateRequest, GenerateResponse};
+
+/// Times [`PrefillRouter::generate`] routes one request again after its binding was retired
+/// under it (each time means another retarget raced the request: a bound keeps a storm finite).
+pub const MAX_REROUTES: u32 = 3;
+
+/// How one routing attempt ended without a stream.
+enum Failed {
+    Error(GenerateError),
+    /// Route the request again (it is handed back untouched).
+    Reroute(GenerateRequest),
+}
+
+impl From<GenerateError> for Failed {
+    fn from(error: GenerateError) -> Self {
+        Failed::Error(error)
+    }
+}
+
+impl From<DecodeError> for Failed {
+    fn from(error: DecodeError) -> Self {
+        Failed::Error(GenerateError::from(error))
+    }
+}
 
 /// The prefill hop of one model: routes each request's prefill while a controller retargets
 /// the hop, and falls back by policy while it is not Active.
@@ -106,11 +130,38 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// hand off to `decode` with the original request; otherwise apply the fallback policy.
     ///
     /// A prefill error fails the request ([`GenerateError::Prefill`]); decode is not tried.
+    ///
+    /// A request whose binding is retired between its route load and its pick of a worker,
+    /// and whose admission set empties meanwhile (a retarget storm does it), would fail with
+    /// [`PushError::NoRoutableInstances`](crate::push::PushError::NoRoutableInstances)
+    /// although nothing was sent anywhere: it is routed again on the current snapshot
+    /// instead, at most [`MAX_REROUTES`] times (counted in `rerouted`).
     pub async fn generate(
+        &self,
+        mut request: GenerateRequest,
+        decode: &dyn Decode,
+    ) -> Result<DecodeStream, GenerateError> {
+        let mut reroutes = 0;
+        loop {
+            match self.attempt(request, decode, reroutes < MAX_REROUTES).await {
+                Ok(stream) => return Ok(stream),
+                Err(Failed::Error(error)) => return Err(error),
+                Err(Failed::Reroute(back)) => {
+                    bump(&self.shared.tally.rerouted);
+                    reroutes += 1;
+                    request = back;
+                }
+            }
+        }
+    }
+
+    /// One routing of `request`; `may_reroute` lets it come back as [`Failed::Reroute`].
+    async fn attempt(
         &self,
         request: GenerateRequest,
         decode: &dyn Decode,
-    ) -> Result<DecodeStream, GenerateError> {
+        may_reroute: bool,
+    ) -> Result<DecodeStream, Failed> {
         let binding = match self.route() {
             Route::Prefill(binding) => binding,
             Route::Bypass(reason) => {
@@ -119,7 +170,9 @@ impl<F: BindingFactory> PrefillRouter<F> {
                         bump(&self.shared.tally.waited);
                         match self.route_within(timeout).await {
                             Route::Prefill(binding) => {
-                                return self.prefill_then_decode(binding, request, decode).await
+                                return self
+                                    .prefill_then_decode(binding, request, decode, may_reroute)
+                                    .await
                             }
                             Route::Bypass(reason) => then.apply(reason),
                         }
@@ -129,7 +182,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
                 return match decision {
                     Final::Reject(reason) => {
                         self.shared.tally.reject(reason);
-                        Err(GenerateError::NotActivated { reason })
+                        Err(GenerateError::NotActivated { reason }.into())
                     }
                     Final::Bypass(reason) => {
                         self.shared.tally.bypass(reason);
@@ -138,7 +191,8 @@ impl<F: BindingFactory> PrefillRouter<F> {
                 };
             }
         };
-        self.prefill_then_decode(binding, request, decode).await
+        self.prefill_then_decode(binding, request, decode, may_reroute)
+            .await
     }
 
     async fn prefill_then_decode(
@@ -146,7 +200,8 @@ impl<F: BindingFactory> PrefillRouter<F> {
         binding: Arc<F::Binding>,
         request: GenerateRequest,
         decode: &dyn Decode,
-    ) -> Result<DecodeStream, GenerateError> {
+        may_reroute: bool,
+    ) -> Result<DecodeStream, Failed> {
         bump(&self.shared.tally.prefilled);
         let prefill_request = GenerateRequest {
             max_tokens: 1,
@@ -161,16 +216,23 @@ impl<F: BindingFactory> PrefillRouter<F> {
                     result = prefill => result,
                     () = self.drained(&binding, cap) => {
                         bump(&self.shared.tally.drained);
-                        return Err(GenerateError::Drained { after: cap });
+                        return Err(GenerateError::Drained { after: cap }.into());
                     }
                 }
             }
         };
         let outcome = match result {
             Ok(outcome) => outcome,
+            // Nothing was sent: the binding lost its last admitted worker because it was
+            // retired under this request. Route again on what is published now.
+            Err(PrefillError::Push(PushError::NoRoutableInstances))
+                if may_reroute && !self.serves(&binding) =>
+            {
+                return Err(Failed::Reroute(request));
+            }
             Err(error) => {
                 bump(&self.shared.tally.prefill_errors);
-                return Err(GenerateError::Prefill(error));
+                return Err(GenerateError::Prefill(error).into());
             }
         };
         // The binding is not needed for decode: release it so a retired one can go.
@@ -188,6 +250,15 @@ impl<F: BindingFactory> PrefillRouter<F> {
             ..request
         };
         Ok(decode.decode(decode_request, Some(outcome)).await?)
+    }
+
+    /// Whether the published route still prefills on `binding` (a cleared hop keeps its
+    /// binding held for reuse, but no longer serves it).
+    fn serves(&self, binding: &Arc<F::Binding>) -> bool {
+        match self.route() {
+            Route::Prefill(current) => Arc::ptr_eq(&current, binding),
+            Route::Bypass(_) => false,
+        }
     }
 
     /// Completes `cap` after `binding` stops being the held one (it was retired); never while

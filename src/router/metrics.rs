@@ -22,6 +22,7 @@
 //! | `rejected_total{reason}` | counter | requests rejected with `NotActivated` |
 //! | `waited_total` | counter | requests that waited for activation |
 //! | `drained_total` | counter | prefills cut off by the drain cap after their binding was retired |
+//! | `rerouted_total` | counter | requests routed again: their binding was retired before they picked a worker |
 //! | `open_breakers` | gauge | the serving binding's instances whose health breaker is open (0 when not Active) |
 //! | `prefill_retries_total{class}` | counter | prefills retried on another worker, by the failure's class (the serving binding's; the default factory's bindings share one count) |
 
@@ -195,6 +196,12 @@ impl Collector for RouterCollector {
             "drained",
             "Prefills cut off by the drain cap after their binding was retired",
             c.drained,
+        )?;
+        counter(
+            e,
+            "rerouted",
+            "Requests routed again because their binding was retired before they picked a worker",
+            c.rerouted,
         )?;
         gauge(
             e,

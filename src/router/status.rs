@@ -57,6 +57,9 @@ pub struct RouterCounters {
     pub waited: u64,
     /// Prefills cut off by the drain cap after their binding was retired.
     pub drained: u64,
+    /// Requests routed again because their binding was retired, and its admission emptied,
+    /// before they could pick a worker (see [`PrefillRouter::generate`](super::PrefillRouter::generate)).
+    pub rerouted: u64,
 }
 
 /// A picture of the router, for status pages and tests.
@@ -102,6 +105,7 @@ pub(crate) struct Tally {
     pub(crate) prefill_errors: AtomicU64,
     pub(crate) waited: AtomicU64,
     pub(crate) drained: AtomicU64,
+    pub(crate) rerouted: AtomicU64,
     bypassed: [AtomicU64; 5],
     rejected: [AtomicU64; 5],
 }
@@ -130,6 +134,7 @@ impl Tally {
         out.prefill_errors = get(&self.prefill_errors);
         out.waited = get(&self.waited);
         out.drained = get(&self.drained);
+        out.rerouted = get(&self.rerouted);
         out.bypassed = REASONS
             .iter()
             .map(|r| (*r, get(&self.bypassed[reason_index(*r)])))

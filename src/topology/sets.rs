@@ -53,6 +53,9 @@ pub struct TopologyView {
     pub decode_sets: Vec<EndpointId>,
     /// The decode endpoint when there is exactly one decode set.
     pub decode: Option<EndpointId>,
+    /// Target changes so far (`set_target` calls the watcher made; 0 in [`Topology::view`],
+    /// which the watcher fills in).
+    pub retargets: u64,
 }
 
 /// An admission change to apply: grows before the target is set, shrinks after (so no request
@@ -299,6 +302,7 @@ impl Topology {
             prefill_sets: self.live_prefill().map(|(e, _)| e.clone()).collect(),
             decode: (decode_sets.len() == 1).then(|| decode_sets[0].clone()),
             decode_sets,
+            retargets: 0,
         }
     }
 }

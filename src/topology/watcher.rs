@@ -57,6 +57,7 @@ impl TopologyWatcher {
         let task = tokio::spawn(async move {
             let mut topology = Topology::new();
             let mut current: Option<WorkerSetTargetId> = None;
+            let mut retargets = 0u64;
             loop {
                 let event = tokio::select! {
                     biased;
@@ -81,6 +82,7 @@ impl TopologyWatcher {
                     tracing::info!(namespace, target = ?id, "prefill target changed");
                     sink.set_target(target);
                     current = id;
+                    retargets += 1;
                 }
                 // Shrinks after: requests already see the new target when instances leave it.
                 for change in shrinks {
@@ -93,7 +95,10 @@ impl TopologyWatcher {
                 }
                 // The view last: whoever reads it sees a router already retargeted.
                 view_tx.send_if_modified(|v| {
-                    let next = topology.view();
+                    let next = TopologyView {
+                        retargets,
+                        ..topology.view()
+                    };
                     let changed = *v != next;
                     *v = next;
                     changed

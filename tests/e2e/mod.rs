@@ -17,6 +17,8 @@ use prefill_router::transport::{serve, Engine, ServerConfig, ServerHandle};
 use prefill_router::{PrefillHop, PrefillHopConfig};
 use tokio::net::TcpListener;
 
+pub mod storm;
+
 /// Bound on anything a test waits for (debug builds on a busy 2-core box).
 pub const WAIT: Duration = Duration::from_secs(15);
 
