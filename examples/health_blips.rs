@@ -105,7 +105,10 @@ fn svg(times: &[Duration], cap: Duration) -> String {
     let (w, h, pad) = (640.0, 240.0, 40.0);
     let cap_ms = cap.as_secs_f64() * 1000.0;
     // The axis ends at the slowest blip rounded up to 100 ms (the cap is far above).
-    let slowest = times.iter().map(|t| t.as_secs_f64() * 1000.0).fold(0.0, f64::max);
+    let slowest = times
+        .iter()
+        .map(|t| t.as_secs_f64() * 1000.0)
+        .fold(0.0, f64::max);
     let max_ms = ((slowest / 100.0).ceil() * 100.0).max(100.0);
     let bar = (w - 2.0 * pad) / times.len().max(1) as f64;
     let mut out = format!(
