@@ -92,6 +92,8 @@ fn the_scenarios_exercise_every_fault() {
         total.events_lost += s.events_lost;
         total.events_duplicated += s.events_duplicated;
         total.crashes += s.crashes;
+        total.blips += s.blips;
+        total.retries += s.retries;
     }
     let counts = [
         ("prefilled", total.prefilled_ok),
@@ -116,6 +118,8 @@ fn the_scenarios_exercise_every_fault() {
         ("events lost", total.events_lost),
         ("events duplicated", total.events_duplicated),
         ("crashes", total.crashes),
+        ("blips", total.blips),
+        ("retries", total.retries),
     ];
     for (what, n) in counts {
         assert!(n > 0, "no {what} in 40 seeds: {total:?}");
@@ -161,6 +165,19 @@ fn oracle_catches_a_leaked_retired_binding() {
 #[test]
 fn oracle_catches_a_request_that_hangs_past_its_deadline() {
     assert_caught(Mutant::NoPrefillTimeout, "request_hung");
+}
+
+#[test]
+fn oracle_catches_a_breaker_that_never_closes() {
+    assert_caught(Mutant::BreakerNeverCloses, "recovered_worker_unroutable");
+}
+
+#[test]
+fn oracle_catches_a_retry_that_reuses_the_failed_worker() {
+    assert_caught(
+        Mutant::RetryReusesFailedWorker,
+        "failed_with_healthy_worker",
+    );
 }
 
 #[test]

@@ -163,18 +163,19 @@ impl SimBinding {
         // Weak: the world keeps the view (attach_view), so a strong handle would be a cycle.
         let prober = {
             let world = Arc::downgrade(&world);
+            let never = mutant == Some(Mutant::BreakerNeverCloses);
             crate::push::Prober::new(move |id, _| {
                 let up = world
                     .upgrade()
-                    .is_some_and(|w| w.with(|s| s.workers.get(&id).copied().unwrap_or(false)));
-                std::future::ready(up)
+                    .is_some_and(|w| w.with(|s| World::reachable(s, id)));
+                std::future::ready(up && !never)
             })
         };
         let view = RoutableView::spawn_with_prober(
             futures_util::stream::pending(),
             admission,
             view_cancel.clone(),
-            crate::health::BackoffPolicy::default(),
+            timing::HEALTH,
             prober,
         );
         let probe = world.new_probe(target.id.clone(), cancel);
@@ -244,23 +245,20 @@ enum WorkerPlan {
     Refused,
 }
 
-impl Prefill for SimBinding {
-    fn prefill(
+impl SimBinding {
+    /// Pick a worker for one attempt of request `id` (never one in `tried`, unless the
+    /// mutant reuses the failed worker), check the admission oracle, and draw what the worker
+    /// does with it.
+    fn attempt(
         &self,
-        request: GenerateRequest,
-    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
-        let id = request_id(&request);
-        // Synchronous part: the router called us in the same poll in which it loaded the
-        // route, so the world is exactly as it was at the load.
-        self.check_admission_to_binding(id);
-        self.world.with(|s| s.prefilled.insert(id));
-        let in_flight = InFlight::enter(&self.probe);
-        let worker = match self.push.select(&request) {
-            Ok(instance) => instance.instance_id,
-            Err(e) => {
-                self.world.trace(&[3, id, u64::MAX]);
-                return future::ready(Err(PrefillError::Push(e))).boxed();
-            }
+        id: u64,
+        request: &GenerateRequest,
+        tried: &[InstanceId],
+    ) -> Result<(InstanceId, WorkerPlan), PushError> {
+        let reuse = self.mutant == Some(Mutant::RetryReusesFailedWorker);
+        let worker = match (tried.last(), reuse) {
+            (Some(&last), true) => last,
+            _ => self.push.select_excluding(request, tried)?.instance_id,
         };
         let admitted = self.target.admitted.borrow().clone();
         if !admitted.contains(&worker) {
@@ -272,10 +270,14 @@ impl Prefill for SimBinding {
             });
         }
         self.world.trace(&[3, id, worker, self.probe.serial]);
-        let mut rng = self.world.keyed(&[STREAM_WORKER, id]);
+        // The first attempt keeps the draws it always had; retries draw from their own keys.
+        let mut rng = match tried.len() {
+            0 => self.world.keyed(&[STREAM_WORKER, id]),
+            n => self.world.keyed(&[STREAM_WORKER, id, n as u64]),
+        };
         let plan = self.world.with(|s| {
             s.stats.dispatches += 1;
-            if !s.workers.get(&worker).copied().unwrap_or(false) {
+            if !World::reachable(s, worker) {
                 return WorkerPlan::Refused;
             }
             if !s.faults {
@@ -293,40 +295,114 @@ impl Prefill for SimBinding {
                 _ => WorkerPlan::Hang,
             }
         });
+        Ok((worker, plan))
+    }
+
+    /// Oracle: a prefill that failed on connection failures after trying fewer distinct
+    /// workers than the budget allows had no admitted, reachable, routable worker left.
+    fn check_no_healthy_worker_left(&self, request: u64, tried: &[InstanceId]) {
+        let mut distinct = tried.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() > timing::RETRY_BUDGET as usize {
+            return;
+        }
+        let healthy = self
+            .view
+            .routable()
+            .iter()
+            .map(|i| i.instance_id)
+            .find(|w| !distinct.contains(w) && self.world.with(|s| World::reachable(s, *w)));
+        if let Some(healthy) = healthy {
+            self.world.violate(Violation::FailedWithHealthyWorker {
+                request,
+                tried: tried.to_vec(),
+                healthy,
+            });
+        }
+    }
+}
+
+impl Prefill for SimBinding {
+    fn prefill(
+        &self,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let id = request_id(&request);
+        // Synchronous part: the router called us in the same poll in which it loaded the
+        // route, so the world is exactly as it was at the load.
+        self.check_admission_to_binding(id);
+        self.world.with(|s| s.prefilled.insert(id));
+        let in_flight = InFlight::enter(&self.probe);
+        let first = match self.attempt(id, &request, &[]) {
+            Ok(first) => first,
+            Err(e) => {
+                self.world.trace(&[3, id, u64::MAX]);
+                return future::ready(Err(PrefillError::Push(e))).boxed();
+            }
+        };
         let enforce_deadline = self.mutant != Some(Mutant::NoPrefillTimeout);
+        let first_worker = first.0;
         async move {
             let _in_flight = in_flight;
+            // Retries as the dispatcher's: a connection failure before any output (refused,
+            // or a crash before the response) moves to another worker, at most RETRY_BUDGET
+            // times, all within the one prefill deadline.
             let work = async {
-                match plan {
-                    WorkerPlan::Answer(d) => {
-                        tokio::time::sleep(d).await;
-                        Ok(outcome(worker, &request))
+                let mut tried: Vec<InstanceId> = Vec::new();
+                let (mut worker, mut plan) = first;
+                loop {
+                    tried.push(worker);
+                    let failure = match plan {
+                        WorkerPlan::Answer(d) => {
+                            tokio::time::sleep(d).await;
+                            return Ok(outcome(worker, &request));
+                        }
+                        WorkerPlan::Reject => {
+                            return Err(PrefillError::Failed {
+                                message: format!("worker {worker} rejected the request"),
+                            })
+                        }
+                        WorkerPlan::Hang => return future::pending().await,
+                        WorkerPlan::Refused => {
+                            // What the real dispatcher does after a connection failure.
+                            self.view.report_failure(
+                                worker,
+                                crate::health::FailureClass::ConnectionRefused,
+                            );
+                            format!("worker {worker}: connection refused")
+                        }
+                        WorkerPlan::Crash(d) => {
+                            tokio::time::sleep(d).await;
+                            self.world.crash(worker);
+                            self.view
+                                .report_failure(worker, crate::health::FailureClass::StreamDead);
+                            format!("worker {worker} crashed mid-stream")
+                        }
+                    };
+                    let next = if tried.len() > timing::RETRY_BUDGET as usize {
+                        None
+                    } else {
+                        self.attempt(id, &request, &tried).ok()
+                    };
+                    match next {
+                        Some(next) => {
+                            self.world.with(|s| s.stats.retries += 1);
+                            (worker, plan) = next;
+                        }
+                        None => {
+                            self.check_no_healthy_worker_left(id, &tried);
+                            return Err(PrefillError::Failed { message: failure });
+                        }
                     }
-                    WorkerPlan::Reject => Err(PrefillError::Failed {
-                        message: format!("worker {worker} rejected the request"),
-                    }),
-                    WorkerPlan::Refused => {
-                        // What the real dispatcher does after a connection failure.
-                        self.view
-                            .report_failure(worker, crate::health::FailureClass::ConnectionRefused);
-                        Err(PrefillError::Failed {
-                            message: format!("worker {worker}: connection refused"),
-                        })
-                    }
-                    WorkerPlan::Crash(d) => {
-                        tokio::time::sleep(d).await;
-                        self.world.crash(worker);
-                        Err(PrefillError::Failed {
-                            message: format!("worker {worker} crashed mid-stream"),
-                        })
-                    }
-                    WorkerPlan::Hang => future::pending().await,
                 }
             };
             if enforce_deadline {
                 match tokio::time::timeout(timing::PREFILL_TIMEOUT, work).await {
                     Ok(result) => result,
-                    Err(_) => Err(PrefillError::Push(PushError::Timeout { instance: worker })),
+                    Err(_) => Err(PrefillError::Push(PushError::Timeout {
+                        instance: first_worker,
+                    })),
                 }
             } else {
                 work.await

@@ -61,6 +61,12 @@ pub enum Mutant {
     /// returned, as with a router whose retarget is asynchronous (oracle: dispatch on a
     /// replaced target).
     DeferredSetTarget,
+    /// Every probe reads as failed, so a breaker never closes again (oracle: a recovered
+    /// worker stays unroutable).
+    BreakerNeverCloses,
+    /// A prefill retry goes back to the worker that just failed instead of another one
+    /// (oracle: a request failed while a healthy admitted worker was available).
+    RetryReusesFailedWorker,
 }
 
 /// Time constants of the simulated world (all simulated time: the clock is paused and jumps).
@@ -73,6 +79,16 @@ pub(crate) mod timing {
     pub const RETRY_INITIAL: Duration = Duration::from_millis(20);
     /// Retry delay cap.
     pub const RETRY_MAX: Duration = Duration::from_millis(200);
+    /// The bindings' health backoff (the real default caps at 10 s, past a whole run).
+    pub const HEALTH: crate::health::BackoffPolicy = crate::health::BackoffPolicy {
+        initial: Duration::from_millis(20),
+        max: Duration::from_millis(200),
+    };
+    /// Slack on top of the probe cap before a recovered worker must be routable (probes are
+    /// instant; a failure reported in the same instant the worker came back re-arms once).
+    pub const HEALTH_SLACK: Duration = Duration::from_millis(20);
+    /// Retries of a prefill on another worker (the dispatcher's default budget).
+    pub const RETRY_BUDGET: u32 = 2;
     /// The in-memory transport's prefill deadline (a hung worker answers with a timeout).
     pub const PREFILL_TIMEOUT: Duration = Duration::from_millis(60);
     /// Longest healthy prefill.

@@ -101,7 +101,20 @@ impl World {
 
     /// Bring worker `id` up or down, and tell discovery.
     pub(crate) fn set_worker(self: &Arc<Self>, id: InstanceId, up: bool) {
-        let changed = self.with(|s| s.workers.insert(id, up) != Some(up));
+        let now = tokio::time::Instant::now();
+        let changed = self.with(|s| {
+            let changed = s.workers.insert(id, up) != Some(up);
+            if up {
+                if changed && !s.blipped.contains(&id) {
+                    s.reachable_since.insert(id, now);
+                }
+            } else {
+                // A crash ends a blip: the worker is down, not just unreachable.
+                s.blipped.remove(&id);
+                s.reachable_since.remove(&id);
+            }
+            changed
+        });
         if changed {
             self.trace(&[4, id, u64::from(up)]);
             let event = if up {

@@ -49,6 +49,27 @@ pub enum Violation {
         /// Its deadline, from its start.
         deadline: Duration,
     },
+    /// A worker reachable again (up, registered, its blip over) for longer than the probe cap
+    /// was still unroutable in a live binding's view: its breaker never closed.
+    RecoveredWorkerUnroutable {
+        /// The worker.
+        worker: InstanceId,
+        /// The binding whose view keeps it out.
+        binding: u64,
+        /// Simulated milliseconds since the start.
+        at_ms: u64,
+    },
+    /// A prefill failed on connection failures having tried fewer distinct workers than its
+    /// retry budget allows, while an admitted worker it had not tried was reachable and
+    /// routable.
+    FailedWithHealthyWorker {
+        /// The request.
+        request: u64,
+        /// The workers it tried, in order.
+        tried: Vec<InstanceId>,
+        /// A healthy admitted worker it could have used.
+        healthy: InstanceId,
+    },
     /// A request's task panicked.
     RequestPanicked {
         /// The request.
@@ -141,6 +162,22 @@ impl fmt::Display for Violation {
                 )
             }
             Violation::RequestPanicked { request } => write!(f, "request {request} panicked"),
+            Violation::RecoveredWorkerUnroutable {
+                worker,
+                binding,
+                at_ms,
+            } => write!(
+                f,
+                "worker {worker} reachable for longer than the probe cap is still unroutable in binding {binding} at {at_ms} ms"
+            ),
+            Violation::FailedWithHealthyWorker {
+                request,
+                tried,
+                healthy,
+            } => write!(
+                f,
+                "request {request} failed after trying {tried:?} while worker {healthy} was admitted, reachable and routable"
+            ),
             Violation::BindingNotReleased {
                 binding,
                 target,
@@ -197,6 +234,8 @@ impl Violation {
             Violation::DispatchOnAbandonedBuild { .. } => "dispatch_on_abandoned_build",
             Violation::RequestHung { .. } => "request_hung",
             Violation::RequestPanicked { .. } => "request_panicked",
+            Violation::RecoveredWorkerUnroutable { .. } => "recovered_worker_unroutable",
+            Violation::FailedWithHealthyWorker { .. } => "failed_with_healthy_worker",
             Violation::BindingNotReleased { .. } => "binding_not_released",
             Violation::SetTargetNotVisible { .. } => "set_target_not_visible",
             Violation::NotConverged { .. } => "not_converged",

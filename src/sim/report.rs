@@ -53,6 +53,10 @@ pub struct SimStats {
     pub events_duplicated: u64,
     /// Worker crashes.
     pub crashes: u64,
+    /// Worker blips (connections fail for a while, the registration stays).
+    pub blips: u64,
+    /// Prefill attempts retried on another worker.
+    pub retries: u64,
 }
 
 /// The outcome of one simulated run.
@@ -124,6 +128,8 @@ pub fn mutant_name(mutant: Mutant) -> &'static str {
         Mutant::LeakBindings => "leak-bindings",
         Mutant::NoPrefillTimeout => "no-prefill-timeout",
         Mutant::DeferredSetTarget => "deferred-set-target",
+        Mutant::BreakerNeverCloses => "breaker-never-closes",
+        Mutant::RetryReusesFailedWorker => "retry-reuses-failed-worker",
     }
 }
 
@@ -134,6 +140,8 @@ pub fn parse_mutant(name: &str) -> Option<Mutant> {
         Mutant::LeakBindings,
         Mutant::NoPrefillTimeout,
         Mutant::DeferredSetTarget,
+        Mutant::BreakerNeverCloses,
+        Mutant::RetryReusesFailedWorker,
     ]
     .into_iter()
     .find(|m| mutant_name(*m) == name)
@@ -180,7 +188,7 @@ impl fmt::Display for SimReport {
         writeln!(
             f,
             "  retargets {} (clears after / before admission emptied {} / {}), builds {} \
-             (bindings {}, failed {}, hung {}), crashes {}, discovery events lost {} duplicated {}",
+             (bindings {}, failed {}, hung {}), crashes {}, blips {}, retries {}, discovery events lost {} duplicated {}",
             s.retargets,
             s.clears_after_admission_emptied,
             s.clears_before_admission_emptied,
@@ -189,6 +197,8 @@ impl fmt::Display for SimReport {
             s.builds_failed,
             s.builds_hung,
             s.crashes,
+            s.blips,
+            s.retries,
             s.events_lost,
             s.events_duplicated
         )?;

@@ -150,6 +150,9 @@ impl Run {
         tokio::time::sleep(Duration::from_millis(timing::FEED_DELAY_MAX_MS + 1)).await;
         self.heal().await;
         self.converge().await;
+        // Breakers opened by the last blips close within the probe cap.
+        tokio::time::sleep(timing::HEALTH.max + timing::HEALTH_SLACK).await;
+        self.world.check_recovered();
         self.healthy_request().await;
     }
 

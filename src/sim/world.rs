@@ -85,6 +85,10 @@ pub(crate) struct WorldState {
     start: Instant,
     /// Every worker ever started, and whether it is up.
     pub(crate) workers: BTreeMap<InstanceId, bool>,
+    /// Workers up (and registered) whose connections fail for now: a blip, the lease kept.
+    pub(crate) blipped: std::collections::BTreeSet<InstanceId>,
+    /// Since when each reachable worker (up, not blipped) has been reachable.
+    pub(crate) reachable_since: BTreeMap<InstanceId, Instant>,
     /// The controller's last `set_target`, by id.
     pub(crate) desired: Option<WorkerSetTargetId>,
     probes: Vec<ProbeEntry>,
@@ -119,6 +123,8 @@ impl World {
                 faults: true,
                 start: Instant::now(),
                 workers: (1..=workers).map(|id| (id, true)).collect(),
+                blipped: Default::default(),
+                reachable_since: (1..=workers).map(|id| (id, Instant::now())).collect(),
                 desired: None,
                 probes: Vec::new(),
                 feeds: Vec::new(),
@@ -224,6 +230,64 @@ impl World {
         });
         for id in up {
             view.apply(InstanceEvent::Added(instance(id)));
+        }
+    }
+
+    /// Whether worker `id` accepts connections: up and not blipped.
+    pub(crate) fn reachable(s: &WorldState, id: InstanceId) -> bool {
+        s.workers.get(&id).copied().unwrap_or(false) && !s.blipped.contains(&id)
+    }
+
+    /// Worker `id`'s connections start failing; its registration stays (a blip).
+    pub(crate) fn blip(&self, id: InstanceId) {
+        self.with(|s| {
+            if s.blipped.insert(id) {
+                s.reachable_since.remove(&id);
+                s.stats.blips += 1;
+            }
+        });
+        self.trace(&[9, id, 0]);
+    }
+
+    /// Worker `id`'s blip ends (unless it crashed meanwhile, which ended the blip).
+    pub(crate) fn unblip(&self, id: InstanceId) {
+        let now = Instant::now();
+        self.with(|s| {
+            if s.blipped.remove(&id) && s.workers.get(&id).copied().unwrap_or(false) {
+                s.reachable_since.insert(id, now);
+            }
+        });
+        self.trace(&[9, id, 1]);
+    }
+
+    /// Oracle: a worker reachable for longer than the probe cap (plus slack) is routable in
+    /// every live view that lists it: its breaker closed again.
+    pub(crate) fn check_recovered(&self) {
+        let now = Instant::now();
+        let bound = super::config::timing::HEALTH.max + super::config::timing::HEALTH_SLACK;
+        let (recovered, views): (Vec<InstanceId>, Vec<(u64, RoutableView)>) = self.with(|s| {
+            s.feeds.retain(|f| f.owner.strong_count() > 0);
+            let recovered = s
+                .reachable_since
+                .iter()
+                .filter(|(_, since)| now.duration_since(**since) > bound)
+                .map(|(id, _)| *id)
+                .collect();
+            let views = s.feeds.iter().map(|f| (f.serial, f.view.clone())).collect();
+            (recovered, views)
+        });
+        for (binding, view) in views {
+            for &worker in &recovered {
+                if let Some(breaker) = view.health(worker) {
+                    if !matches!(breaker, crate::health::Breaker::Closed) {
+                        self.violate(Violation::RecoveredWorkerUnroutable {
+                            worker,
+                            binding,
+                            at_ms: self.now_ms(),
+                        });
+                    }
+                }
+            }
         }
     }
 

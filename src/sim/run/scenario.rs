@@ -25,6 +25,7 @@ impl Run {
             let pause = self.scenario.below(10);
             tokio::time::sleep(Duration::from_millis(pause)).await;
             self.check_bindings();
+            self.world.check_recovered();
             self.requests.retain(|r| !r.is_finished());
         }
     }
@@ -37,10 +38,11 @@ impl Run {
                     self.spawn_request();
                 }
             }
-            40..=61 => {
+            40..=55 => {
                 let ms = self.scenario.between(5, 80);
                 tokio::time::sleep(Duration::from_millis(ms)).await;
             }
+            56..=61 => self.blip_one(),
             62..=69 => self.readmit().await,
             70..=74 => self.new_generation().await,
             75..=77 => self.clear(),
@@ -78,6 +80,20 @@ impl Run {
                 pool.crash(id, killed);
             }
         }
+    }
+
+    /// A seeded worker that is up loses its connections for 10-150 ms; its registration stays.
+    fn blip_one(&mut self) {
+        let Some(id) = self.pick_worker(true) else {
+            return;
+        };
+        let down = Duration::from_millis(self.scenario.between(10, 150));
+        self.world.blip(id);
+        let world = std::sync::Arc::clone(&self.world);
+        tokio::spawn(async move {
+            tokio::time::sleep(down).await;
+            world.unblip(id);
+        });
     }
 
     /// Bring a seeded worker that is down back up.
@@ -136,6 +152,10 @@ impl Run {
 
     /// Faults are off: every worker back up and registered, every belief resynced.
     pub(super) async fn heal(&mut self) {
+        let blipped: Vec<u64> = self.world.with(|s| s.blipped.iter().copied().collect());
+        for id in blipped {
+            self.world.unblip(id);
+        }
         let ids: Vec<u64> = self.world.with(|s| s.workers.keys().copied().collect());
         match &self.topo {
             Topo::Controller(c) => {
