@@ -41,7 +41,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::advert::{DecodeDefaults, SelectionMode};
 use crate::binding::{BindingStats, DefaultBindingFactory, FactoryConfig};
-use crate::discovery::{Discovery, DiscoveryError};
+use crate::discovery::{Discovery, DiscoveryError, StoreStatus};
 use crate::push::{PushConfig, PushMode};
 use crate::router::{DecodeStream, GenerateError, PrefillRouter, PrefillRouterConfig};
 use crate::snapshot::BypassReason;
@@ -111,6 +111,7 @@ pub struct PrefillHop {
     decode: Arc<FollowingDecode>,
     watcher: parking_lot::Mutex<Option<TopologyWatcher>>,
     topology: watch::Receiver<TopologyView>,
+    store: watch::Receiver<StoreStatus>,
     status: watch::Sender<HopStatus>,
     shut_down: Arc<AtomicBool>,
     cancel: CancellationToken,
@@ -137,6 +138,7 @@ impl PrefillHop {
         let factory = DefaultBindingFactory::new(Arc::clone(&discovery), config.factory.clone());
         let stats = factory.stats();
         let router = Arc::new(PrefillRouter::new(factory, config.router.clone()));
+        let store = discovery.store_status();
         let watcher =
             TopologyWatcher::start(Arc::clone(&discovery), namespace, Arc::clone(&router)).await?;
         let topology = watcher.view();
@@ -163,6 +165,7 @@ impl PrefillHop {
             decode.endpoint(),
             fallback,
             false,
+            &store.borrow(),
         );
         let status = watch::Sender::new(initial);
         tracker.spawn(status::publish(
@@ -171,6 +174,7 @@ impl PrefillHop {
             decode_changed,
             Arc::clone(&decode),
             fallback,
+            store.clone(),
             status.clone(),
             cancel.clone(),
         ));
@@ -182,6 +186,7 @@ impl PrefillHop {
             decode,
             watcher: parking_lot::Mutex::new(Some(watcher)),
             topology,
+            store,
             status,
             shut_down,
             cancel,
@@ -212,6 +217,7 @@ impl PrefillHop {
             self.decode.endpoint(),
             self.router.config().fallback,
             self.shut_down.load(Ordering::Acquire),
+            &self.store.borrow(),
         )
     }
 
@@ -249,8 +255,15 @@ impl PrefillHop {
 
     /// Register the router's Prometheus metrics in `registry`
     /// ([`PrefillRouter::register_metrics`]).
+    /// Also registers the store's reachability (`prefill_router_discovery_reachable`,
+    /// `prefill_router_discovery_outages_total`).
     pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
         self.router.register_metrics(registry);
+        registry
+            .sub_registry_with_prefix("prefill_router")
+            .register_collector(Box::new(status::StoreCollector {
+                store: self.store.clone(),
+            }));
     }
 
     /// Stop in order and wait: (1) the topology watcher (no retarget after this), (2) the

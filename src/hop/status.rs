@@ -8,7 +8,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::decode::FollowingDecode;
 use super::HopRouter;
-use crate::discovery::EndpointId;
+use crate::discovery::{EndpointId, StoreStatus};
 use crate::lifecycle::Lifecycle;
 use crate::router::{AfterWait, FallbackPolicy, WorkerSetTargetId};
 use crate::topology::TopologyView;
@@ -71,6 +71,9 @@ pub struct HopStatus {
     pub readiness: Readiness,
     /// Whether the hop was shut down.
     pub shut_down: bool,
+    /// Whether the discovery store answers, as this hop's watches find it. While it does not,
+    /// the hop keeps routing on its last view (readiness is unaffected).
+    pub store: StoreStatus,
 }
 
 /// Whether the policy serves requests (by bypassing to decode) while the hop is not Active.
@@ -106,6 +109,7 @@ pub(crate) fn compute(
     decode: Option<EndpointId>,
     policy: FallbackPolicy,
     shut_down: bool,
+    store: &StoreStatus,
 ) -> HopStatus {
     let status = router.status();
     let shut_down = shut_down || status.shut_down;
@@ -115,6 +119,35 @@ pub(crate) fn compute(
         readiness: readiness(status.lifecycle, decode.is_some(), policy, shut_down),
         decode,
         shut_down,
+        store: store.clone(),
+    }
+}
+
+/// The store's reachability at scrape time: `prefill_router_discovery_reachable` (1 or 0)
+/// and `prefill_router_discovery_outages_total`.
+#[derive(Debug)]
+pub(crate) struct StoreCollector {
+    pub(crate) store: watch::Receiver<StoreStatus>,
+}
+
+impl prometheus_client::collector::Collector for StoreCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), fmt::Error> {
+        let store = self.store.borrow().clone();
+        crate::router::metrics::gauge(
+            &mut encoder,
+            "discovery_reachable",
+            "Whether the discovery store answers, as the hop's watches find it (1) or not (0)",
+            i64::from(store.reachable),
+        )?;
+        crate::router::metrics::counter(
+            &mut encoder,
+            "discovery_outages",
+            "Times the discovery store stopped answering",
+            store.outages,
+        )
     }
 }
 
@@ -125,20 +158,25 @@ pub(crate) async fn publish(
     mut decode_changed: watch::Receiver<()>,
     decode: Arc<FollowingDecode>,
     policy: FallbackPolicy,
+    mut store: watch::Receiver<StoreStatus>,
     status: watch::Sender<HopStatus>,
     cancel: CancellationToken,
 ) {
     let mut lifecycle = router.subscribe();
+    // A store that never reports (in memory) has a closed channel: stop listening to it.
+    let mut store_open = true;
     loop {
         lifecycle.borrow_and_update();
         topology.borrow_and_update();
         decode_changed.borrow_and_update();
+        let reach = store.borrow_and_update().clone();
         let next = compute(
             &router,
             &topology.borrow(),
             decode.endpoint(),
             policy,
             false,
+            &reach,
         );
         status.send_if_modified(|s| {
             let changed = *s != next;
@@ -151,6 +189,7 @@ pub(crate) async fn publish(
             r = lifecycle.changed() => if r.is_err() { break },
             r = topology.changed() => if r.is_err() { break },
             r = decode_changed.changed() => if r.is_err() { break },
+            r = store.changed(), if store_open => if r.is_err() { store_open = false },
         }
     }
 }

@@ -56,7 +56,7 @@ impl fmt::Debug for RouterCollector {
     }
 }
 
-fn counter(
+pub(crate) fn counter(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -67,7 +67,7 @@ fn counter(
     metric.encode(e)
 }
 
-fn gauge(
+pub(crate) fn gauge(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,

@@ -197,6 +197,13 @@ fn a_store_outage_keeps_the_last_view_and_resyncs_without_duplicates_or_misses()
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let noticed = down.elapsed();
+        for i in 0..2 {
+            let metrics = rig.metrics(i);
+            assert!(
+                metrics.contains("prefill_router_discovery_reachable 0"),
+                "frontend {i}'s metrics do not report the outage:\n{metrics}"
+            );
+        }
         // Longer than the TTL: routing goes on on the last view.
         rig.run_for(TTL + Duration::from_secs(1)).await;
         let before = rig.fronts[0].tally.ok();
@@ -274,8 +281,8 @@ fn a_killed_worker_leaves_every_frontend_within_its_ttl() {
             "left admission after {left:?}"
         );
         rig.run_for(Duration::from_millis(500)).await;
-        // A request in flight on the worker when it died ends with a typed error naming it.
-        rig.assert_clean_but("killed worker", |e| e.contains("instance 2"));
+        // A request that found the worker dead was retried on the survivor (no output yet).
+        rig.assert_clean("killed worker");
         eprintln!(
             "FIGURE killed worker: unroutable after {routable_after:?}, out of every frontend's admission after {left:?} (TTL {TTL:?}); {}",
             rig.summary()

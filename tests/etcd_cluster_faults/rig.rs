@@ -226,17 +226,8 @@ impl Rig {
     /// admission, every frontend served requests, and no tracked worker was missing from a
     /// frontend's routable set for as long as its TTL.
     pub fn assert_clean(&self, case: &str) {
-        self.assert_clean_but(case, |_| false);
-    }
-
-    /// [`assert_clean`](Self::assert_clean), forgiving failures `excused` accepts (at most
-    /// one per traffic stream: those in flight when the fault struck).
-    pub fn assert_clean_but(&self, case: &str, excused: impl Fn(&str) -> bool) {
         for (i, front) in self.fronts.iter().enumerate() {
             let errors = front.tally.errors.lock();
-            let (forgiven, errors): (Vec<&String>, Vec<&String>) =
-                errors.iter().partition(|e| excused(e));
-            assert!(forgiven.len() <= 2, "{case}: frontend {i}: {forgiven:?}");
             assert!(
                 errors.is_empty(),
                 "{case}: frontend {i} lost {} requests: {:?}",
@@ -282,9 +273,21 @@ impl Rig {
             .join("; ")
     }
 
-    /// The store status of frontend `index`'s client.
+    /// The store's reachability as frontend `index`'s hop reports it.
     pub fn store(&self, index: usize) -> StoreStatus {
-        self.fronts[index].discovery.store_status().borrow().clone()
+        self.fronts[index].frontend.hop.status().store
+    }
+
+    /// Frontend `index`'s metrics, in the Prometheus text format.
+    pub fn metrics(&self, index: usize) -> String {
+        let mut registry = prometheus_client::registry::Registry::default();
+        self.fronts[index]
+            .frontend
+            .hop
+            .register_metrics(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
     }
 
     /// Stop traffic and tear everything down (the cluster is healed by the next case).
