@@ -151,7 +151,9 @@ impl prometheus_client::collector::Collector for StoreCollector {
     }
 }
 
-/// Republish the status on every lifecycle, topology or decode change, until `cancel`.
+/// Republish the status on every lifecycle, topology, decode or store change, until `cancel`.
+// One argument per source the status is computed from; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn publish(
     router: Arc<HopRouter>,
     mut topology: watch::Receiver<TopologyView>,
