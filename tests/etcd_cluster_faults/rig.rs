@@ -28,7 +28,6 @@ pub struct Member {
 /// One frontend with its own store client, its traffic and its observations.
 pub struct Front {
     pub frontend: Frontend,
-    pub discovery: Arc<dyn Discovery>,
     pub tally: Arc<Tally>,
     /// Stops this frontend's traffic and sampler.
     pub stop: CancellationToken,
@@ -167,7 +166,6 @@ impl Rig {
         let frontend = e2e::frontend(&discovery).await;
         let front = Arc::new(Front {
             frontend,
-            discovery,
             tally: Arc::new(Tally::default()),
             stop: CancellationToken::new(),
         });
