@@ -13,12 +13,7 @@ use crate::discovery::InstanceId;
 /// system prompt routed everywhere would otherwise grow one entry without bound.
 const MAX_WORKERS_PER_BLOCK: usize = 8;
 
-/// splitmix64 finaliser: a cheap, well-mixed 64-bit hash step.
-pub(crate) fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+pub(crate) use crate::kv_events::mix;
 
 /// Chained hashes of the full `block_size`-token blocks of `token_ids`: hash *i* covers tokens
 /// `0 .. (i + 1) * block_size`, so equal hashes mean equal prefixes (up to collisions). A
@@ -44,31 +39,7 @@ pub fn block_hashes(token_ids: &[u32], block_size: u32) -> Vec<u64> {
     hashes
 }
 
-/// Hasher for keys that are `u64`s: one splitmix step instead of SipHash. Keys here are
-/// block hashes and instance ids chosen by our own code or discovery, not by request senders
-/// (block hashes are derived from token ids, but through the keyed-by-nothing chain; a
-/// collision flood costs only lookup time, bounded by the index capacity).
-#[derive(Clone, Copy, Default)]
-pub(crate) struct MixHasher(u64);
-
-impl std::hash::Hasher for MixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = mix(self.0 ^ u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = mix(self.0 ^ n);
-    }
-}
-
-/// `BuildHasher` for [`MixHasher`].
-pub(crate) type MixState = std::hash::BuildHasherDefault<MixHasher>;
+pub(crate) use crate::kv_events::MixState;
 
 struct Entry {
     workers: Vec<InstanceId>,
