@@ -155,3 +155,38 @@ fn pool_events_reuse_or_rebuild_the_binding_and_lose_nothing() {
         assert_eq!(around.before.requests + around.after.requests, 8);
     }
 }
+
+/// With caches small enough that eviction matters, the KV dispatcher fed the workers' events
+/// hits within a point of the oracle that reads the caches directly, and no policy beats the
+/// oracle by more than noise.
+#[test]
+fn real_trace_events_hit_within_a_point_of_the_oracle_with_bounded_caches() {
+    let Some(trace) = real_trace() else {
+        return;
+    };
+    let report = |policy| {
+        run(
+            &ReplayConfig {
+                limit: Some(3_000),
+                cache_blocks: Some(1_000),
+                ..ReplayConfig::new(policy)
+            },
+            &trace,
+        )
+        .unwrap()
+    };
+    let (prediction, events, oracle) = (
+        report(Policy::Kv),
+        report(Policy::KvEvents),
+        report(Policy::KvOracle),
+    );
+    eprintln!("{prediction}\n{events}\n{oracle}");
+    for r in [&prediction, &events, &oracle] {
+        assert_eq!(r.lost, 0, "{r}");
+    }
+    assert!(
+        (oracle.prefix_hit_rate - events.prefix_hit_rate).abs() <= 0.01,
+        "events {events}\noracle {oracle}"
+    );
+    assert!(prediction.prefix_hit_rate <= oracle.prefix_hit_rate + 0.01);
+}

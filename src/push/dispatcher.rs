@@ -18,6 +18,7 @@ use super::view::{InstanceStatus, RoutableView};
 use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
 use crate::discovery::{Instance, InstanceId};
 use crate::health::BackoffPolicy;
+use crate::kv_events::{Applied, EventBatch};
 use crate::transport::{
     ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
 };
@@ -100,6 +101,9 @@ pub struct Dispatcher {
     kv: Option<Mutex<KvSelector>>,
     /// Requests in flight per instance (kept in KV mode only, where it is the load term).
     loads: Loads,
+    /// Fingerprint of the candidate set the KV index was last pruned against: when it
+    /// changes, indexed workers that left admission or discovery are dropped.
+    kv_members: AtomicU64,
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -134,6 +138,7 @@ impl Dispatcher {
             next: AtomicUsize::new(0),
             kv,
             loads: Arc::default(),
+            kv_members: AtomicU64::new(0),
         }
     }
 
@@ -198,7 +203,11 @@ impl Dispatcher {
                 let Some(kv) = &self.kv else {
                     return Err(PushError::NoRoutableInstances);
                 };
+                let members = candidates.iter().fold(0, |f, c| f ^ mix(c.0));
                 let mut kv = kv.lock();
+                if self.kv_members.swap(members, Ordering::Relaxed) != members {
+                    self.prune_kv_index(&mut kv);
+                }
                 let (id, overlap) = kv
                     .select(&hashes, &candidates, random)
                     .ok_or(PushError::NoRoutableInstances)?;
@@ -315,6 +324,60 @@ impl Dispatcher {
                 Ok(fresh)
             }
         }
+    }
+
+    /// Apply one batch of `worker`'s KV cache events to the KV index (see
+    /// [`KvSelector::apply_events`]). `None` when not in KV mode, or when the worker is not
+    /// discovered and admitted: then whatever the index held for it is dropped and the batch
+    /// ignored (a worker outside admission earns no credit; its next batch once admitted
+    /// starts it afresh).
+    pub fn apply_kv_events(&self, worker: InstanceId, batch: &EventBatch) -> Option<Applied> {
+        let kv = self.kv.as_ref()?;
+        let member = matches!(
+            self.view.status(worker),
+            InstanceStatus::Routable(_) | InstanceStatus::Unhealthy(_)
+        );
+        let mut kv = kv.lock();
+        if !member {
+            kv.reset_events(worker);
+            return None;
+        }
+        let applied = kv.apply_events(worker, batch);
+        if matches!(applied, Applied::Resynced | Applied::Overflowed) {
+            tracing::debug!(
+                worker,
+                seq = batch.seq,
+                ?applied,
+                "KV events: worker's entries dropped"
+            );
+        }
+        Some(applied)
+    }
+
+    /// Drop what the KV index knows of `worker` (its event stream reconnected or was lost):
+    /// until its next batch it is scored by prediction.
+    pub fn reset_kv_events(&self, worker: InstanceId) {
+        if let Some(kv) = &self.kv {
+            kv.lock().reset_events(worker);
+        }
+    }
+
+    /// Whether the KV index scores `worker` from its events (false when not in KV mode, or
+    /// when the worker is scored by prediction).
+    pub fn kv_indexed(&self, worker: InstanceId) -> bool {
+        self.kv
+            .as_ref()
+            .is_some_and(|kv| kv.lock().index().publishes(worker))
+    }
+
+    /// Drop indexed workers that are no longer discovered and admitted.
+    fn prune_kv_index(&self, kv: &mut KvSelector) {
+        kv.retain_indexed(|w| {
+            matches!(
+                self.view.status(w),
+                InstanceStatus::Routable(_) | InstanceStatus::Unhealthy(_)
+            )
+        });
     }
 
     /// Forget a departed worker in the KV index (callers may call it on `Removed` events; the

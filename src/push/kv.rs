@@ -1,13 +1,16 @@
-//! Approximate prefix-aware worker selection.
+//! Prefix-aware worker selection.
 //!
-//! The router does not see the workers' caches. It remembers, in a bounded LRU, which workers it
-//! sent which block chains to, and assumes they still hold them: a worker's overlap with a
-//! request is the number of leading blocks of the request that were last routed to it.
+//! A worker that publishes KV cache events ([`crate::kv_events`]) is scored from the index of
+//! its real cache: its overlap with a request is the number of leading blocks of the request it
+//! holds now. A worker that publishes nothing is scored by prediction: the selector remembers,
+//! in a bounded LRU, which workers it sent which block chains to, and assumes they still hold
+//! them. Both kinds mix in one pool (docs/kv_events.md).
 
 use std::collections::{HashMap, VecDeque};
 
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
+use crate::kv_events::{Applied, EventBatch, KvIndex};
 
 /// A block chain is remembered for at most this many workers (the most recent ones); a shared
 /// system prompt routed everywhere would otherwise grow one entry without bound.
@@ -46,7 +49,8 @@ struct Entry {
     tick: u64,
 }
 
-/// The KV selector: a bounded LRU of block chains per worker, and the scoring rule.
+/// The KV selector: the index of the publishing workers' real caches, a bounded LRU of
+/// predicted block chains for the others, and the scoring rule.
 pub struct KvSelector {
     block_size: u32,
     overlap_weight: f64,
@@ -58,6 +62,8 @@ pub struct KvSelector {
     /// per use instead of an ordered-map update; compacted when stale entries dominate.
     order: VecDeque<(u64, u64)>,
     tick: u64,
+    /// The real caches of the workers that publish events.
+    index: KvIndex,
 }
 
 impl std::fmt::Debug for KvSelector {
@@ -68,6 +74,7 @@ impl std::fmt::Debug for KvSelector {
             .field("temperature", &self.temperature)
             .field("entries", &self.entries.len())
             .field("capacity", &self.capacity)
+            .field("indexed_blocks", &self.index.len())
             .finish()
     }
 }
@@ -93,7 +100,30 @@ impl KvSelector {
             entries: HashMap::default(),
             order: VecDeque::new(),
             tick: 0,
+            index: KvIndex::default(),
         }
+    }
+
+    /// The index of the publishing workers' caches.
+    pub fn index(&self) -> &KvIndex {
+        &self.index
+    }
+
+    /// Apply one batch of `worker`'s KV events to the index (see [`KvIndex::apply`]); from
+    /// then on the worker is scored by the index, not by prediction.
+    pub fn apply_events(&mut self, worker: InstanceId, batch: &EventBatch) -> Applied {
+        self.index.apply(worker, batch)
+    }
+
+    /// Drop what the index knows of `worker` (its event stream reconnected): its next batch
+    /// starts it afresh, and until then it is scored by prediction.
+    pub fn reset_events(&mut self, worker: InstanceId) {
+        self.index.remove_worker(worker);
+    }
+
+    /// Keep in the index only the workers `keep` accepts (the others left admission).
+    pub fn retain_indexed(&mut self, keep: impl FnMut(InstanceId) -> bool) {
+        self.index.retain_workers(keep);
     }
 
     /// The block size in tokens.
@@ -111,8 +141,12 @@ impl KvSelector {
         self.entries.is_empty()
     }
 
-    /// Leading blocks of `hashes` remembered for `worker`.
+    /// Leading blocks of `hashes` credited to `worker`: held per its events if it publishes,
+    /// else remembered from routing.
     pub fn overlap(&self, hashes: &[u64], worker: InstanceId) -> usize {
+        if self.index.publishes(worker) {
+            return self.index.overlap(hashes, worker);
+        }
         hashes
             .iter()
             .take_while(|h| {
@@ -124,11 +158,15 @@ impl KvSelector {
     }
 
     /// Pick among `candidates` (`(id, load)` with load = requests in flight): the best
-    /// `overlap_weight * overlap - load`. With temperature 0, ties go to the candidate with the
-    /// smallest `mix(first block hash ^ id)`: deterministic for a request, yet spreading
-    /// unrelated requests across workers. With temperature > 0, samples with probability
-    /// proportional to `exp((score - best) / temperature)` using `random`.
+    /// `overlap_weight * overlap - load`, the overlap from the index for a worker that
+    /// publishes events and from prediction for the others. With temperature 0, ties go to
+    /// the candidate with the smallest `mix(first block hash ^ id)`: deterministic for a
+    /// request, yet spreading unrelated requests across workers. With temperature > 0, samples
+    /// with probability proportional to `exp((score - best) / temperature)` using `random`.
     /// Returns the pick and its overlap in blocks; `None` if there are no candidates.
+    ///
+    /// Costs O(B + workers holding the request's first block + candidates) for a request of B
+    /// blocks: the walks visit holder sets, and each candidate is one hash lookup.
     pub fn select(
         &self,
         hashes: &[u64],
@@ -138,30 +176,36 @@ impl KvSelector {
         if candidates.is_empty() {
             return None;
         }
-        // Walk the chain once, advancing each worker that still matches contiguously.
-        let mut matched: Vec<(InstanceId, usize)> = Vec::new();
-        for (i, h) in hashes.iter().enumerate() {
-            let Some(entry) = self.entries.get(h) else {
-                break;
-            };
-            let mut advanced = false;
-            for &w in &entry.workers {
-                if i == 0 {
-                    matched.push((w, 1));
-                    advanced = true;
-                } else if let Some(m) = matched.iter_mut().find(|m| m.0 == w && m.1 == i) {
-                    m.1 += 1;
-                    advanced = true;
-                }
-            }
-            if !advanced {
-                break;
+        let mut overlaps: HashMap<InstanceId, usize, MixState> = HashMap::default();
+        let mut indexed = Vec::new();
+        self.index.overlaps(hashes, &mut indexed);
+        overlaps.extend(indexed);
+        for (w, n) in self.predicted(hashes) {
+            if !self.index.publishes(w) {
+                overlaps.insert(w, n);
             }
         }
-        let overlap_of = |id: InstanceId| matched.iter().find(|m| m.0 == id).map_or(0, |m| m.1);
+        let scored: Vec<(InstanceId, u64, usize)> = candidates
+            .iter()
+            .map(|&(id, load)| (id, load, overlaps.get(&id).copied().unwrap_or(0)))
+            .collect();
+        self.select_scored(hashes, &scored, random)
+    }
+
+    /// The scoring rule of [`select`](Self::select) over overlaps the caller supplies
+    /// (`(id, load, overlap)`): for baselines that read the caches some other way (the trace
+    /// replay's oracle).
+    pub fn select_scored(
+        &self,
+        hashes: &[u64],
+        candidates: &[(InstanceId, u64, usize)],
+        random: u64,
+    ) -> Option<(InstanceId, usize)> {
+        if candidates.is_empty() {
+            return None;
+        }
         let salt = hashes.first().copied().unwrap_or(0);
-        let scored = candidates.iter().map(|&(id, load)| {
-            let overlap = overlap_of(id);
+        let scored = candidates.iter().map(|&(id, load, overlap)| {
             #[allow(clippy::cast_precision_loss)] // block and request counts are far below 2^52
             let score = self.overlap_weight * overlap as f64 - load as f64;
             (id, overlap, score)
@@ -190,6 +234,31 @@ impl KvSelector {
             target -= w;
         }
         scored.last().map(|s| (s.0, s.1))
+    }
+
+    /// Predicted overlaps: walk the chain once, advancing each worker that still matches
+    /// contiguously (at most [`MAX_WORKERS_PER_BLOCK`] per block).
+    fn predicted(&self, hashes: &[u64]) -> Vec<(InstanceId, usize)> {
+        let mut matched: Vec<(InstanceId, usize)> = Vec::new();
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(entry) = self.entries.get(h) else {
+                break;
+            };
+            let mut advanced = false;
+            for &w in &entry.workers {
+                if i == 0 {
+                    matched.push((w, 1));
+                    advanced = true;
+                } else if let Some(m) = matched.iter_mut().find(|m| m.0 == w && m.1 == i) {
+                    m.1 += 1;
+                    advanced = true;
+                }
+            }
+            if !advanced {
+                break;
+            }
+        }
+        matched
     }
 
     /// Remember that `worker` prefilled the chain `hashes` (marks them most recently used and
@@ -240,12 +309,132 @@ impl KvSelector {
             .retain(|(tick, h)| entries.get(h).is_some_and(|e| e.tick == *tick));
     }
 
-    /// Forget a worker (it left discovery): its chains no longer attract requests.
+    /// Forget a worker (it left discovery): its chains and its indexed cache no longer
+    /// attract requests.
     pub fn forget(&mut self, worker: InstanceId) {
+        self.index.remove_worker(worker);
         self.entries.retain(|_, e| {
             e.workers.retain(|&w| w != worker);
             !e.workers.is_empty()
         });
         self.compact();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::discovery::{EndpointId, Instance, InstanceEvent};
+    use crate::kv_events::{EventPublisher, KvEvent};
+    use crate::push::{Dispatcher, PushConfig, PushMode, RoutableView};
+    use crate::transport::GenerateRequest;
+
+    fn selector() -> KvSelector {
+        KvSelector::new(4, &KvRouterConfig::default(), 1024)
+    }
+
+    fn stored(seq: u64, blocks: &[u64]) -> EventBatch {
+        EventBatch {
+            epoch: 1,
+            seq,
+            events: vec![KvEvent::Stored {
+                parent: None,
+                blocks: blocks.to_vec(),
+            }],
+        }
+    }
+
+    #[test]
+    fn an_evicted_prefix_stops_attracting_requests_once_the_worker_reports_it() {
+        let mut kv = selector();
+        let hashes = [11, 12, 13];
+        // Prediction alone sends the chain back to worker 1, which it was routed to.
+        kv.record(&hashes, 1);
+        assert_eq!(kv.select(&hashes, &[(1, 0), (2, 0)], 0), Some((1, 3)));
+        // Worker 1 reports that it stored the chain, then evicted it; worker 2 holds it.
+        kv.apply_events(1, &stored(0, &hashes));
+        let removed = EventBatch {
+            epoch: 1,
+            seq: 1,
+            events: vec![KvEvent::Removed {
+                blocks: vec![11, 12, 13],
+            }],
+        };
+        assert_eq!(kv.apply_events(1, &removed), Applied::InOrder);
+        kv.apply_events(2, &stored(0, &hashes[..2]));
+        assert_eq!(
+            kv.overlap(&hashes, 1),
+            0,
+            "prediction ignored for a publisher"
+        );
+        assert_eq!(kv.select(&hashes, &[(1, 0), (2, 0)], 0), Some((2, 2)));
+    }
+
+    #[test]
+    fn a_worker_without_events_is_scored_by_prediction_in_a_mixed_pool() {
+        let mut kv = selector();
+        let hashes = [21, 22, 23, 24];
+        kv.record(&hashes, 1);
+        // Worker 2 publishes and holds two leading blocks; worker 1 publishes nothing.
+        kv.apply_events(2, &stored(0, &hashes[..2]));
+        assert!(!kv.index().publishes(1) && kv.index().publishes(2));
+        assert_eq!(kv.select(&hashes, &[(1, 0), (2, 0)], 0), Some((1, 4)));
+        // Its predicted credit is weighed against the index's on one scale (load 3 > 4 - 2).
+        assert_eq!(kv.select(&hashes, &[(1, 3), (2, 0)], 0), Some((2, 2)));
+        kv.reset_events(2);
+        assert!(!kv.index().publishes(2));
+    }
+
+    fn instance(id: InstanceId) -> Instance {
+        Instance {
+            endpoint: EndpointId::new("t", "prefill", "generate"),
+            instance_id: id,
+            address: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_worker_leaving_admission_drops_its_indexed_entries() {
+        let (admit, admitted) = tokio::sync::watch::channel(BTreeSet::from([1, 2]));
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let view = RoutableView::spawn(futures_util::stream::pending(), Some(admitted), cancel);
+        view.apply(InstanceEvent::Added(instance(1)));
+        view.apply(InstanceEvent::Added(instance(2)));
+        let mode = PushMode::Kv {
+            block_size: 4,
+            config: KvRouterConfig::default(),
+        };
+        let dispatcher = Dispatcher::new(view, mode, PushConfig::default());
+        let tokens: Vec<u32> = (0..12).collect();
+        let hashes = block_hashes(&tokens, 4);
+        let mut publisher = EventPublisher::new(1);
+        let mut parent = None;
+        for &h in &hashes {
+            publisher.stored(parent, h);
+            parent = Some(h);
+        }
+        for batch in publisher.take_batches() {
+            assert_eq!(
+                dispatcher.apply_kv_events(2, &batch),
+                Some(Applied::Started)
+            );
+        }
+        let request = GenerateRequest::new(tokens, 1);
+        assert_eq!(dispatcher.select(&request).unwrap().instance_id, 2);
+        // Worker 2 leaves admission: the next selection prunes it, and its later events are
+        // ignored while it is out.
+        admit.send_replace(BTreeSet::from([1]));
+        assert_eq!(dispatcher.select(&request).unwrap().instance_id, 1);
+        assert!(!dispatcher.kv_indexed(2));
+        assert_eq!(dispatcher.apply_kv_events(2, &stored(1, &hashes)), None);
+        assert!(!dispatcher.kv_indexed(2));
+        // Back in admission, it starts afresh from its next batch.
+        admit.send_replace(BTreeSet::from([1, 2]));
+        assert_eq!(
+            dispatcher.apply_kv_events(2, &stored(2, &hashes)),
+            Some(Applied::Started)
+        );
     }
 }

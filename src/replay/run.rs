@@ -25,8 +25,15 @@ use crate::transport::GenerateRequest;
 /// How the prefill hop picks a worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Policy {
-    /// Our KV dispatcher ([`crate::push::KvSelector`]: remembered overlap minus load).
+    /// Our KV dispatcher by prediction ([`crate::push::KvSelector`]: overlap remembered from
+    /// past routing, minus load).
     Kv,
+    /// Our KV dispatcher fed the workers' KV cache events ([`crate::kv_events`]): overlap the
+    /// worker holds now per its events, minus load.
+    KvEvents,
+    /// The KV dispatcher's scoring rule over overlaps read from the workers' caches directly:
+    /// the upper bound of what events can give.
+    KvOracle,
     /// The round-robin dispatcher.
     RoundRobin,
     /// The random dispatcher.
@@ -37,8 +44,10 @@ pub enum Policy {
 
 impl Policy {
     /// Every policy, in report order.
-    pub const ALL: [Policy; 4] = [
+    pub const ALL: [Policy; 6] = [
         Policy::Kv,
+        Policy::KvEvents,
+        Policy::KvOracle,
         Policy::Dynamo,
         Policy::RoundRobin,
         Policy::Random,
@@ -48,6 +57,8 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::Kv => "kv",
+            Policy::KvEvents => "kv-events",
+            Policy::KvOracle => "kv-oracle",
             Policy::RoundRobin => "round-robin",
             Policy::Random => "random",
             Policy::Dynamo => "dynamo",
@@ -59,11 +70,18 @@ impl Policy {
         Policy::ALL.into_iter().find(|p| p.name() == name)
     }
 
+    /// Whether the policy scores KV overlap on the router's chained block hashes (the workers
+    /// then key their caches by those hashes, so events and the oracle speak the router's
+    /// language).
+    pub(crate) fn chained(self) -> bool {
+        matches!(self, Policy::Kv | Policy::KvEvents | Policy::KvOracle)
+    }
+
     /// The router mode the pool's card advertises: the binding's dispatcher resolves it as
     /// in production. Dynamo's baseline scores workers itself and ignores its dispatcher.
     fn router_mode(self) -> SelectionMode {
         match self {
-            Policy::Kv => SelectionMode::KV,
+            Policy::Kv | Policy::KvEvents | Policy::KvOracle => SelectionMode::KV,
             Policy::RoundRobin | Policy::Dynamo => SelectionMode::RoundRobin,
             Policy::Random => SelectionMode::Random,
         }
@@ -170,9 +188,9 @@ pub fn run(config: &ReplayConfig, trace: &[TraceRecord]) -> std::io::Result<Repl
 
 /// The prompt of `record` as token ids: block *i* is 512 copies of `hash_ids[i]`, so the push
 /// router's chained block hashes agree exactly when the trace's leading ids do. Only the KV
-/// policy reads tokens; the others get an empty prompt and skip the work.
-fn prompt(record: &TraceRecord, policy: Policy) -> Vec<u32> {
-    if policy != Policy::Kv {
+/// policies read tokens; the others get an empty prompt and skip the work.
+pub(crate) fn prompt(record: &TraceRecord, policy: Policy) -> Vec<u32> {
+    if !policy.chained() {
         return Vec::new();
     }
     let mut tokens = Vec::with_capacity(record.hash_ids.len() * BLOCK_TOKENS as usize);
@@ -188,8 +206,19 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     let cache_blocks = config.cache_blocks.unwrap_or(usize::MAX);
     let pool = config.workers.max(1) as u64;
     let ids: BTreeSet<u64> = (1..=pool).collect();
+    // The KV policies' workers key their caches by the router's chained block hashes.
+    let keys: Vec<Vec<u64>> = if config.policy.chained() {
+        records
+            .iter()
+            .map(|r| crate::push::block_hashes(&prompt(r, config.policy), BLOCK_TOKENS))
+            .collect()
+    } else {
+        records.iter().map(|r| r.hash_ids.clone()).collect()
+    };
     let shared = Arc::new(Shared {
         trace: Arc::clone(&records),
+        keys,
+        subscribers: Mutex::new(Vec::new()),
         cost: config.cost.clone(),
         policy: config.policy,
         seed: config.seed,

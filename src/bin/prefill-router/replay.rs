@@ -17,7 +17,8 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
 
   --trace FILE       the trace (required)
   --workers N        prefill workers (default 6)
-  --policy P         kv | dynamo | round-robin | random | all (default kv; all runs each)
+  --policy P         kv | kv-events | kv-oracle | dynamo | round-robin | random | all
+                     (default kv; all runs each)
   --cache-blocks C   KV blocks per worker, LRU (default unbounded)
   --limit K          replay only the first K requests
   --json OUT         also write the reports as JSON to OUT
@@ -90,7 +91,7 @@ impl ReplayOptions {
             && prefill_router::replay::Policy::parse(&options.policy).is_none()
         {
             return Err(CliError::Usage(format!(
-                "unknown policy `{}` (kv | dynamo | round-robin | random | all)",
+                "unknown policy `{}` (kv | kv-events | kv-oracle | dynamo | round-robin | random | all)",
                 options.policy
             )));
         }
