@@ -248,28 +248,66 @@ impl KvIndex {
     }
 
     /// For a request's chained block `hashes`: every worker holding at least its first block,
-    /// with how many leading blocks it holds, appended to `out` (cleared first), in no
-    /// particular order. Costs O(B + holders of the walked blocks).
+    /// with how many leading blocks it holds, written to `out` (cleared first) sorted by
+    /// worker. Costs O(B + holders of the walked blocks); a block held by exactly the workers
+    /// still matching (a shared prefix) costs one memory comparison.
     pub fn overlaps(&self, hashes: &[u64], out: &mut Vec<(InstanceId, usize)>) {
         out.clear();
         let Some(first) = hashes.first().and_then(|h| self.holders.get(h)) else {
             return;
         };
-        let mut active: Vec<InstanceId> = first.clone();
-        for (i, h) in hashes.iter().enumerate().skip(1) {
+        let mut depth = hashes.len();
+        // While every holder of the first block still matches, `active` is not materialised.
+        let mut i = 1;
+        while i < hashes.len() {
+            match self.holders.get(&hashes[i]) {
+                Some(next) if next == first => i += 1,
+                _ => break,
+            }
+        }
+        out.extend(first.iter().map(|&w| (w, depth)));
+        if i == hashes.len() {
+            return;
+        }
+        // Positions in `out` still matching, ascending (so `out` stays sorted by worker).
+        let mut active: Vec<usize> = (0..out.len()).collect();
+        let mut kept: Vec<usize> = Vec::with_capacity(active.len());
+        for (i, h) in hashes.iter().enumerate().skip(i) {
             let next: &[InstanceId] = self.holders.get(h).map_or(&[], Vec::as_slice);
-            active.retain(|w| {
-                let keep = next.binary_search(w).is_ok();
-                if !keep {
-                    out.push((*w, i));
+            kept.clear();
+            if next.len() > 8 * active.len() {
+                // Much longer: binary searches, O(|active| log |next|).
+                for &at in &active {
+                    if next.binary_search(&out[at].0).is_ok() {
+                        kept.push(at);
+                    } else {
+                        out[at].1 = i;
+                    }
                 }
-                keep
-            });
+            } else {
+                // A merge of two sorted lists, O(|active| + |next|).
+                let mut j = 0;
+                for &at in &active {
+                    let w = out[at].0;
+                    while j < next.len() && next[j] < w {
+                        j += 1;
+                    }
+                    if j < next.len() && next[j] == w {
+                        kept.push(at);
+                    } else {
+                        out[at].1 = i;
+                    }
+                }
+            }
+            std::mem::swap(&mut active, &mut kept);
             if active.is_empty() {
                 return;
             }
         }
-        out.extend(active.into_iter().map(|w| (w, hashes.len())));
+        depth = hashes.len();
+        for &at in &active {
+            out[at].1 = depth;
+        }
     }
 
     /// Leading blocks of `hashes` the index credits `worker` with.

@@ -176,20 +176,33 @@ impl KvSelector {
         if candidates.is_empty() {
             return None;
         }
-        let mut overlaps: HashMap<InstanceId, usize, MixState> = HashMap::default();
+        // Sparse overlaps from the index, sorted by worker; predicted ones (at most
+        // MAX_WORKERS_PER_BLOCK) for the workers that publish nothing.
         let mut indexed = Vec::new();
         self.index.overlaps(hashes, &mut indexed);
-        overlaps.extend(indexed);
-        for (w, n) in self.predicted(hashes) {
-            if !self.index.publishes(w) {
-                overlaps.insert(w, n);
+        let mut predicted = self.predicted(hashes);
+        predicted.retain(|&(w, _)| !self.index.publishes(w));
+        // Candidates usually come by ascending id (the routable view's order): a cursor over
+        // `indexed` then finds each in amortised O(1); out of order, a binary search.
+        let mut cursor = 0;
+        let scored = candidates.iter().map(|&(id, load)| {
+            if cursor > 0 && indexed[cursor - 1].0 >= id {
+                cursor = indexed.partition_point(|o| o.0 < id);
+            } else {
+                while cursor < indexed.len() && indexed[cursor].0 < id {
+                    cursor += 1;
+                }
             }
-        }
-        let scored: Vec<(InstanceId, u64, usize)> = candidates
-            .iter()
-            .map(|&(id, load)| (id, load, overlaps.get(&id).copied().unwrap_or(0)))
-            .collect();
-        self.select_scored(hashes, &scored, random)
+            let overlap = match indexed.get(cursor) {
+                Some(&(w, n)) if w == id => {
+                    cursor += 1;
+                    n
+                }
+                _ => predicted.iter().find(|p| p.0 == id).map_or(0, |p| p.1),
+            };
+            (id, load, overlap)
+        });
+        self.pick(hashes, scored, random)
     }
 
     /// The scoring rule of [`select`](Self::select) over overlaps the caller supplies
@@ -201,11 +214,17 @@ impl KvSelector {
         candidates: &[(InstanceId, u64, usize)],
         random: u64,
     ) -> Option<(InstanceId, usize)> {
-        if candidates.is_empty() {
-            return None;
-        }
+        self.pick(hashes, candidates.iter().copied(), random)
+    }
+
+    fn pick(
+        &self,
+        hashes: &[u64],
+        candidates: impl Iterator<Item = (InstanceId, u64, usize)>,
+        random: u64,
+    ) -> Option<(InstanceId, usize)> {
         let salt = hashes.first().copied().unwrap_or(0);
-        let scored = candidates.iter().map(|&(id, load, overlap)| {
+        let scored = candidates.map(|(id, load, overlap)| {
             #[allow(clippy::cast_precision_loss)] // block and request counts are far below 2^52
             let score = self.overlap_weight * overlap as f64 - load as f64;
             (id, overlap, score)
@@ -219,6 +238,9 @@ impl KvSelector {
                 .map(|(id, overlap, _)| (id, overlap));
         }
         let scored: Vec<_> = scored.collect();
+        if scored.is_empty() {
+            return None;
+        }
         let best = scored.iter().map(|s| s.2).fold(f64::NEG_INFINITY, f64::max);
         let weights: Vec<f64> = scored
             .iter()
@@ -385,6 +407,30 @@ mod tests {
         assert_eq!(kv.select(&hashes, &[(1, 3), (2, 0)], 0), Some((2, 2)));
         kv.reset_events(2);
         assert!(!kv.index().publishes(2));
+    }
+
+    #[test]
+    fn the_pick_does_not_depend_on_the_candidates_order() {
+        let mut kv = selector();
+        for w in 0..40u64 {
+            let chain: Vec<u64> = (0..6)
+                .map(|i| if i < 2 { 100 + i } else { w * 10 + i })
+                .collect();
+            kv.apply_events(w, &stored(0, &chain[..(w as usize % 6) + 1]));
+        }
+        kv.record(&[100, 101, 7], 99);
+        for probe in 0..40u64 {
+            let hashes: Vec<u64> = (0..6)
+                .map(|i| if i < 2 { 100 + i } else { probe * 10 + i })
+                .collect();
+            let sorted: Vec<(InstanceId, u64)> = (0..40).chain([99]).map(|w| (w, w % 4)).collect();
+            let mut shuffled = sorted.clone();
+            shuffled.sort_by_key(|c| mix(c.0 ^ probe));
+            let pick = kv.select(&hashes, &sorted, 0);
+            assert_eq!(pick, kv.select(&hashes, &shuffled, 0), "probe {probe}");
+            let (id, overlap) = pick.unwrap();
+            assert_eq!(overlap, kv.overlap(&hashes, id), "probe {probe}");
+        }
     }
 
     fn instance(id: InstanceId) -> Instance {
