@@ -230,12 +230,22 @@ impl KvSelector {
             (id, overlap, score)
         });
         if self.temperature <= 0.0 {
-            return scored
-                .max_by(|a, b| {
-                    a.2.total_cmp(&b.2)
-                        .then_with(|| mix(salt ^ b.0).cmp(&mix(salt ^ a.0)))
-                })
-                .map(|(id, overlap, _)| (id, overlap));
+            // The best score; ties to the smallest `mix(salt ^ id)`, the best's key cached.
+            let mut best: Option<(InstanceId, usize, f64, u64)> = None;
+            for (id, overlap, score) in scored {
+                let better = match &best {
+                    None => true,
+                    Some(b) => match score.total_cmp(&b.2) {
+                        std::cmp::Ordering::Greater => true,
+                        std::cmp::Ordering::Less => false,
+                        std::cmp::Ordering::Equal => mix(salt ^ id) < b.3,
+                    },
+                };
+                if better {
+                    best = Some((id, overlap, score, mix(salt ^ id)));
+                }
+            }
+            return best.map(|(id, overlap, _, _)| (id, overlap));
         }
         let scored: Vec<_> = scored.collect();
         if scored.is_empty() {
