@@ -30,8 +30,8 @@ impl BlockCache {
         }
     }
 
-    /// An empty cache of `capacity` blocks that publishes its changes (blocks stored, blocks
-    /// evicted) as KV events of incarnation `epoch`; take them with
+    /// An empty cache of `capacity` blocks that publishes its changes (blocks stored or reused
+    /// by a prefill, blocks evicted) as KV events of incarnation `epoch`; take them with
     /// [`take_event_batches`](Self::take_event_batches).
     pub fn with_events(capacity: usize, epoch: u64) -> Self {
         BlockCache {
@@ -99,15 +99,14 @@ impl BlockCache {
             return;
         }
         self.clock += 1;
-        match self.stamps.insert(hash, self.clock) {
-            Some(old) => {
-                self.order.remove(&old);
-            }
-            None => {
-                if let Some(events) = &mut self.events {
-                    events.stored(parent, hash);
-                }
-            }
+        if let Some(old) = self.stamps.insert(hash, self.clock) {
+            self.order.remove(&old);
+        }
+        // Every block a prefill uses is announced, new or reused: a Stored event for a block
+        // the index already credits is a no-op, and after a gap (the index dropped this
+        // worker's entries) the hot prefixes come back at their next use, with no snapshot.
+        if let Some(events) = &mut self.events {
+            events.stored(parent, hash);
         }
         self.order.insert(self.clock, hash);
         while self.stamps.len() > self.capacity {

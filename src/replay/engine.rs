@@ -117,7 +117,7 @@ impl Worker {
             let hits = cache.prefill(keys);
             (hits, cache.take_event_batches())
         };
-        shared.publish(id, &batches);
+        shared.publish(id, batches);
         let hits = u32::try_from(hits).unwrap_or(u32::MAX);
         let uncached = record
             .input_length
@@ -146,6 +146,14 @@ pub(crate) struct Shared {
     pub(crate) keys: Vec<Vec<u64>>,
     /// The dispatchers fed the workers' KV events (policy `kv-events`).
     pub(crate) subscribers: Mutex<Vec<Weak<Dispatcher>>>,
+    /// Every how many event batches one is lost (0: none).
+    pub(crate) event_loss_every: u64,
+    /// How long an event batch takes to reach the dispatchers.
+    pub(crate) event_delay: Duration,
+    /// Event batches published so far (numbers the losses).
+    pub(crate) batches: AtomicU64,
+    /// Selections that credited the pick with blocks its cache did not hold.
+    pub(crate) stale_credit: AtomicU64,
     pub(crate) cost: CostModel,
     pub(crate) policy: Policy,
     pub(crate) seed: u64,
@@ -169,17 +177,39 @@ impl Shared {
         }
     }
 
-    /// Deliver worker `id`'s event batches to every live subscribed dispatcher.
-    fn publish(&self, id: InstanceId, batches: &[EventBatch]) {
-        if batches.is_empty() {
+    /// Deliver worker `id`'s event batches to every live subscribed dispatcher, after the
+    /// configured delay and minus the configured losses.
+    fn publish(&self, id: InstanceId, batches: Vec<EventBatch>) {
+        let mut kept = Vec::with_capacity(batches.len());
+        for batch in batches {
+            let n = self.batches.fetch_add(1, Ordering::Relaxed) + 1;
+            if self.event_loss_every == 0 || n % self.event_loss_every != 0 {
+                kept.push(batch);
+            }
+        }
+        if kept.is_empty() {
             return;
         }
-        let mut subscribers = self.subscribers.lock();
-        subscribers.retain(|d| d.strong_count() > 0);
-        for dispatcher in subscribers.iter().filter_map(Weak::upgrade) {
-            for batch in batches {
-                dispatcher.apply_kv_events(id, batch);
+        let dispatchers: Vec<Arc<Dispatcher>> = {
+            let mut subscribers = self.subscribers.lock();
+            subscribers.retain(|d| d.strong_count() > 0);
+            subscribers.iter().filter_map(Weak::upgrade).collect()
+        };
+        let deliver = move || {
+            for dispatcher in &dispatchers {
+                for batch in &kept {
+                    dispatcher.apply_kv_events(id, batch);
+                }
             }
+        };
+        if self.event_delay.is_zero() {
+            deliver();
+        } else {
+            let delay = self.event_delay;
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                deliver();
+            });
         }
     }
 
@@ -274,6 +304,25 @@ impl ReplayBinding {
         })
     }
 
+    /// The stale-credit oracle of `kv-events`: the index credited worker `id` with `credited`
+    /// leading blocks of request `index`; the worker's cache must hold at least that many now
+    /// (a prediction's credit, for a worker that has not published yet, is not checked).
+    fn check_credit(&self, index: usize, id: InstanceId, credited: Option<usize>) {
+        let (Some(credited), Some(keys)) = (credited, self.shared.keys.get(index)) else {
+            return;
+        };
+        if credited == 0 || !self.push.kv_indexed(id) {
+            return;
+        }
+        let held = self
+            .shared
+            .worker(id)
+            .map_or(0, |w| w.cache.lock().leading_hits(keys));
+        if credited > held {
+            self.shared.stale_credit.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// The oracle: the KV selector's scoring rule (overlap weight, load, tie-break) over the
     /// overlap each routable worker's cache really holds, read directly.
     fn oracle_pick(&self, index: usize) -> Option<InstanceId> {
@@ -360,7 +409,13 @@ impl Prefill for ReplayBinding {
             }
         } else {
             match self.push.select_held(&request) {
-                Ok(selection) => (selection.instance().instance_id, Some(selection)),
+                Ok(selection) => {
+                    let id = selection.instance().instance_id;
+                    if self.shared.policy == Policy::KvEvents {
+                        self.check_credit(index, id, selection.expected_overlap_blocks());
+                    }
+                    (id, Some(selection))
+                }
                 Err(e) => return future::ready(Err(PrefillError::Push(e))).boxed(),
             }
         };

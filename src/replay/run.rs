@@ -146,6 +146,10 @@ pub struct ReplayConfig {
     pub progress: bool,
     /// A pool change during the replay, if any.
     pub event: Option<PoolEvent>,
+    /// Policy `kv-events`: every how many KV event batches one is lost (0: none).
+    pub event_loss_every: u64,
+    /// Policy `kv-events`: how long a KV event batch takes to reach the router.
+    pub event_delay: Duration,
 }
 
 impl ReplayConfig {
@@ -160,6 +164,8 @@ impl ReplayConfig {
             seed: 0x5eed,
             progress: false,
             event: None,
+            event_loss_every: 0,
+            event_delay: Duration::ZERO,
         }
     }
 }
@@ -219,6 +225,10 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         trace: Arc::clone(&records),
         keys,
         subscribers: Mutex::new(Vec::new()),
+        event_loss_every: config.event_loss_every,
+        event_delay: config.event_delay,
+        batches: AtomicU64::new(0),
+        stale_credit: AtomicU64::new(0),
         cost: config.cost.clone(),
         policy: config.policy,
         seed: config.seed,
@@ -449,6 +459,7 @@ fn summarize(
         hit_rate_by_decile: deciles,
         event,
         bindings_built: shared.builds.load(Ordering::Relaxed),
+        stale_credit: shared.stale_credit.load(Ordering::Relaxed),
         virtual_s,
         wall_s: 0.0,
         requests_per_s: 0.0,
