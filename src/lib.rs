@@ -18,6 +18,8 @@
 //!   frontend multiplexes streamed requests over one connection per instance.
 //! - [`push`] (feature `runtime`): the routable-instance view and the dispatchers (round
 //!   robin, random, direct, KV prefix-aware).
+//! - [`kv_events`]: the workers' KV cache events (wire format, publisher) and the index of
+//!   real caches the KV dispatcher scores from (`docs/kv_events.md`).
 //! - [`router`] (feature `runtime`): the tokio adapter, `PrefillRouter`, driving the control
 //!   core with real builds and timers, plus the request path and its fallback policy.
 //! - [`binding`] (feature `runtime`): the default binding factory (card resolution, routable
@@ -54,6 +56,7 @@ mod hooks;
 pub mod hop;
 #[cfg(feature = "http")]
 pub mod http;
+pub mod kv_events;
 pub mod lifecycle;
 #[cfg(feature = "runtime")]
 pub mod mock;

@@ -1,6 +1,8 @@
-//! A bounded LRU set of KV block hashes.
+//! A bounded LRU set of KV block hashes, optionally publishing its changes as KV events.
 
 use std::collections::{BTreeMap, HashMap};
+
+use crate::kv_events::{EventBatch, EventPublisher};
 
 /// The KV blocks one mock worker holds: at most `capacity` block hashes, least recently used
 /// evicted first. Memory is bounded by the capacity whatever the traffic.
@@ -12,6 +14,8 @@ pub struct BlockCache {
     /// Stamp -> block hash, oldest first: the eviction order.
     order: BTreeMap<u64, u64>,
     clock: u64,
+    /// Where stores and evictions are reported, for a cache that publishes KV events.
+    events: Option<EventPublisher>,
 }
 
 impl BlockCache {
@@ -22,7 +26,37 @@ impl BlockCache {
             stamps: HashMap::new(),
             order: BTreeMap::new(),
             clock: 0,
+            events: None,
         }
+    }
+
+    /// An empty cache of `capacity` blocks that publishes its changes (blocks stored or reused
+    /// by a prefill, blocks evicted) as KV events of incarnation `epoch`; take them with
+    /// [`take_event_batches`](Self::take_event_batches).
+    pub fn with_events(capacity: usize, epoch: u64) -> Self {
+        BlockCache {
+            events: Some(EventPublisher::new(epoch)),
+            ..BlockCache::new(capacity)
+        }
+    }
+
+    /// The changes since the last call, as numbered batches (empty for a cache that does not
+    /// publish, or when nothing changed).
+    pub fn take_event_batches(&mut self) -> Vec<EventBatch> {
+        self.events
+            .as_mut()
+            .map(EventPublisher::take_batches)
+            .unwrap_or_default()
+    }
+
+    /// Whether `hash` is held (no touch).
+    pub fn contains(&self, hash: u64) -> bool {
+        self.stamps.contains_key(&hash)
+    }
+
+    /// The held block hashes, in no particular order.
+    pub fn blocks(&self) -> impl Iterator<Item = u64> + '_ {
+        self.stamps.keys().copied()
     }
 
     /// Blocks held.
@@ -43,8 +77,10 @@ impl BlockCache {
             .iter()
             .take_while(|h| self.stamps.contains_key(h))
             .count();
+        let mut parent = None;
         for &h in hashes {
-            self.touch(h);
+            self.touch(parent, h);
+            parent = Some(h);
         }
         hits
     }
@@ -58,7 +94,7 @@ impl BlockCache {
             .count()
     }
 
-    fn touch(&mut self, hash: u64) {
+    fn touch(&mut self, parent: Option<u64>, hash: u64) {
         if self.capacity == 0 {
             return;
         }
@@ -66,11 +102,20 @@ impl BlockCache {
         if let Some(old) = self.stamps.insert(hash, self.clock) {
             self.order.remove(&old);
         }
+        // Every block a prefill uses is announced, new or reused: a Stored event for a block
+        // the index already credits is a no-op, and after a gap (the index dropped this
+        // worker's entries) the hot prefixes come back at their next use, with no snapshot.
+        if let Some(events) = &mut self.events {
+            events.stored(parent, hash);
+        }
         self.order.insert(self.clock, hash);
         while self.stamps.len() > self.capacity {
             match self.order.pop_first() {
                 Some((_, evicted)) => {
                     self.stamps.remove(&evicted);
+                    if let Some(events) = &mut self.events {
+                        events.removed(evicted);
+                    }
                 }
                 None => break,
             }
@@ -100,6 +145,24 @@ mod tests {
         assert_eq!(cache.prefill(&[1]), 1);
         assert_eq!(cache.prefill(&[2]), 0);
         assert!(cache.len() <= 3);
+    }
+
+    #[test]
+    fn an_index_fed_the_caches_events_holds_exactly_the_cache() {
+        use crate::kv_events::KvIndex;
+        let mut cache = BlockCache::with_events(5, 1);
+        let mut index = KvIndex::default();
+        for request in [&[1, 2, 3][..], &[1, 2, 4, 5], &[6, 7, 8], &[1, 2, 3, 9]] {
+            cache.prefill(request);
+            for batch in cache.take_event_batches() {
+                index.apply(3, &batch);
+            }
+            let mut held: Vec<u64> = cache.blocks().collect();
+            let mut credited: Vec<u64> = index.blocks_of(3).collect();
+            held.sort_unstable();
+            credited.sort_unstable();
+            assert_eq!(held, credited, "after {request:?}");
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use super::cache::BlockCache;
 use crate::discovery::InstanceId;
+use crate::kv_events::EventBatch;
 use crate::push::block_hashes;
 use crate::transport::{
     Engine, EngineStream, FinishReason, GenerateRequest, GenerateResponse, PrefillInfo,
@@ -115,6 +116,15 @@ impl Worker {
         }
     }
 
+    fn with_events(id: InstanceId, config: MockConfig, epoch: u64) -> Self {
+        Worker {
+            id,
+            cache: Mutex::new(BlockCache::with_events(config.cache_blocks, epoch)),
+            config,
+            stats: Arc::default(),
+        }
+    }
+
     /// Look the prompt up in the cache (holding its blocks from now on) and return what the
     /// prefill found and how long computing the rest takes.
     fn prefill(&self, token_ids: &[u32]) -> (PrefillInfo, Duration) {
@@ -164,6 +174,22 @@ impl MockPrefill {
         Arc::new(MockPrefill {
             worker: Worker::new(id, config),
         })
+    }
+
+    /// A prefill worker whose cache publishes its KV events (incarnation `epoch`, larger than
+    /// any earlier incarnation's of this worker); take them with
+    /// [`take_kv_events`](Self::take_kv_events) and hand them to the router's
+    /// [`Dispatcher::apply_kv_events`](crate::push::Dispatcher::apply_kv_events).
+    pub fn with_kv_events(id: InstanceId, config: MockConfig, epoch: u64) -> Arc<Self> {
+        Arc::new(MockPrefill {
+            worker: Worker::with_events(id, config, epoch),
+        })
+    }
+
+    /// The cache's KV event batches since the last call (empty for a worker built without
+    /// events).
+    pub fn take_kv_events(&self) -> Vec<EventBatch> {
+        self.worker.cache.lock().take_event_batches()
     }
 
     /// Its counters.
@@ -314,6 +340,25 @@ mod tests {
         let info = second[0].as_ref().unwrap().prefill.clone().unwrap();
         assert_eq!(info.cached_blocks, 4);
         assert!((engine.stats().hit_rate() - 4.0 / 9.0).abs() < 1e-9);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_publishing_prefill_worker_is_indexed_exactly_as_its_cache() {
+        use crate::kv_events::KvIndex;
+        let engine = MockPrefill::with_kv_events(5, quick(), 1);
+        let mut index = KvIndex::default();
+        let prompt: Vec<u32> = (0..16).collect();
+        let _: Vec<_> = engine
+            .generate(GenerateRequest::new(prompt.clone(), 1))
+            .collect()
+            .await;
+        for batch in engine.take_kv_events() {
+            index.apply(5, &batch);
+        }
+        let hashes = block_hashes(&prompt, 4);
+        assert_eq!(index.overlap(&hashes, 5), 4);
+        assert!(engine.take_kv_events().is_empty(), "drained");
+        assert!(MockPrefill::new(6, quick()).take_kv_events().is_empty());
     }
 
     #[tokio::test(start_paused = true)]

@@ -19,6 +19,7 @@ use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
 use crate::discovery::{Instance, InstanceId};
 use crate::health::{BackoffPolicy, FailureClass};
 use crate::hooks::DispatchHooks;
+use crate::kv_events::{Applied, EventBatch};
 use crate::transport::{
     ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
 };
@@ -111,6 +112,9 @@ pub struct Dispatcher {
     /// Where the mutant whose retries reuse the failed worker breaks the pick; zero-sized in
     /// normal builds.
     hooks: DispatchHooks,
+    /// Fingerprint of the candidate set the KV index was last pruned against: when it
+    /// changes, indexed workers that left admission or discovery are dropped.
+    kv_members: AtomicU64,
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -147,6 +151,7 @@ impl Dispatcher {
             loads: Arc::default(),
             retries: Arc::default(),
             hooks: DispatchHooks::default(),
+            kv_members: AtomicU64::new(0),
         }
     }
 
@@ -251,7 +256,11 @@ impl Dispatcher {
                 let Some(kv) = &self.kv else {
                     return Err(PushError::NoRoutableInstances);
                 };
+                let members = candidates.iter().fold(0, |f, c| f ^ mix(c.0));
                 let mut kv = kv.lock();
+                if self.kv_members.swap(members, Ordering::Relaxed) != members {
+                    self.prune_kv_index(&mut kv);
+                }
                 let (id, overlap) = kv
                     .select(&hashes, &candidates, random)
                     .ok_or(PushError::NoRoutableInstances)?;
@@ -447,6 +456,60 @@ impl Dispatcher {
                 Ok(fresh)
             }
         }
+    }
+
+    /// Apply one batch of `worker`'s KV cache events to the KV index (see
+    /// [`KvSelector::apply_events`]). `None` when not in KV mode, or when the worker is not
+    /// discovered and admitted: then whatever the index held for it is dropped and the batch
+    /// ignored (a worker outside admission earns no credit; its next batch once admitted
+    /// starts it afresh).
+    pub fn apply_kv_events(&self, worker: InstanceId, batch: &EventBatch) -> Option<Applied> {
+        let kv = self.kv.as_ref()?;
+        let member = matches!(
+            self.view.status(worker),
+            InstanceStatus::Routable(_) | InstanceStatus::Unhealthy(_)
+        );
+        let mut kv = kv.lock();
+        if !member {
+            kv.reset_events(worker);
+            return None;
+        }
+        let applied = kv.apply_events(worker, batch);
+        if matches!(applied, Applied::Resynced | Applied::Overflowed) {
+            tracing::debug!(
+                worker,
+                seq = batch.seq,
+                ?applied,
+                "KV events: worker's entries dropped"
+            );
+        }
+        Some(applied)
+    }
+
+    /// Drop what the KV index knows of `worker` (its event stream reconnected or was lost):
+    /// until its next batch it is scored by prediction.
+    pub fn reset_kv_events(&self, worker: InstanceId) {
+        if let Some(kv) = &self.kv {
+            kv.lock().reset_events(worker);
+        }
+    }
+
+    /// Whether the KV index scores `worker` from its events (false when not in KV mode, or
+    /// when the worker is scored by prediction).
+    pub fn kv_indexed(&self, worker: InstanceId) -> bool {
+        self.kv
+            .as_ref()
+            .is_some_and(|kv| kv.lock().index().publishes(worker))
+    }
+
+    /// Drop indexed workers that are no longer discovered and admitted.
+    fn prune_kv_index(&self, kv: &mut KvSelector) {
+        kv.retain_indexed(|w| {
+            matches!(
+                self.view.status(w),
+                InstanceStatus::Routable(_) | InstanceStatus::Unhealthy(_)
+            )
+        });
     }
 
     /// Forget a departed worker in the KV index (callers may call it on `Removed` events; the

@@ -1,24 +1,22 @@
-//! Approximate prefix-aware worker selection.
+//! Prefix-aware worker selection.
 //!
-//! The router does not see the workers' caches. It remembers, in a bounded LRU, which workers it
-//! sent which block chains to, and assumes they still hold them: a worker's overlap with a
-//! request is the number of leading blocks of the request that were last routed to it.
+//! A worker that publishes KV cache events ([`crate::kv_events`]) is scored from the index of
+//! its real cache: its overlap with a request is the number of leading blocks of the request it
+//! holds now. A worker that publishes nothing is scored by prediction: the selector remembers,
+//! in a bounded LRU, which workers it sent which block chains to, and assumes they still hold
+//! them. Both kinds mix in one pool (docs/kv_events.md).
 
 use std::collections::{HashMap, VecDeque};
 
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
+use crate::kv_events::{Applied, EventBatch, KvIndex};
 
 /// A block chain is remembered for at most this many workers (the most recent ones); a shared
 /// system prompt routed everywhere would otherwise grow one entry without bound.
 const MAX_WORKERS_PER_BLOCK: usize = 8;
 
-/// splitmix64 finaliser: a cheap, well-mixed 64-bit hash step.
-pub(crate) fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+pub(crate) use crate::kv_events::mix;
 
 /// Chained hashes of the full `block_size`-token blocks of `token_ids`: hash *i* covers tokens
 /// `0 .. (i + 1) * block_size`, so equal hashes mean equal prefixes (up to collisions). A
@@ -44,38 +42,15 @@ pub fn block_hashes(token_ids: &[u32], block_size: u32) -> Vec<u64> {
     hashes
 }
 
-/// Hasher for keys that are `u64`s: one splitmix step instead of SipHash. Keys here are
-/// block hashes and instance ids chosen by our own code or discovery, not by request senders
-/// (block hashes are derived from token ids, but through the keyed-by-nothing chain; a
-/// collision flood costs only lookup time, bounded by the index capacity).
-#[derive(Clone, Copy, Default)]
-pub(crate) struct MixHasher(u64);
-
-impl std::hash::Hasher for MixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = mix(self.0 ^ u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = mix(self.0 ^ n);
-    }
-}
-
-/// `BuildHasher` for [`MixHasher`].
-pub(crate) type MixState = std::hash::BuildHasherDefault<MixHasher>;
+pub(crate) use crate::kv_events::MixState;
 
 struct Entry {
     workers: Vec<InstanceId>,
     tick: u64,
 }
 
-/// The KV selector: a bounded LRU of block chains per worker, and the scoring rule.
+/// The KV selector: the index of the publishing workers' real caches, a bounded LRU of
+/// predicted block chains for the others, and the scoring rule.
 pub struct KvSelector {
     block_size: u32,
     overlap_weight: f64,
@@ -87,6 +62,8 @@ pub struct KvSelector {
     /// per use instead of an ordered-map update; compacted when stale entries dominate.
     order: VecDeque<(u64, u64)>,
     tick: u64,
+    /// The real caches of the workers that publish events.
+    index: KvIndex,
 }
 
 impl std::fmt::Debug for KvSelector {
@@ -97,6 +74,7 @@ impl std::fmt::Debug for KvSelector {
             .field("temperature", &self.temperature)
             .field("entries", &self.entries.len())
             .field("capacity", &self.capacity)
+            .field("indexed_blocks", &self.index.len())
             .finish()
     }
 }
@@ -122,7 +100,30 @@ impl KvSelector {
             entries: HashMap::default(),
             order: VecDeque::new(),
             tick: 0,
+            index: KvIndex::default(),
         }
+    }
+
+    /// The index of the publishing workers' caches.
+    pub fn index(&self) -> &KvIndex {
+        &self.index
+    }
+
+    /// Apply one batch of `worker`'s KV events to the index (see [`KvIndex::apply`]); from
+    /// then on the worker is scored by the index, not by prediction.
+    pub fn apply_events(&mut self, worker: InstanceId, batch: &EventBatch) -> Applied {
+        self.index.apply(worker, batch)
+    }
+
+    /// Drop what the index knows of `worker` (its event stream reconnected): its next batch
+    /// starts it afresh, and until then it is scored by prediction.
+    pub fn reset_events(&mut self, worker: InstanceId) {
+        self.index.remove_worker(worker);
+    }
+
+    /// Keep in the index only the workers `keep` accepts (the others left admission).
+    pub fn retain_indexed(&mut self, keep: impl FnMut(InstanceId) -> bool) {
+        self.index.retain_workers(keep);
     }
 
     /// The block size in tokens.
@@ -140,8 +141,12 @@ impl KvSelector {
         self.entries.is_empty()
     }
 
-    /// Leading blocks of `hashes` remembered for `worker`.
+    /// Leading blocks of `hashes` credited to `worker`: held per its events if it publishes,
+    /// else remembered from routing.
     pub fn overlap(&self, hashes: &[u64], worker: InstanceId) -> usize {
+        if self.index.publishes(worker) {
+            return self.index.overlap(hashes, worker);
+        }
         hashes
             .iter()
             .take_while(|h| {
@@ -153,11 +158,15 @@ impl KvSelector {
     }
 
     /// Pick among `candidates` (`(id, load)` with load = requests in flight): the best
-    /// `overlap_weight * overlap - load`. With temperature 0, ties go to the candidate with the
-    /// smallest `mix(first block hash ^ id)`: deterministic for a request, yet spreading
-    /// unrelated requests across workers. With temperature > 0, samples with probability
-    /// proportional to `exp((score - best) / temperature)` using `random`.
+    /// `overlap_weight * overlap - load`, the overlap from the index for a worker that
+    /// publishes events and from prediction for the others. With temperature 0, ties go to
+    /// the candidate with the smallest `mix(first block hash ^ id)`: deterministic for a
+    /// request, yet spreading unrelated requests across workers. With temperature > 0, samples
+    /// with probability proportional to `exp((score - best) / temperature)` using `random`.
     /// Returns the pick and its overlap in blocks; `None` if there are no candidates.
+    ///
+    /// Costs O(B + workers holding the request's first block + candidates) for a request of B
+    /// blocks: the walks visit holder sets, and each candidate is one hash lookup.
     pub fn select(
         &self,
         hashes: &[u64],
@@ -167,7 +176,101 @@ impl KvSelector {
         if candidates.is_empty() {
             return None;
         }
-        // Walk the chain once, advancing each worker that still matches contiguously.
+        // Sparse overlaps from the index, sorted by worker; predicted ones (at most
+        // MAX_WORKERS_PER_BLOCK) for the workers that publish nothing.
+        let mut indexed = Vec::new();
+        self.index.overlaps(hashes, &mut indexed);
+        let mut predicted = self.predicted(hashes);
+        predicted.retain(|&(w, _)| !self.index.publishes(w));
+        // Candidates usually come by ascending id (the routable view's order): a cursor over
+        // `indexed` then finds each in amortised O(1); out of order, a binary search.
+        let mut cursor = 0;
+        let scored = candidates.iter().map(|&(id, load)| {
+            if cursor > 0 && indexed[cursor - 1].0 >= id {
+                cursor = indexed.partition_point(|o| o.0 < id);
+            } else {
+                while cursor < indexed.len() && indexed[cursor].0 < id {
+                    cursor += 1;
+                }
+            }
+            let overlap = match indexed.get(cursor) {
+                Some(&(w, n)) if w == id => {
+                    cursor += 1;
+                    n
+                }
+                _ => predicted.iter().find(|p| p.0 == id).map_or(0, |p| p.1),
+            };
+            (id, load, overlap)
+        });
+        self.pick(hashes, scored, random)
+    }
+
+    /// The scoring rule of [`select`](Self::select) over overlaps the caller supplies
+    /// (`(id, load, overlap)`): for baselines that read the caches some other way (the trace
+    /// replay's oracle).
+    pub fn select_scored(
+        &self,
+        hashes: &[u64],
+        candidates: &[(InstanceId, u64, usize)],
+        random: u64,
+    ) -> Option<(InstanceId, usize)> {
+        self.pick(hashes, candidates.iter().copied(), random)
+    }
+
+    fn pick(
+        &self,
+        hashes: &[u64],
+        candidates: impl Iterator<Item = (InstanceId, u64, usize)>,
+        random: u64,
+    ) -> Option<(InstanceId, usize)> {
+        let salt = hashes.first().copied().unwrap_or(0);
+        let scored = candidates.map(|(id, load, overlap)| {
+            #[allow(clippy::cast_precision_loss)] // block and request counts are far below 2^52
+            let score = self.overlap_weight * overlap as f64 - load as f64;
+            (id, overlap, score)
+        });
+        if self.temperature <= 0.0 {
+            // The best score; ties to the smallest `mix(salt ^ id)`, the best's key cached.
+            let mut best: Option<(InstanceId, usize, f64, u64)> = None;
+            for (id, overlap, score) in scored {
+                let better = match &best {
+                    None => true,
+                    Some(b) => match score.total_cmp(&b.2) {
+                        std::cmp::Ordering::Greater => true,
+                        std::cmp::Ordering::Less => false,
+                        std::cmp::Ordering::Equal => mix(salt ^ id) < b.3,
+                    },
+                };
+                if better {
+                    best = Some((id, overlap, score, mix(salt ^ id)));
+                }
+            }
+            return best.map(|(id, overlap, _, _)| (id, overlap));
+        }
+        let scored: Vec<_> = scored.collect();
+        if scored.is_empty() {
+            return None;
+        }
+        let best = scored.iter().map(|s| s.2).fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scored
+            .iter()
+            .map(|s| ((s.2 - best) / self.temperature).exp())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        #[allow(clippy::cast_precision_loss)] // 53 random bits into [0, 1)
+        let mut target = (random >> 11) as f64 / (1u64 << 53) as f64 * total;
+        for (s, w) in scored.iter().zip(&weights) {
+            if target < *w {
+                return Some((s.0, s.1));
+            }
+            target -= w;
+        }
+        scored.last().map(|s| (s.0, s.1))
+    }
+
+    /// Predicted overlaps: walk the chain once, advancing each worker that still matches
+    /// contiguously (at most [`MAX_WORKERS_PER_BLOCK`] per block).
+    fn predicted(&self, hashes: &[u64]) -> Vec<(InstanceId, usize)> {
         let mut matched: Vec<(InstanceId, usize)> = Vec::new();
         for (i, h) in hashes.iter().enumerate() {
             let Some(entry) = self.entries.get(h) else {
@@ -187,38 +290,7 @@ impl KvSelector {
                 break;
             }
         }
-        let overlap_of = |id: InstanceId| matched.iter().find(|m| m.0 == id).map_or(0, |m| m.1);
-        let salt = hashes.first().copied().unwrap_or(0);
-        let scored = candidates.iter().map(|&(id, load)| {
-            let overlap = overlap_of(id);
-            #[allow(clippy::cast_precision_loss)] // block and request counts are far below 2^52
-            let score = self.overlap_weight * overlap as f64 - load as f64;
-            (id, overlap, score)
-        });
-        if self.temperature <= 0.0 {
-            return scored
-                .max_by(|a, b| {
-                    a.2.total_cmp(&b.2)
-                        .then_with(|| mix(salt ^ b.0).cmp(&mix(salt ^ a.0)))
-                })
-                .map(|(id, overlap, _)| (id, overlap));
-        }
-        let scored: Vec<_> = scored.collect();
-        let best = scored.iter().map(|s| s.2).fold(f64::NEG_INFINITY, f64::max);
-        let weights: Vec<f64> = scored
-            .iter()
-            .map(|s| ((s.2 - best) / self.temperature).exp())
-            .collect();
-        let total: f64 = weights.iter().sum();
-        #[allow(clippy::cast_precision_loss)] // 53 random bits into [0, 1)
-        let mut target = (random >> 11) as f64 / (1u64 << 53) as f64 * total;
-        for (s, w) in scored.iter().zip(&weights) {
-            if target < *w {
-                return Some((s.0, s.1));
-            }
-            target -= w;
-        }
-        scored.last().map(|s| (s.0, s.1))
+        matched
     }
 
     /// Remember that `worker` prefilled the chain `hashes` (marks them most recently used and
@@ -269,12 +341,156 @@ impl KvSelector {
             .retain(|(tick, h)| entries.get(h).is_some_and(|e| e.tick == *tick));
     }
 
-    /// Forget a worker (it left discovery): its chains no longer attract requests.
+    /// Forget a worker (it left discovery): its chains and its indexed cache no longer
+    /// attract requests.
     pub fn forget(&mut self, worker: InstanceId) {
+        self.index.remove_worker(worker);
         self.entries.retain(|_, e| {
             e.workers.retain(|&w| w != worker);
             !e.workers.is_empty()
         });
         self.compact();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::discovery::{EndpointId, Instance, InstanceEvent};
+    use crate::kv_events::{EventPublisher, KvEvent};
+    use crate::push::{Dispatcher, PushConfig, PushMode, RoutableView};
+    use crate::transport::GenerateRequest;
+
+    fn selector() -> KvSelector {
+        KvSelector::new(4, &KvRouterConfig::default(), 1024)
+    }
+
+    fn stored(seq: u64, blocks: &[u64]) -> EventBatch {
+        EventBatch {
+            epoch: 1,
+            seq,
+            events: vec![KvEvent::Stored {
+                parent: None,
+                blocks: blocks.to_vec(),
+            }],
+        }
+    }
+
+    #[test]
+    fn an_evicted_prefix_stops_attracting_requests_once_the_worker_reports_it() {
+        let mut kv = selector();
+        let hashes = [11, 12, 13];
+        // Prediction alone sends the chain back to worker 1, which it was routed to.
+        kv.record(&hashes, 1);
+        assert_eq!(kv.select(&hashes, &[(1, 0), (2, 0)], 0), Some((1, 3)));
+        // Worker 1 reports that it stored the chain, then evicted it; worker 2 holds it.
+        kv.apply_events(1, &stored(0, &hashes));
+        let removed = EventBatch {
+            epoch: 1,
+            seq: 1,
+            events: vec![KvEvent::Removed {
+                blocks: vec![11, 12, 13],
+            }],
+        };
+        assert_eq!(kv.apply_events(1, &removed), Applied::InOrder);
+        kv.apply_events(2, &stored(0, &hashes[..2]));
+        assert_eq!(
+            kv.overlap(&hashes, 1),
+            0,
+            "prediction ignored for a publisher"
+        );
+        assert_eq!(kv.select(&hashes, &[(1, 0), (2, 0)], 0), Some((2, 2)));
+    }
+
+    #[test]
+    fn a_worker_without_events_is_scored_by_prediction_in_a_mixed_pool() {
+        let mut kv = selector();
+        let hashes = [21, 22, 23, 24];
+        kv.record(&hashes, 1);
+        // Worker 2 publishes and holds two leading blocks; worker 1 publishes nothing.
+        kv.apply_events(2, &stored(0, &hashes[..2]));
+        assert!(!kv.index().publishes(1) && kv.index().publishes(2));
+        assert_eq!(kv.select(&hashes, &[(1, 0), (2, 0)], 0), Some((1, 4)));
+        // Its predicted credit is weighed against the index's on one scale (load 3 > 4 - 2).
+        assert_eq!(kv.select(&hashes, &[(1, 3), (2, 0)], 0), Some((2, 2)));
+        kv.reset_events(2);
+        assert!(!kv.index().publishes(2));
+    }
+
+    #[test]
+    fn the_pick_does_not_depend_on_the_candidates_order() {
+        let mut kv = selector();
+        for w in 0..40u64 {
+            let chain: Vec<u64> = (0..6)
+                .map(|i| if i < 2 { 100 + i } else { w * 10 + i })
+                .collect();
+            kv.apply_events(w, &stored(0, &chain[..(w as usize % 6) + 1]));
+        }
+        kv.record(&[100, 101, 7], 99);
+        for probe in 0..40u64 {
+            let hashes: Vec<u64> = (0..6)
+                .map(|i| if i < 2 { 100 + i } else { probe * 10 + i })
+                .collect();
+            let sorted: Vec<(InstanceId, u64)> = (0..40).chain([99]).map(|w| (w, w % 4)).collect();
+            let mut shuffled = sorted.clone();
+            shuffled.sort_by_key(|c| mix(c.0 ^ probe));
+            let pick = kv.select(&hashes, &sorted, 0);
+            assert_eq!(pick, kv.select(&hashes, &shuffled, 0), "probe {probe}");
+            let (id, overlap) = pick.unwrap();
+            assert_eq!(overlap, kv.overlap(&hashes, id), "probe {probe}");
+        }
+    }
+
+    fn instance(id: InstanceId) -> Instance {
+        Instance {
+            endpoint: EndpointId::new("t", "prefill", "generate"),
+            instance_id: id,
+            address: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_worker_leaving_admission_drops_its_indexed_entries() {
+        let (admit, admitted) = tokio::sync::watch::channel(BTreeSet::from([1, 2]));
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let view = RoutableView::spawn(futures_util::stream::pending(), Some(admitted), cancel);
+        view.apply(InstanceEvent::Added(instance(1)));
+        view.apply(InstanceEvent::Added(instance(2)));
+        let mode = PushMode::Kv {
+            block_size: 4,
+            config: KvRouterConfig::default(),
+        };
+        let dispatcher = Dispatcher::new(view, mode, PushConfig::default());
+        let tokens: Vec<u32> = (0..12).collect();
+        let hashes = block_hashes(&tokens, 4);
+        let mut publisher = EventPublisher::new(1);
+        let mut parent = None;
+        for &h in &hashes {
+            publisher.stored(parent, h);
+            parent = Some(h);
+        }
+        for batch in publisher.take_batches() {
+            assert_eq!(
+                dispatcher.apply_kv_events(2, &batch),
+                Some(Applied::Started)
+            );
+        }
+        let request = GenerateRequest::new(tokens, 1);
+        assert_eq!(dispatcher.select(&request).unwrap().instance_id, 2);
+        // Worker 2 leaves admission: the next selection prunes it, and its later events are
+        // ignored while it is out.
+        admit.send_replace(BTreeSet::from([1]));
+        assert_eq!(dispatcher.select(&request).unwrap().instance_id, 1);
+        assert!(!dispatcher.kv_indexed(2));
+        assert_eq!(dispatcher.apply_kv_events(2, &stored(1, &hashes)), None);
+        assert!(!dispatcher.kv_indexed(2));
+        // Back in admission, it starts afresh from its next batch.
+        admit.send_replace(BTreeSet::from([1, 2]));
+        assert_eq!(
+            dispatcher.apply_kv_events(2, &stored(2, &hashes)),
+            Some(Applied::Started)
+        );
     }
 }

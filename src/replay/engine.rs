@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use futures_util::future::{self, BoxFuture};
@@ -21,8 +21,9 @@ use super::run::Policy;
 use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::advert::{self, DecodeDefaults};
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
+use crate::kv_events::EventBatch;
 use crate::mock::BlockCache;
-use crate::push::{mix, Dispatcher, PushConfig, PushError, PushMode, RoutableView};
+use crate::push::{mix, Dispatcher, KvSelector, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
     PrefillOutcome, WorkerSetTarget,
@@ -69,32 +70,54 @@ pub(crate) struct Worker {
     running: AtomicUsize,
     /// Blocks of the requests queued or running here (the "active blocks" of Dynamo's cost).
     active_blocks: AtomicU64,
+    /// Requests picked for this worker and not yet prefilled (the oracle's load term, as
+    /// the dispatcher's held selections are the KV policies').
+    active: AtomicU64,
     /// Uncached prompt tokens computed here: the prefill work.
     pub(crate) prefill_tokens: AtomicU64,
 }
 
 impl Worker {
-    pub(crate) fn new(cache_blocks: usize, max_batch: usize) -> Self {
+    /// A worker whose cache publishes KV events of incarnation `epoch` when `epoch` is set.
+    pub(crate) fn new(cache_blocks: usize, max_batch: usize, epoch: Option<u64>) -> Self {
+        let cache = match epoch {
+            Some(epoch) => BlockCache::with_events(cache_blocks, epoch),
+            None => BlockCache::new(cache_blocks),
+        };
         Worker {
-            cache: Mutex::new(BlockCache::new(cache_blocks)),
+            cache: Mutex::new(cache),
             slots: Semaphore::new(max_batch.max(1)),
             running: AtomicUsize::new(0),
             active_blocks: AtomicU64::new(0),
+            active: AtomicU64::new(0),
             prefill_tokens: AtomicU64::new(0),
         }
     }
 
-    /// Queue for a batch slot, look the prompt up in the cache (holding its blocks from then
-    /// on), and compute the rest. The replay never cancels a prefill, so the counters need no
-    /// drop guard.
-    async fn serve(&self, record: &TraceRecord, cost: &CostModel) -> Served {
+    /// Queue for a batch slot, look the prompt's block `keys` up in the cache (holding them
+    /// from then on, and publishing the cache's changes to `shared`'s subscribers as worker
+    /// `id`), and compute the rest. The replay never cancels a prefill, so the counters need
+    /// no drop guard.
+    async fn serve(
+        &self,
+        id: InstanceId,
+        record: &TraceRecord,
+        keys: &[u64],
+        shared: &Shared,
+    ) -> Served {
+        let cost = &shared.cost;
         let blocks = record.hash_ids.len() as u64;
         self.active_blocks.fetch_add(blocks, Ordering::Relaxed);
         let queued = Instant::now();
         // The semaphore lives as long as the worker and is never closed.
         let permit = self.slots.acquire().await.ok();
         let queue = queued.elapsed();
-        let hits = self.cache.lock().prefill(&record.hash_ids);
+        let (hits, batches) = {
+            let mut cache = self.cache.lock();
+            let hits = cache.prefill(keys);
+            (hits, cache.take_event_batches())
+        };
+        shared.publish(id, batches);
         let hits = u32::try_from(hits).unwrap_or(u32::MAX);
         let uncached = record
             .input_length
@@ -118,6 +141,19 @@ impl Worker {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) trace: Arc<[TraceRecord]>,
+    /// Per request, the block keys the workers' caches use: the router's chained block hashes
+    /// under the KV policies, the trace's hash ids otherwise.
+    pub(crate) keys: Vec<Vec<u64>>,
+    /// The dispatchers fed the workers' KV events (policy `kv-events`).
+    pub(crate) subscribers: Mutex<Vec<Weak<Dispatcher>>>,
+    /// Every how many event batches one is lost (0: none).
+    pub(crate) event_loss_every: u64,
+    /// How long an event batch takes to reach the dispatchers.
+    pub(crate) event_delay: Duration,
+    /// Event batches published so far (numbers the losses).
+    pub(crate) batches: AtomicU64,
+    /// Selections that credited the pick with blocks its cache did not hold.
+    pub(crate) stale_credit: AtomicU64,
     pub(crate) cost: CostModel,
     pub(crate) policy: Policy,
     pub(crate) seed: u64,
@@ -131,12 +167,49 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn add_workers(&self, ids: impl IntoIterator<Item = InstanceId>) {
+        let epoch = (self.policy == Policy::KvEvents).then_some(1);
         let mut workers = self.workers.lock();
         for id in ids {
             workers.insert(
                 id,
-                Arc::new(Worker::new(self.cache_blocks, self.cost.max_batch)),
+                Arc::new(Worker::new(self.cache_blocks, self.cost.max_batch, epoch)),
             );
+        }
+    }
+
+    /// Deliver worker `id`'s event batches to every live subscribed dispatcher, after the
+    /// configured delay and minus the configured losses.
+    fn publish(&self, id: InstanceId, batches: Vec<EventBatch>) {
+        let mut kept = Vec::with_capacity(batches.len());
+        for batch in batches {
+            let n = self.batches.fetch_add(1, Ordering::Relaxed) + 1;
+            if self.event_loss_every == 0 || n % self.event_loss_every != 0 {
+                kept.push(batch);
+            }
+        }
+        if kept.is_empty() {
+            return;
+        }
+        let dispatchers: Vec<Arc<Dispatcher>> = {
+            let mut subscribers = self.subscribers.lock();
+            subscribers.retain(|d| d.strong_count() > 0);
+            subscribers.iter().filter_map(Weak::upgrade).collect()
+        };
+        let deliver = move || {
+            for dispatcher in &dispatchers {
+                for batch in &kept {
+                    dispatcher.apply_kv_events(id, batch);
+                }
+            }
+        };
+        if self.event_delay.is_zero() {
+            deliver();
+        } else {
+            let delay = self.event_delay;
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                deliver();
+            });
         }
     }
 
@@ -172,7 +245,9 @@ impl BindingFactory for ReplayFactory {
 pub(crate) struct ReplayBinding {
     shared: Arc<Shared>,
     view: RoutableView,
-    push: Dispatcher,
+    push: Arc<Dispatcher>,
+    /// The scoring rule of the oracle policy (the binding's resolved KV tuning).
+    oracle: KvSelector,
     /// Ends the view's task when the binding drops.
     view_cancel: CancellationToken,
 }
@@ -193,6 +268,11 @@ impl ReplayBinding {
         )
         .map_err(|e| BuildError::new(e.to_string()))?;
         let mode = PushMode::from_prefill_config(&config, None);
+        let oracle = KvSelector::new(
+            BLOCK_TOKENS,
+            &config.kv_router_config.clone().unwrap_or_default(),
+            1,
+        );
         let view_cancel = cancel.child_token();
         // Discovery is static here: every admitted worker is added once, up front.
         let view = RoutableView::spawn(
@@ -203,20 +283,64 @@ impl ReplayBinding {
         for &id in target.admitted.borrow().iter() {
             view.apply(InstanceEvent::Added(instance(id)));
         }
-        let push = Dispatcher::new(
+        let push = Arc::new(Dispatcher::new(
             view.clone(),
             mode,
             PushConfig {
                 seed: shared.seed,
                 ..PushConfig::default()
             },
-        );
+        ));
+        if shared.policy == Policy::KvEvents {
+            // A new binding learns the caches from the workers' next events on.
+            shared.subscribers.lock().push(Arc::downgrade(&push));
+        }
         Ok(ReplayBinding {
             shared,
             view,
             push,
+            oracle,
             view_cancel,
         })
+    }
+
+    /// The stale-credit oracle of `kv-events`: the index credited worker `id` with `credited`
+    /// leading blocks of request `index`; the worker's cache must hold at least that many now
+    /// (a prediction's credit, for a worker that has not published yet, is not checked).
+    fn check_credit(&self, index: usize, id: InstanceId, credited: Option<usize>) {
+        let (Some(credited), Some(keys)) = (credited, self.shared.keys.get(index)) else {
+            return;
+        };
+        if credited == 0 || !self.push.kv_indexed(id) {
+            return;
+        }
+        let held = self
+            .shared
+            .worker(id)
+            .map_or(0, |w| w.cache.lock().leading_hits(keys));
+        if credited > held {
+            self.shared.stale_credit.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The oracle: the KV selector's scoring rule (overlap weight, load, tie-break) over the
+    /// overlap each routable worker's cache really holds, read directly.
+    fn oracle_pick(&self, index: usize) -> Option<InstanceId> {
+        let keys = self.shared.keys.get(index)?;
+        let workers = self.shared.workers.lock();
+        let candidates: Vec<(InstanceId, u64, usize)> = self
+            .view
+            .routable()
+            .iter()
+            .filter_map(|i| {
+                let w = workers.get(&i.instance_id)?;
+                let overlap = w.cache.lock().leading_hits(keys);
+                Some((i.instance_id, w.active.load(Ordering::Relaxed), overlap))
+            })
+            .collect();
+        self.oracle
+            .select_scored(keys, &candidates, mix(self.shared.seed ^ index as u64))
+            .map(|(id, _)| id)
     }
 
     /// Dynamo's KV-router cost, from its published description: for each worker,
@@ -225,6 +349,7 @@ impl ReplayBinding {
     /// router is fed by the workers' KV events); ties go to a hash of request and worker.
     fn dynamo_pick(&self, index: usize, record: &TraceRecord) -> Option<InstanceId> {
         const OVERLAP_SCORE_WEIGHT: f64 = 1.0;
+        let keys = self.shared.keys.get(index)?;
         let workers = self.shared.workers.lock();
         let blocks = record.hash_ids.len();
         self.view
@@ -232,7 +357,7 @@ impl ReplayBinding {
             .iter()
             .filter_map(|i| {
                 let w = workers.get(&i.instance_id)?;
-                let overlap = w.cache.lock().leading_hits(&record.hash_ids);
+                let overlap = w.cache.lock().leading_hits(keys);
                 #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
                 let cost = OVERLAP_SCORE_WEIGHT * (blocks - overlap) as f64
                     + w.active_blocks.load(Ordering::Relaxed) as f64;
@@ -269,8 +394,13 @@ impl Prefill for ReplayBinding {
         };
         // Dynamo's baseline scores the workers itself; every other policy is the real push
         // router, whose selection counts as load until the prefill ends.
-        let (id, held) = if self.shared.policy == Policy::Dynamo {
-            match self.dynamo_pick(index, record) {
+        let pick = match self.shared.policy {
+            Policy::Dynamo => Some(self.dynamo_pick(index, record)),
+            Policy::KvOracle => Some(self.oracle_pick(index)),
+            _ => None,
+        };
+        let (id, held) = if let Some(pick) = pick {
+            match pick {
                 Some(id) => (id, None),
                 None => {
                     return future::ready(Err(PrefillError::Push(PushError::NoRoutableInstances)))
@@ -279,15 +409,26 @@ impl Prefill for ReplayBinding {
             }
         } else {
             match self.push.select_held(&request) {
-                Ok(selection) => (selection.instance().instance_id, Some(selection)),
+                Ok(selection) => {
+                    let id = selection.instance().instance_id;
+                    if self.shared.policy == Policy::KvEvents {
+                        self.check_credit(index, id, selection.expected_overlap_blocks());
+                    }
+                    (id, Some(selection))
+                }
                 Err(e) => return future::ready(Err(PrefillError::Push(e))).boxed(),
             }
         };
         let Some(worker) = self.shared.worker(id) else {
             return failed(format!("worker {id} is not running"));
         };
+        let Some(keys) = self.shared.keys.get(index) else {
+            return failed(format!("no block keys for record {index}"));
+        };
+        worker.active.fetch_add(1, Ordering::Relaxed);
         async move {
-            let served = worker.serve(record, &self.shared.cost).await;
+            let served = worker.serve(id, record, keys, &self.shared).await;
+            worker.active.fetch_sub(1, Ordering::Relaxed);
             drop(held);
             if let Some(slot) = self.shared.served.lock().get_mut(index) {
                 *slot = Some(served);

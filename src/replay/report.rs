@@ -125,6 +125,10 @@ pub struct ReplayReport {
     pub event: Option<EventReport>,
     /// Bindings the router had built by the end (1 without events).
     pub bindings_built: u64,
+    /// Selections (policy `kv-events`) where the index credited the picked worker with more
+    /// leading blocks than its cache held at that moment: stale credit, which lost or delayed
+    /// event batches can cause and fault-free delivery never does.
+    pub stale_credit: u64,
     /// Virtual time the replay covered, in seconds.
     pub virtual_s: f64,
     /// Wall-clock time the replay took, in seconds.

@@ -25,8 +25,15 @@ use crate::transport::GenerateRequest;
 /// How the prefill hop picks a worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Policy {
-    /// Our KV dispatcher ([`crate::push::KvSelector`]: remembered overlap minus load).
+    /// Our KV dispatcher by prediction ([`crate::push::KvSelector`]: overlap remembered from
+    /// past routing, minus load).
     Kv,
+    /// Our KV dispatcher fed the workers' KV cache events ([`crate::kv_events`]): overlap the
+    /// worker holds now per its events, minus load.
+    KvEvents,
+    /// The KV dispatcher's scoring rule over overlaps read from the workers' caches directly:
+    /// the upper bound of what events can give.
+    KvOracle,
     /// The round-robin dispatcher.
     RoundRobin,
     /// The random dispatcher.
@@ -37,8 +44,10 @@ pub enum Policy {
 
 impl Policy {
     /// Every policy, in report order.
-    pub const ALL: [Policy; 4] = [
+    pub const ALL: [Policy; 6] = [
         Policy::Kv,
+        Policy::KvEvents,
+        Policy::KvOracle,
         Policy::Dynamo,
         Policy::RoundRobin,
         Policy::Random,
@@ -48,6 +57,8 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::Kv => "kv",
+            Policy::KvEvents => "kv-events",
+            Policy::KvOracle => "kv-oracle",
             Policy::RoundRobin => "round-robin",
             Policy::Random => "random",
             Policy::Dynamo => "dynamo",
@@ -59,11 +70,18 @@ impl Policy {
         Policy::ALL.into_iter().find(|p| p.name() == name)
     }
 
+    /// Whether the policy scores KV overlap on the router's chained block hashes (the workers
+    /// then key their caches by those hashes, so events and the oracle speak the router's
+    /// language).
+    pub(crate) fn chained(self) -> bool {
+        matches!(self, Policy::Kv | Policy::KvEvents | Policy::KvOracle)
+    }
+
     /// The router mode the pool's card advertises: the binding's dispatcher resolves it as
     /// in production. Dynamo's baseline scores workers itself and ignores its dispatcher.
     fn router_mode(self) -> SelectionMode {
         match self {
-            Policy::Kv => SelectionMode::KV,
+            Policy::Kv | Policy::KvEvents | Policy::KvOracle => SelectionMode::KV,
             Policy::RoundRobin | Policy::Dynamo => SelectionMode::RoundRobin,
             Policy::Random => SelectionMode::Random,
         }
@@ -128,6 +146,10 @@ pub struct ReplayConfig {
     pub progress: bool,
     /// A pool change during the replay, if any.
     pub event: Option<PoolEvent>,
+    /// Policy `kv-events`: every how many KV event batches one is lost (0: none).
+    pub event_loss_every: u64,
+    /// Policy `kv-events`: how long a KV event batch takes to reach the router.
+    pub event_delay: Duration,
 }
 
 impl ReplayConfig {
@@ -142,6 +164,8 @@ impl ReplayConfig {
             seed: 0x5eed,
             progress: false,
             event: None,
+            event_loss_every: 0,
+            event_delay: Duration::ZERO,
         }
     }
 }
@@ -170,9 +194,9 @@ pub fn run(config: &ReplayConfig, trace: &[TraceRecord]) -> std::io::Result<Repl
 
 /// The prompt of `record` as token ids: block *i* is 512 copies of `hash_ids[i]`, so the push
 /// router's chained block hashes agree exactly when the trace's leading ids do. Only the KV
-/// policy reads tokens; the others get an empty prompt and skip the work.
-fn prompt(record: &TraceRecord, policy: Policy) -> Vec<u32> {
-    if policy != Policy::Kv {
+/// policies read tokens; the others get an empty prompt and skip the work.
+pub(crate) fn prompt(record: &TraceRecord, policy: Policy) -> Vec<u32> {
+    if !policy.chained() {
         return Vec::new();
     }
     let mut tokens = Vec::with_capacity(record.hash_ids.len() * BLOCK_TOKENS as usize);
@@ -188,8 +212,23 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     let cache_blocks = config.cache_blocks.unwrap_or(usize::MAX);
     let pool = config.workers.max(1) as u64;
     let ids: BTreeSet<u64> = (1..=pool).collect();
+    // The KV policies' workers key their caches by the router's chained block hashes.
+    let keys: Vec<Vec<u64>> = if config.policy.chained() {
+        records
+            .iter()
+            .map(|r| crate::push::block_hashes(&prompt(r, config.policy), BLOCK_TOKENS))
+            .collect()
+    } else {
+        records.iter().map(|r| r.hash_ids.clone()).collect()
+    };
     let shared = Arc::new(Shared {
         trace: Arc::clone(&records),
+        keys,
+        subscribers: Mutex::new(Vec::new()),
+        event_loss_every: config.event_loss_every,
+        event_delay: config.event_delay,
+        batches: AtomicU64::new(0),
+        stale_credit: AtomicU64::new(0),
         cost: config.cost.clone(),
         policy: config.policy,
         seed: config.seed,
@@ -420,6 +459,7 @@ fn summarize(
         hit_rate_by_decile: deciles,
         event,
         bindings_built: shared.builds.load(Ordering::Relaxed),
+        stale_credit: shared.stale_credit.load(Ordering::Relaxed),
         virtual_s,
         wall_s: 0.0,
         requests_per_s: 0.0,

@@ -285,3 +285,46 @@ fn record_checks_reject_every_reader_mutant_on_the_seed_corpus() {
         );
     }
 }
+
+/// The `kv_events` harness bites: the seed corpus passes the real decoder, and the
+/// structure-aware round trip of a batch with a parent catches the decoder mutant that drops
+/// Stored parents (its own output re-encodes consistently, so only the round trip sees it).
+#[test]
+fn kv_events_checks_reject_the_parent_dropping_decoder_on_the_seed_corpus() {
+    use prefill_router_testkit::kv_events_fuzz::{
+        check_payload_with, decode_events_dropping_parents,
+    };
+    let seeds = corpus("kv_events");
+    assert!(!seeds.is_empty());
+    for (path, bytes) in &seeds {
+        check_payload_with(bytes, prefill_router::kv_events::decode_events)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    }
+    // The mutant's output re-encodes without the parent, which decodes the same: the raw
+    // checks pass, so the structure-aware round trip (batch with a parent) must catch it.
+    let script = prefill_router_testkit::kv_events_fuzz::EventScript {
+        epoch: 1,
+        seq: 2,
+        events: vec![prefill_router_testkit::kv_events_fuzz::EventSeed::Stored(
+            Some(5),
+            vec![1, 2],
+        )],
+        keep: None,
+        flip: None,
+        append: Vec::new(),
+    };
+    assert!(
+        prefill_router_testkit::kv_events_fuzz::check_event_script_with(
+            &script,
+            prefill_router::kv_events::decode_events
+        )
+        .is_ok()
+    );
+    assert!(
+        prefill_router_testkit::kv_events_fuzz::check_event_script_with(
+            &script,
+            decode_events_dropping_parents
+        )
+        .is_err()
+    );
+}

@@ -9,6 +9,7 @@ pub const USAGE: &str = "\
 usage: prefill-router replay --trace FILE [--workers N] [--policy P] [--cache-blocks C]
                              [--limit K] [--json OUT] [--svg OUT] [--quiet]
                              [--retarget-at T | --flap-at T | --flap-rebuild-at T]
+                             [--event-loss-every K] [--event-delay-ms D]
 
 Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
 hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and dispatchers
@@ -17,7 +18,8 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
 
   --trace FILE       the trace (required)
   --workers N        prefill workers (default 6)
-  --policy P         kv | dynamo | round-robin | random | all (default kv; all runs each)
+  --policy P         kv | kv-events | kv-oracle | dynamo | round-robin | random | all
+                     (default kv; all runs each)
   --cache-blocks C   KV blocks per worker, LRU (default unbounded)
   --limit K          replay only the first K requests
   --json OUT         also write the reports as JSON to OUT
@@ -27,6 +29,8 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
   --flap-at T        at trace second T, remove the pool for 1 s and bring the same target
                      back (the router reuses its binding)
   --flap-rebuild-at T  the same, but back as a new generation (a new binding)
+  --event-loss-every K  kv-events: lose every K-th KV event batch (default none)
+  --event-delay-ms D    kv-events: KV event batches reach the router D ms late (default 0)
 (needs the `cli` feature: cargo run --release --features cli -- replay ...)";
 
 /// Parsed options.
@@ -41,6 +45,10 @@ pub struct ReplayOptions {
     quiet: bool,
     /// `(kind, trace second)` of the pool event.
     event: Option<(&'static str, f64)>,
+    /// Every how many KV event batches one is lost (0: none).
+    event_loss_every: u64,
+    /// KV event delivery delay in milliseconds.
+    event_delay_ms: u64,
 }
 
 impl ReplayOptions {
@@ -57,6 +65,8 @@ impl ReplayOptions {
             svg: None,
             quiet: false,
             event: None,
+            event_loss_every: 0,
+            event_delay_ms: 0,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -72,6 +82,8 @@ impl ReplayOptions {
                 "--retarget-at" => options.event = Some(("retarget", flags.parsed(flag)?)),
                 "--flap-at" => options.event = Some(("flap", flags.parsed(flag)?)),
                 "--flap-rebuild-at" => options.event = Some(("flap-rebuild", flags.parsed(flag)?)),
+                "--event-loss-every" => options.event_loss_every = flags.parsed(flag)?,
+                "--event-delay-ms" => options.event_delay_ms = flags.parsed(flag)?,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
             }
@@ -90,7 +102,7 @@ impl ReplayOptions {
             && prefill_router::replay::Policy::parse(&options.policy).is_none()
         {
             return Err(CliError::Usage(format!(
-                "unknown policy `{}` (kv | dynamo | round-robin | random | all)",
+                "unknown policy `{}` (kv | kv-events | kv-oracle | dynamo | round-robin | random | all)",
                 options.policy
             )));
         }
@@ -134,6 +146,8 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
                     },
                 }
             }),
+            event_loss_every: options.event_loss_every,
+            event_delay: std::time::Duration::from_millis(options.event_delay_ms),
             ..ReplayConfig::new(policy)
         };
         match run(&config, &trace) {

@@ -1,0 +1,326 @@
+//! The index of the workers' real caches, built from their [`EventBatch`]es.
+//!
+//! **Shape: a hash-chain map**, block hash → the sorted workers holding it, plus each worker's
+//! set of held blocks. Block hashes are chained (hash *i* covers the whole prefix up to block
+//! *i*, see [`crate::push::block_hashes`]), so "the worker holds the request's block *i*"
+//! already means "holds that prefix": a prefix tree would store the same facts with pointer
+//! chasing and parent bookkeeping, and a flat map answers a request of B blocks by walking its
+//! B hashes and intersecting holder sets. The `parent` of a Stored event is therefore not
+//! needed for scoring (it stays on the wire for engines and tools that want the tree).
+//!
+//! **Sequence rule** (per worker, batches carry `(epoch, seq)`):
+//! - the first batch of a worker, or of a newer epoch, starts it afresh (entries of an older
+//!   epoch are dropped: the worker restarted cold) and is applied;
+//! - `seq == last + 1`: applied;
+//! - `seq <= last`, or an older epoch: a duplicate or a late batch, ignored;
+//! - `seq > last + 1`: a gap (batches were lost): the worker's entries are dropped, then this
+//!   batch is applied. What the index holds for the worker afterwards is what it stored since
+//!   the gap: a subset of its real cache, never a block it does not hold.
+//!
+//! There is no snapshot request: after a gap, a reconnect or a rebuild the index learns the
+//! worker's cache again from its next events (under-credit for a while, never stale credit).
+//!
+//! **Cost.** Applying a batch costs O(blocks in it × log holders); [`KvIndex::overlaps`] for a
+//! request of B blocks costs O(B + holders of the walked blocks), independent of the pool size.
+
+use std::collections::{HashMap, HashSet};
+
+use super::{EventBatch, KvEvent, MixState};
+use crate::discovery::InstanceId;
+
+/// Blocks one worker may hold in the index by default (a worker claiming more is dropped from
+/// the index, so one misbehaving worker cannot grow it without bound).
+pub const DEFAULT_MAX_BLOCKS_PER_WORKER: usize = 1 << 20;
+
+/// What [`KvIndex::apply`] did with a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Applied {
+    /// The next batch in sequence: applied.
+    InOrder,
+    /// The first batch of the worker or of a newer epoch: the worker starts afresh from it.
+    Started,
+    /// After a gap: the worker's entries were dropped, then the batch applied.
+    Resynced,
+    /// A duplicate, late or older-epoch batch: ignored.
+    Stale,
+    /// The worker claimed more than its block limit: its entries were dropped.
+    Overflowed,
+}
+
+#[derive(Debug)]
+struct WorkerEntry {
+    epoch: u64,
+    last_seq: u64,
+    blocks: HashSet<u64, MixState>,
+}
+
+/// The index of real caches: which workers hold which blocks, per their events.
+#[derive(Debug)]
+pub struct KvIndex {
+    holders: HashMap<u64, Vec<InstanceId>, MixState>,
+    workers: HashMap<InstanceId, WorkerEntry, MixState>,
+    max_blocks_per_worker: usize,
+    /// The mutant of the property tests: removals are not applied.
+    #[cfg(test)]
+    ignore_removals: bool,
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        KvIndex::new(DEFAULT_MAX_BLOCKS_PER_WORKER)
+    }
+}
+
+impl KvIndex {
+    /// An empty index holding at most `max_blocks_per_worker` blocks per worker.
+    pub fn new(max_blocks_per_worker: usize) -> Self {
+        KvIndex {
+            holders: HashMap::default(),
+            workers: HashMap::default(),
+            max_blocks_per_worker: max_blocks_per_worker.max(1),
+            #[cfg(test)]
+            ignore_removals: false,
+        }
+    }
+
+    /// The mutant that ignores removals (the property tests must catch it).
+    #[cfg(test)]
+    pub(crate) fn ignoring_removals(mut self) -> Self {
+        self.ignore_removals = true;
+        self
+    }
+
+    /// Whether `worker` has published events (it is scored by the index, not by prediction).
+    pub fn publishes(&self, worker: InstanceId) -> bool {
+        self.workers.contains_key(&worker)
+    }
+
+    /// Workers that published.
+    pub fn workers(&self) -> impl Iterator<Item = InstanceId> + '_ {
+        self.workers.keys().copied()
+    }
+
+    /// Distinct blocks held by some worker.
+    pub fn len(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// Whether no block is held by any worker.
+    pub fn is_empty(&self) -> bool {
+        self.holders.is_empty()
+    }
+
+    /// Whether the index credits `worker` with `block`.
+    pub fn holds(&self, worker: InstanceId, block: u64) -> bool {
+        self.workers
+            .get(&worker)
+            .is_some_and(|w| w.blocks.contains(&block))
+    }
+
+    /// The blocks the index credits `worker` with.
+    pub fn blocks_of(&self, worker: InstanceId) -> impl Iterator<Item = u64> + '_ {
+        self.workers
+            .get(&worker)
+            .into_iter()
+            .flat_map(|w| w.blocks.iter().copied())
+    }
+
+    /// Apply one batch of `worker`'s events per the sequence rule (module docs).
+    pub fn apply(&mut self, worker: InstanceId, batch: &EventBatch) -> Applied {
+        let outcome = match self.workers.get_mut(&worker) {
+            None => {
+                self.workers.insert(
+                    worker,
+                    WorkerEntry {
+                        epoch: batch.epoch,
+                        last_seq: batch.seq,
+                        blocks: HashSet::default(),
+                    },
+                );
+                Applied::Started
+            }
+            Some(entry) if batch.epoch < entry.epoch => return Applied::Stale,
+            Some(entry) if batch.epoch > entry.epoch => {
+                entry.epoch = batch.epoch;
+                entry.last_seq = batch.seq;
+                self.drop_entries(worker);
+                Applied::Started
+            }
+            Some(entry) if batch.seq <= entry.last_seq => return Applied::Stale,
+            Some(entry) if batch.seq == entry.last_seq + 1 => {
+                entry.last_seq = batch.seq;
+                Applied::InOrder
+            }
+            Some(entry) => {
+                entry.last_seq = batch.seq;
+                self.drop_entries(worker);
+                Applied::Resynced
+            }
+        };
+        for event in &batch.events {
+            match event {
+                KvEvent::Stored { blocks, .. } => {
+                    for &h in blocks {
+                        if !self.store(worker, h) {
+                            self.drop_entries(worker);
+                            return Applied::Overflowed;
+                        }
+                    }
+                }
+                KvEvent::Removed { blocks } => {
+                    #[cfg(test)]
+                    if self.ignore_removals {
+                        continue;
+                    }
+                    for &h in blocks {
+                        self.remove(worker, h);
+                    }
+                }
+                KvEvent::Cleared => self.drop_entries(worker),
+            }
+        }
+        outcome
+    }
+
+    /// Credit `worker` with `block`; false when that would exceed its limit.
+    fn store(&mut self, worker: InstanceId, block: u64) -> bool {
+        let Some(entry) = self.workers.get_mut(&worker) else {
+            return true;
+        };
+        if entry.blocks.contains(&block) {
+            return true;
+        }
+        if entry.blocks.len() >= self.max_blocks_per_worker {
+            return false;
+        }
+        entry.blocks.insert(block);
+        let holders = self.holders.entry(block).or_default();
+        if let Err(at) = holders.binary_search(&worker) {
+            holders.insert(at, worker);
+        }
+        true
+    }
+
+    fn remove(&mut self, worker: InstanceId, block: u64) {
+        let Some(entry) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        if entry.blocks.remove(&block) {
+            self.unhold(worker, block);
+        }
+    }
+
+    fn unhold(&mut self, worker: InstanceId, block: u64) {
+        if let Some(holders) = self.holders.get_mut(&block) {
+            if let Ok(at) = holders.binary_search(&worker) {
+                holders.remove(at);
+            }
+            if holders.is_empty() {
+                self.holders.remove(&block);
+            }
+        }
+    }
+
+    /// Drop what `worker` is credited with, keeping its sequence position.
+    fn drop_entries(&mut self, worker: InstanceId) {
+        let Some(entry) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        let blocks = std::mem::take(&mut entry.blocks);
+        for block in blocks {
+            self.unhold(worker, block);
+        }
+    }
+
+    /// Forget `worker` entirely (it left admission or discovery, or its event stream
+    /// reconnected): its entries go and its next batch starts it afresh.
+    pub fn remove_worker(&mut self, worker: InstanceId) {
+        self.drop_entries(worker);
+        self.workers.remove(&worker);
+    }
+
+    /// Keep only the workers `keep` accepts.
+    pub fn retain_workers(&mut self, mut keep: impl FnMut(InstanceId) -> bool) {
+        let gone: Vec<InstanceId> = self.workers.keys().copied().filter(|&w| !keep(w)).collect();
+        for w in gone {
+            self.remove_worker(w);
+        }
+    }
+
+    /// For a request's chained block `hashes`: every worker holding at least its first block,
+    /// with how many leading blocks it holds, written to `out` (cleared first) sorted by
+    /// worker. Costs O(B + holders of the walked blocks); a block held by exactly the workers
+    /// still matching (a shared prefix) costs one memory comparison.
+    pub fn overlaps(&self, hashes: &[u64], out: &mut Vec<(InstanceId, usize)>) {
+        out.clear();
+        let Some(first) = hashes.first().and_then(|h| self.holders.get(h)) else {
+            return;
+        };
+        let mut depth = hashes.len();
+        // While every holder of the first block still matches, `active` is not materialised.
+        let mut i = 1;
+        while i < hashes.len() {
+            match self.holders.get(&hashes[i]) {
+                Some(next) if next == first => i += 1,
+                _ => break,
+            }
+        }
+        out.extend(first.iter().map(|&w| (w, depth)));
+        if i == hashes.len() {
+            return;
+        }
+        // Positions in `out` still matching, ascending (so `out` stays sorted by worker).
+        let mut active: Vec<usize> = (0..out.len()).collect();
+        let mut kept: Vec<usize> = Vec::with_capacity(active.len());
+        for (i, h) in hashes.iter().enumerate().skip(i) {
+            let next: &[InstanceId] = self.holders.get(h).map_or(&[], Vec::as_slice);
+            kept.clear();
+            if next.len() > 8 * active.len() {
+                // Much longer: binary searches, O(|active| log |next|).
+                for &at in &active {
+                    if next.binary_search(&out[at].0).is_ok() {
+                        kept.push(at);
+                    } else {
+                        out[at].1 = i;
+                    }
+                }
+            } else {
+                // A merge of two sorted lists, O(|active| + |next|).
+                let mut j = 0;
+                for &at in &active {
+                    let w = out[at].0;
+                    while j < next.len() && next[j] < w {
+                        j += 1;
+                    }
+                    if j < next.len() && next[j] == w {
+                        kept.push(at);
+                    } else {
+                        out[at].1 = i;
+                    }
+                }
+            }
+            std::mem::swap(&mut active, &mut kept);
+            if active.is_empty() {
+                return;
+            }
+        }
+        depth = hashes.len();
+        for &at in &active {
+            out[at].1 = depth;
+        }
+    }
+
+    /// Leading blocks of `hashes` the index credits `worker` with.
+    pub fn overlap(&self, hashes: &[u64], worker: InstanceId) -> usize {
+        let Some(entry) = self.workers.get(&worker) else {
+            return 0;
+        };
+        hashes
+            .iter()
+            .take_while(|h| entry.blocks.contains(h))
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests;
