@@ -75,7 +75,7 @@ until_ready() {
 }
 
 # Slow prefills (150 ms per uncached block): requests are in flight when a worker is killed.
-worker p1 prefill 1 --block-cost-us 150000
+worker p1 prefill 1 --block-cost-us 150000 --print-requests
 worker p2 prefill 2 --block-cost-us 150000
 worker d decode 100 --token-interval-us 5000
 addr="$(serve frontend --fallback decode)"
@@ -132,7 +132,7 @@ grep -q '^prefill_router_prefilled_total{router="prefill"} [1-9]' <<<"$metrics" 
     && pass "/metrics has the router's metrics" || fail "/metrics: no router metrics"
 
 # SIGKILL prefill worker 1 under traffic (the Python script sends the signal).
-"$py" tests/clients/openai_client.py kill --base "$base" --kill-pid "$pid_p1" --survivor 2 \
+"$py" tests/clients/openai_client.py kill --base "$base" --kill-pid "$pid_p1" --kill-log "$work/p1.log" --survivor 2 \
     || failures=$((failures + 1))
 
 # Every prefill worker leaves: policy decode bypasses, policy reject answers 503; /ready follows.

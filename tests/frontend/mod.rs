@@ -259,10 +259,7 @@ impl Response {
 fn dechunk(raw: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     let mut rest = raw;
-    loop {
-        let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else {
-            break;
-        };
+    while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
         let size_text = std::str::from_utf8(&rest[..eol]).unwrap_or("0");
         let size =
             usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap_or(0);

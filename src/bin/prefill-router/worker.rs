@@ -26,7 +26,8 @@ Runs a mock engine (no model, the timing shape of one) serving the request plane
 in discovery as endpoint NS/prefill/generate or NS/decode/generate (lease with heartbeats);
 SIGTERM (or Ctrl-C) deregisters it and stops. Prints one JSON line per event on stdout:
 {\"event\":\"ready\",...} once serving and registered, {\"event\":\"cancelled\",...} each time a
-request is cancelled before its end (the caller dropped it), {\"event\":\"stopped\",...} at exit.
+request is cancelled before its end (the caller dropped it), {\"event\":\"stopped\",...} at exit;
+with --print-requests also {\"event\":\"request\",...} as each request starts.
 
 options:
   --role R               prefill or decode
@@ -40,7 +41,8 @@ options:
   --block-cost-us N      prefill time per uncached block, microseconds (default 500)
   --token-interval-us N  decode time per token, microseconds (default 2000)
   --ttl-ms N             discovery lease TTL in milliseconds (default 10000)
-  --etcd-root PREFIX     etcd key root (default prefill-router/v1/instances/)";
+  --etcd-root PREFIX     etcd key root (default prefill-router/v1/instances/)
+  --print-requests       print a `request` event as each request starts";
 
 /// The worker's role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +76,7 @@ pub struct WorkerOptions {
     token_interval: Duration,
     ttl: Duration,
     etcd_root: String,
+    print_requests: bool,
 }
 
 impl WorkerOptions {
@@ -94,6 +97,7 @@ impl WorkerOptions {
             token_interval: Duration::from_micros(2000),
             ttl: Duration::from_secs(10),
             etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
+            print_requests: false,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -123,6 +127,7 @@ impl WorkerOptions {
                 }
                 "--ttl-ms" => options.ttl = Duration::from_millis(flags.parsed(flag)?),
                 "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
+                "--print-requests" => options.print_requests = true,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown worker option `{other}`"))),
             }
@@ -195,6 +200,7 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
         inner: engine,
         id,
         cancelled: Arc::clone(&cancelled),
+        started: options.print_requests.then(Arc::default),
     });
     let discovery = options
         .discovery
@@ -248,10 +254,19 @@ struct Watched {
     inner: Arc<dyn Engine>,
     id: InstanceId,
     cancelled: Arc<AtomicU64>,
+    /// Requests started, when each is printed (`--print-requests`).
+    started: Option<Arc<AtomicU64>>,
 }
 
 impl Engine for Watched {
     fn generate(&self, request: GenerateRequest) -> EngineStream {
+        if let Some(started) = &self.started {
+            let total = started.fetch_add(1, Ordering::Relaxed) + 1;
+            println!(
+                "{}",
+                serde_json::json!({"event": "request", "id": self.id, "total": total})
+            );
+        }
         Box::pin(WatchedStream {
             inner: self.inner.generate(request),
             id: self.id,
@@ -341,6 +356,7 @@ mod tests {
             inner: MockDecode::new(1, mock),
             id: 1,
             cancelled: Arc::clone(&cancelled),
+            started: None,
         };
         let whole: Vec<_> = engine
             .generate(GenerateRequest::new(vec![1, 2, 3], 3))
