@@ -11,7 +11,6 @@
 //! ```
 
 #[path = "../tests/e2e/mod.rs"]
-#[allow(dead_code)]
 mod e2e;
 
 use std::sync::Arc;
