@@ -172,6 +172,36 @@ fn retired_binding_counted_alive_until_its_request_ends() {
 }
 
 #[test]
+fn a_binding_is_held_until_a_retarget_retires_it_and_a_clear_keeps_it() {
+    let ctl: Control<u8, Bind> = Control::new(RetryPolicy::default());
+    let b1 = started(&ctl.set_target(Some(1)));
+    let _ = ctl.build_succeeded(
+        b1,
+        Bind {
+            target: 1,
+            build: b1,
+        },
+    );
+    let first = Arc::clone(ctl.route().binding().expect("active"));
+    assert!(ctl.holds(&first));
+    assert_eq!(ctl.retired_count(), 0);
+    let stranger = Arc::new(Bind {
+        target: 1,
+        build: b1,
+    });
+    assert!(!ctl.holds(&stranger), "holds compares identity, not value");
+    // A clear keeps the binding for reuse: still held, nothing retired.
+    let _ = ctl.set_target(None);
+    assert!(ctl.holds(&first));
+    assert_eq!(ctl.retired_count(), 0);
+    // A retarget retires it.
+    let _ = ctl.set_target(Some(2));
+    assert!(!ctl.holds(&first));
+    assert_eq!(ctl.retired_count(), 1);
+    assert_eq!(ctl.retired_count(), ctl.status().counters.retired);
+}
+
+#[test]
 fn retired_tracking_is_bounded() {
     let ctl: Control<u8, Bind> = Control::new(RetryPolicy::default());
     let mut requests = Vec::new();
