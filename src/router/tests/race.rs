@@ -92,8 +92,19 @@ async fn no_request_dispatches_on_a_binding_replaced_before_it_loaded_the_route(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn race_check_catches_a_route_published_asynchronously() {
-    let (factory, _log) = ScriptFactory::instant();
-    let router = PrefillRouter::with_lagging_route_mutant(factory, PrefillRouterConfig::default());
-    let (_dispatched, violations) = race(router).await;
-    assert!(violations > 0, "the mutant went unnoticed");
+    // The mutant's window (a retarget returned, the lagging copy not yet refreshed) is short
+    // with instant builds; on a loaded machine one run can miss it. A few runs may be needed,
+    // while the correct router must show no violation in any run (the test above).
+    let mut seen = 0;
+    for _ in 0..5 {
+        let (factory, _log) = ScriptFactory::instant();
+        let router =
+            PrefillRouter::with_lagging_route_mutant(factory, PrefillRouterConfig::default());
+        let (_dispatched, violations) = race(router).await;
+        seen += violations;
+        if seen > 0 {
+            break;
+        }
+    }
+    assert!(seen > 0, "the mutant went unnoticed in 5 runs");
 }
