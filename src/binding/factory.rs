@@ -13,7 +13,7 @@ use tracing::Instrument;
 use crate::advert::{self, DecodeDefaults, PrefillConfig};
 use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::hooks::FactoryHooks;
-use crate::push::{Dispatcher, PushConfig, PushMode, RoutableView};
+use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{
     BindingFactory, BindingHealth, BuildError, Prefill, PrefillError, PrefillOutcome,
     WorkerSetTarget, WorkerSetTargetId,
@@ -228,7 +228,26 @@ impl Prefill for PrefillBinding {
                 )
                 .await;
             }
-            let stream = self.router.generate(request).await?;
+            let stream = match self.router.generate(request).await {
+                Err(PushError::NoRoutableInstances) => {
+                    // Admitted instances this view no longer discovers: its endpoint watch saw
+                    // them leave before the topology watcher retargeted (two streams, no common
+                    // order). The retarget shrinks the admission set right after it moves the
+                    // route on, so wait for that (briefly): the router then sees the binding
+                    // no longer served and routes the request again.
+                    let mut admitted = self.admitted.clone();
+                    let view = self.router.view();
+                    let leaving = admitted
+                        .borrow_and_update()
+                        .iter()
+                        .any(|id| !view.is_discovered(*id));
+                    if leaving {
+                        let _ = tokio::time::timeout(DISCOVERY_CATCH_UP, admitted.changed()).await;
+                    }
+                    return Err(PushError::NoRoutableInstances.into());
+                }
+                other => other?,
+            };
             let worker = stream.instance_id();
             self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
             if !before.contains(&worker) && !self.admitted.borrow().contains(&worker) {

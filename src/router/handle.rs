@@ -30,10 +30,6 @@ use crate::transport::{GenerateRequest, GenerateResponse};
 /// under it (each time means another retarget raced the request: a bound keeps a storm finite).
 pub const MAX_REROUTES: u32 = 3;
 
-/// How long a request whose served binding has no routable worker waits for the retarget that
-/// its endpoint watch saw coming, before failing with `NoRoutableInstances`.
-const ROUTE_CATCH_UP: Duration = Duration::from_millis(500);
-
 /// How one routing attempt ended without a stream.
 enum Failed {
     Error(GenerateError),
@@ -139,10 +135,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// and whose admission set empties meanwhile (a retarget storm does it), would fail with
     /// [`PushError::NoRoutableInstances`](crate::push::PushError::NoRoutableInstances)
     /// although nothing was sent anywhere: it is routed again on the current snapshot
-    /// instead, at most [`MAX_REROUTES`] times (counted in `rerouted`). The same holds when
-    /// the binding's own endpoint watch saw its last worker leave just before the topology
-    /// watcher retargeted: the request waits for that retarget (at most 500 ms) and routes on
-    /// it; a binding still served after that fails the request as before.
+    /// instead, at most [`MAX_REROUTES`] times (counted in `rerouted`).
     pub async fn generate(
         &self,
         mut request: GenerateRequest,
@@ -232,11 +225,8 @@ impl<F: BindingFactory> PrefillRouter<F> {
             Ok(outcome) => outcome,
             // Nothing was sent: the binding lost its last admitted worker because it was
             // retired under this request. Route again on what is published now.
-            // Or the binding's own endpoint watch saw the last worker leave before the topology
-            // watcher retargeted (two streams, no common order): the retarget is moments away,
-            // so wait for it, briefly, and route again on it.
             Err(PrefillError::Push(PushError::NoRoutableInstances))
-                if may_reroute && self.stops_serving_within(&binding, ROUTE_CATCH_UP).await =>
+                if may_reroute && !self.serves(&binding) =>
             {
                 return Err(Failed::Reroute(request));
             }
@@ -260,24 +250,6 @@ impl<F: BindingFactory> PrefillRouter<F> {
             ..request
         };
         Ok(decode.decode(decode_request, Some(outcome)).await?)
-    }
-
-    /// Whether the published route stops prefilling on `binding` within `limit` (at once if it
-    /// already has).
-    async fn stops_serving_within(&self, binding: &Arc<F::Binding>, limit: Duration) -> bool {
-        let deadline = deadline_after(limit);
-        let mut announced = self.shared.announced.subscribe();
-        loop {
-            // Seen before the check: a publication after it is announced after it.
-            announced.borrow_and_update();
-            if !self.serves(binding) {
-                return true;
-            }
-            match tokio::time::timeout_at(deadline, announced.changed()).await {
-                Ok(Ok(())) => continue,
-                Ok(Err(_)) | Err(_) => return !self.serves(binding),
-            }
-        }
     }
 
     /// Whether the published route still prefills on `binding` (a cleared hop keeps its
