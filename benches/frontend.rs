@@ -6,23 +6,22 @@
 //! `cargo bench --bench frontend -- [--secs S] [--rounds N] [--concurrency C]`
 //! (defaults: 1 s per path per round, 5 rounds, 32 concurrent callers)
 
-use std::net::SocketAddr;
+#[path = "support/worker.rs"]
+mod worker;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use worker::worker;
 
 use futures_util::StreamExt;
 use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
 use prefill_router::binding::DecodePool;
-use prefill_router::discovery::{
-    Discovery, EndpointId, Instance, InstanceId, MemoryConfig, MemoryDiscovery, Registration,
-};
+use prefill_router::discovery::{Discovery, EndpointId, MemoryConfig, MemoryDiscovery};
 use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
 use prefill_router::push::{Dispatcher, PushConfig, PushMode, RoutableView};
 use prefill_router::router::{Decode, PrefillOutcome};
-use prefill_router::transport::{serve, Engine, GenerateRequest, ServerConfig, ServerHandle};
+use prefill_router::transport::GenerateRequest;
 use prefill_router::{PrefillHop, PrefillHopConfig};
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 const MAX_TOKENS: u32 = 4;
@@ -35,26 +34,6 @@ fn arg(name: &str, default: u64) -> u64 {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-async fn worker(
-    discovery: &Arc<dyn Discovery>,
-    endpoint: EndpointId,
-    id: InstanceId,
-    engine: Arc<dyn Engine>,
-    card: ModelCard,
-) -> (ServerHandle, Registration) {
-    let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-        .await
-        .unwrap();
-    let server = serve(listener, engine, ServerConfig::default()).unwrap();
-    let instance = Instance {
-        endpoint,
-        instance_id: id,
-        address: server.local_addr(),
-    };
-    let registration = discovery.register(instance, card).await.unwrap();
-    (server, registration)
 }
 
 /// One request's prompt: distinct per call, 64 tokens.

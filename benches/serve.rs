@@ -13,22 +13,23 @@
 //! `cargo bench --bench serve --features http -- [--secs S] [--rounds N] [--concurrency C]
 //! [--svg PATH]` (defaults: 1 s per side per round, 5 rounds, 16 connections/callers).
 
+#[path = "support/worker.rs"]
+mod worker;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use worker::worker;
 
 use axum::body::Bytes;
 use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
-use prefill_router::discovery::{
-    Discovery, EndpointId, Instance, InstanceId, MemoryConfig, MemoryDiscovery, Registration,
-};
+use prefill_router::discovery::{Discovery, EndpointId, MemoryConfig, MemoryDiscovery};
 use prefill_router::http::HttpConfig;
 use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
-use prefill_router::transport::{serve, Engine, GenerateRequest, ServerConfig, ServerHandle};
+use prefill_router::transport::GenerateRequest;
 use prefill_router::{PrefillHop, PrefillHopConfig};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -45,26 +46,6 @@ fn arg(name: &str) -> Option<String> {
 
 fn num(name: &str, default: u64) -> u64 {
     arg(name).and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-async fn worker(
-    discovery: &Arc<dyn Discovery>,
-    endpoint: EndpointId,
-    id: InstanceId,
-    engine: Arc<dyn Engine>,
-    card: ModelCard,
-) -> (ServerHandle, Registration) {
-    let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-        .await
-        .unwrap();
-    let server = serve(listener, engine, ServerConfig::default()).unwrap();
-    let instance = Instance {
-        endpoint,
-        instance_id: id,
-        address: server.local_addr(),
-    };
-    let registration = discovery.register(instance, card).await.unwrap();
-    (server, registration)
 }
 
 /// The latencies of one side in one round, and its request rate.

@@ -1,0 +1,30 @@
+//! A benchmark's worker: an engine served on loopback and registered in discovery (shared by
+//! `benches/frontend.rs` and `benches/serve.rs`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use prefill_router::advert::ModelCard;
+use prefill_router::discovery::{Discovery, EndpointId, Instance, InstanceId, Registration};
+use prefill_router::transport::{serve, Engine, ServerConfig, ServerHandle};
+use tokio::net::TcpListener;
+
+pub async fn worker(
+    discovery: &Arc<dyn Discovery>,
+    endpoint: EndpointId,
+    id: InstanceId,
+    engine: Arc<dyn Engine>,
+    card: ModelCard,
+) -> (ServerHandle, Registration) {
+    let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .await
+        .unwrap();
+    let server = serve(listener, engine, ServerConfig::default()).unwrap();
+    let instance = Instance {
+        endpoint,
+        instance_id: id,
+        address: server.local_addr(),
+    };
+    let registration = discovery.register(instance, card).await.unwrap();
+    (server, registration)
+}
