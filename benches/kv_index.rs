@@ -9,15 +9,18 @@
 //! those chains (2 holders); `select/.../shared-prefix` asks for a chain whose first 4 blocks
 //! (a system prompt) every worker holds, then 28 blocks one worker holds. `ingest` applies a
 //! worker's batches of 64 block events (32 stored, 32 removed: an LRU at capacity) and counts
-//! block events.
+//! block events. Each selection runs two ways: `scan` scores every candidate of a slice (the
+//! selector before the load board), `board` scores the holders plus one least-loaded worker
+//! from the dispatcher's `LoadBoard` (what the dispatcher runs now).
 
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use prefill_router::advert::KvRouterConfig;
 use prefill_router::discovery::InstanceId;
+use prefill_router::discovery::{EndpointId, Instance};
 use prefill_router::kv_events::{EventBatch, KvEvent, KvIndex};
-use prefill_router::push::KvSelector;
+use prefill_router::push::{KvSelector, LoadBoard};
 
 const POOLS: [u64; 4] = [8, 64, 512, 4096];
 const BLOCKS: u64 = 32;
@@ -84,20 +87,51 @@ fn pool(n: u64, events: bool) -> KvSelector {
     kv
 }
 
+/// The load board the dispatcher keeps: workers `0..n`, worker `w` with `w % 3` requests in
+/// flight (the same loads as the candidate slice).
+fn board(n: u64) -> LoadBoard {
+    let members: std::sync::Arc<[std::sync::Arc<Instance>]> = (0..n)
+        .map(|w| {
+            std::sync::Arc::new(Instance {
+                endpoint: EndpointId::new("bench", "prefill", "generate"),
+                instance_id: w,
+                address: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+            })
+        })
+        .collect();
+    let mut board = LoadBoard::default();
+    board.set_members(members);
+    for w in 0..n {
+        for _ in 0..w % 3 {
+            board.acquire(w);
+        }
+    }
+    board
+}
+
 fn select(c: &mut Criterion) {
     let mut group = c.benchmark_group("select");
     for n in POOLS {
         let candidates: Vec<(InstanceId, u64)> = (0..n).map(|w| (w, w % 3)).collect();
+        let board = board(n);
         for (name, events) in [("events", true), ("prediction", false)] {
             let kv = pool(n, events);
             let conversation = chain((n / 2) * CHAINS_PER_WORKER + 1);
             let shared = shared_chain((n / 2) * CHAINS_PER_WORKER);
             for (shape, hashes) in [("conversation", &conversation), ("shared-prefix", &shared)] {
+                // The pass over every candidate (the selector before the load board)...
                 let mut r = 0u64;
-                group.bench_function(BenchmarkId::new(format!("{name}/{shape}"), n), |b| {
+                group.bench_function(BenchmarkId::new(format!("{name}/{shape}/scan"), n), |b| {
                     b.iter(|| {
                         r = r.wrapping_add(1);
                         black_box(kv.select(black_box(hashes), &candidates, r))
+                    })
+                });
+                // ...and the holders plus one least-loaded worker (what the dispatcher runs).
+                group.bench_function(BenchmarkId::new(format!("{name}/{shape}/board"), n), |b| {
+                    b.iter(|| {
+                        r = r.wrapping_add(1);
+                        black_box(kv.select_on(black_box(hashes), &board, &[], r))
                     })
                 });
             }

@@ -12,8 +12,11 @@ mod dispatcher;
 mod error;
 mod health;
 mod kv;
+mod load_board;
 #[cfg(test)]
 mod retry_tests;
+#[cfg(test)]
+mod select_on_tests;
 mod view;
 
 pub use dispatcher::{Dispatcher, PushConfig, PushMode, RoutedStream, Selection};
@@ -22,6 +25,7 @@ pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 #[cfg(feature = "sim")]
 pub(crate) use kv::mix;
 pub use kv::{block_hashes, KvSelector};
+pub use load_board::LoadBoard;
 
 /// The former name of [`Dispatcher`] ("router" now names only the prefill router).
 #[deprecated(since = "0.2.0", note = "renamed to `Dispatcher`")]

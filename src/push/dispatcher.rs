@@ -13,7 +13,8 @@ use tokio::time::Instant;
 
 use super::error::{Attempt, PushError, RetryCounts};
 use super::health::failure_class;
-use super::kv::{block_hashes, mix, KvSelector, MixState};
+use super::kv::{block_hashes, mix, KvSelector};
+use super::load_board::LoadBoard;
 use super::view::{InstanceStatus, RoutableView};
 use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
 use crate::discovery::{Instance, InstanceId};
@@ -94,7 +95,7 @@ impl Default for PushConfig {
     }
 }
 
-type Loads = Arc<Mutex<HashMap<InstanceId, u64, MixState>>>;
+type Loads = Arc<Mutex<LoadBoard>>;
 
 /// Routes requests to instances of a [`RoutableView`] over the request plane. Share it behind
 /// an `Arc`; all methods take `&self`.
@@ -106,15 +107,13 @@ pub struct Dispatcher {
     next: AtomicUsize,
     rng: AtomicU64,
     kv: Option<Mutex<KvSelector>>,
-    /// Requests in flight per instance (kept in KV mode only, where it is the load term).
+    /// Requests in flight per instance, ordered by load over the routable set (kept in KV mode
+    /// only, where it is the load term).
     loads: Loads,
     retries: Arc<RetryCounts>,
     /// Where the mutant whose retries reuse the failed worker breaks the pick; zero-sized in
     /// normal builds.
     hooks: DispatchHooks,
-    /// Fingerprint of the candidate set the KV index was last pruned against: when it
-    /// changes, indexed workers that left admission or discovery are dropped.
-    kv_members: AtomicU64,
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -151,7 +150,6 @@ impl Dispatcher {
             loads: Arc::default(),
             retries: Arc::default(),
             hooks: DispatchHooks::default(),
-            kv_members: AtomicU64::new(0),
         }
     }
 
@@ -220,7 +218,7 @@ impl Dispatcher {
         let all = self.view.routable();
         // The common case (a first attempt) reads the shared snapshot as is.
         let routable: Arc<[Arc<Instance>]> = if excluded.is_empty() {
-            all
+            Arc::clone(&all)
         } else {
             all.iter()
                 .filter(|i| !excluded.contains(&i.instance_id))
@@ -241,34 +239,27 @@ impl Dispatcher {
                 Ok((Arc::clone(&routable[n]), None))
             }
             PushMode::Kv { block_size, .. } => {
-                let hashes = block_hashes(&request.token_ids, *block_size);
-                let candidates: Vec<(InstanceId, u64)> = {
-                    let loads = self.loads.lock();
-                    routable
-                        .iter()
-                        .map(|i| {
-                            let load = loads.get(&i.instance_id).copied().unwrap_or(0);
-                            (i.instance_id, load)
-                        })
-                        .collect()
-                };
-                let random = self.random();
                 let Some(kv) = &self.kv else {
                     return Err(PushError::NoRoutableInstances);
                 };
-                let members = candidates.iter().fold(0, |f, c| f ^ mix(c.0));
-                let mut kv = kv.lock();
-                if self.kv_members.swap(members, Ordering::Relaxed) != members {
-                    self.prune_kv_index(&mut kv);
+                let hashes = block_hashes(&request.token_ids, *block_size);
+                let random = self.random();
+                let mut board = self.loads.lock();
+                // The view hands out one shared set until it changes: re-sync the board's
+                // members, and drop indexed workers that left, only then (O(pool) per change,
+                // O(1) per request).
+                if !board.has_members(&all) {
+                    board.set_members(Arc::clone(&all));
+                    self.prune_kv_index(&mut kv.lock());
                 }
+                let mut kv = kv.lock();
                 let (id, overlap) = kv
-                    .select(&hashes, &candidates, random)
+                    .select_on(&hashes, &board, excluded, random)
                     .ok_or(PushError::NoRoutableInstances)?;
                 kv.record(&hashes, id);
                 drop(kv);
-                let instance = routable
-                    .iter()
-                    .find(|i| i.instance_id == id)
+                let instance = board
+                    .member(id)
                     .cloned()
                     .ok_or(PushError::NoRoutableInstances)?;
                 Ok((instance, Some(overlap)))
@@ -571,7 +562,7 @@ struct LoadGuard {
 
 impl LoadGuard {
     fn new(loads: &Loads, id: InstanceId) -> Self {
-        *loads.lock().entry(id).or_insert(0) += 1;
+        loads.lock().acquire(id);
         LoadGuard {
             loads: Arc::clone(loads),
             id,
@@ -581,13 +572,7 @@ impl LoadGuard {
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
-        let mut loads = self.loads.lock();
-        if let Some(n) = loads.get_mut(&self.id) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                loads.remove(&self.id);
-            }
-        }
+        self.loads.lock().release(self.id);
     }
 }
 

@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use super::load_board::LoadBoard;
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
 use crate::kv_events::{Applied, EventBatch, KvIndex};
@@ -203,6 +204,51 @@ impl KvSelector {
             (id, load, overlap)
         });
         self.pick(hashes, scored, random)
+    }
+
+    /// [`select`](Self::select) over the members of `board` (their loads its own) minus
+    /// `excluded`, without a pass over the pool: with a positive overlap weight and
+    /// temperature 0, the best worker is either one holding the request's first block or the
+    /// least-loaded member (every other non-holder scores lower or equal), so this scores the
+    /// holders and one [`LoadBoard::least_loaded`] pick. Costs O(B + holders + |excluded|).
+    /// Otherwise (a sampling temperature, or a weight that does not reward overlap) it scores
+    /// every member, as [`select`](Self::select) does.
+    ///
+    /// The pick's score equals the best score over the members; among equal scores the
+    /// candidates differ from [`select`](Self::select)'s (ties between non-holders go to the
+    /// board's pick).
+    pub fn select_on(
+        &self,
+        hashes: &[u64],
+        board: &LoadBoard,
+        excluded: &[InstanceId],
+        random: u64,
+    ) -> Option<(InstanceId, usize)> {
+        if self.temperature > 0.0 || self.overlap_weight <= 0.0 {
+            let candidates: Vec<(InstanceId, u64)> = board
+                .members()
+                .iter()
+                .map(|i| i.instance_id)
+                .filter(|id| !excluded.contains(id))
+                .map(|id| (id, board.load(id)))
+                .collect();
+            return self.select(hashes, &candidates, random);
+        }
+        let salt = hashes.first().copied().unwrap_or(0);
+        let mut holders = Vec::new();
+        self.index.overlaps(hashes, &mut holders);
+        let indexed = holders.len();
+        let mut predicted = self.predicted(hashes);
+        predicted.retain(|&(w, _)| !self.index.publishes(w));
+        holders.extend(predicted);
+        let mut scored = Vec::with_capacity(holders.len() + 1);
+        board.members_of(&holders, indexed, excluded, &mut scored);
+        if let Some((id, load)) = board.least_loaded(salt, excluded) {
+            if !scored.iter().any(|s| s.0 == id) {
+                scored.push((id, load, 0));
+            }
+        }
+        self.pick(hashes, scored.into_iter(), random)
     }
 
     /// The scoring rule of [`select`](Self::select) over overlaps the caller supplies

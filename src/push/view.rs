@@ -5,7 +5,7 @@ use std::sync::{Arc, Weak};
 
 use futures_core::Stream;
 use futures_util::StreamExt;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -52,9 +52,20 @@ impl State {
     }
 }
 
+/// The last admission-filtered routable set, reused while neither `usable` nor the admission
+/// set changed: a pick then costs one reference-count increment instead of a filtered copy of
+/// the pool, and callers can tell a new set by pointer (the KV load board re-syncs on it).
+struct Filtered {
+    /// A receiver of its own, so `has_changed` tracks what this cache has seen.
+    admission: watch::Receiver<BTreeSet<InstanceId>>,
+    usable: Arc<[Arc<Instance>]>,
+    routable: Arc<[Arc<Instance>]>,
+}
+
 struct Inner {
     state: RwLock<State>,
     admission: Option<watch::Receiver<BTreeSet<InstanceId>>>,
+    filtered: Mutex<Option<Filtered>>,
     /// Bumped on every change of `state`, so waiters can re-check.
     epoch: watch::Sender<u64>,
     /// Parent of every timer and probe task; cancelled when the last clone of the view drops.
@@ -157,6 +168,7 @@ impl RoutableView {
                     usable: Arc::default(),
                 }),
                 admission,
+                filtered: Mutex::new(None),
                 epoch: watch::Sender::new(0),
                 tasks,
             }),
@@ -265,21 +277,38 @@ impl RoutableView {
         self.inner.state.read().health.open_count()
     }
 
-    /// The routable instances, by ascending id. Without an admission set this is a shared
-    /// snapshot (one reference-count increment, no copy).
+    /// The routable instances, by ascending id: a shared snapshot (one reference-count
+    /// increment, no copy) that stays the same `Arc` until discovery, health or the admission
+    /// set changes it.
     pub fn routable(&self) -> Arc<[Arc<Instance>]> {
         let usable = Arc::clone(&self.inner.state.read().usable);
-        match &self.inner.admission {
-            None => usable,
-            Some(admission) => {
-                let admitted = admission.borrow();
-                usable
-                    .iter()
-                    .filter(|i| admitted.contains(&i.instance_id))
-                    .cloned()
-                    .collect()
+        let Some(admission) = &self.inner.admission else {
+            return usable;
+        };
+        let mut filtered = self.inner.filtered.lock();
+        if let Some(f) = filtered.as_ref() {
+            // A closed sender can change nothing more: the cached filter stands.
+            if Arc::ptr_eq(&f.usable, &usable) && !f.admission.has_changed().unwrap_or(false) {
+                return Arc::clone(&f.routable);
             }
         }
+        let mut receiver = filtered
+            .take()
+            .map_or_else(|| admission.clone(), |f| f.admission);
+        let routable: Arc<[Arc<Instance>]> = {
+            let admitted = receiver.borrow_and_update();
+            usable
+                .iter()
+                .filter(|i| admitted.contains(&i.instance_id))
+                .cloned()
+                .collect()
+        };
+        *filtered = Some(Filtered {
+            admission: receiver,
+            usable,
+            routable: Arc::clone(&routable),
+        });
+        routable
     }
 
     /// Where `id` stands.
@@ -334,5 +363,55 @@ impl RoutableView {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::EndpointId;
+
+    fn added(id: InstanceId) -> InstanceEvent {
+        InstanceEvent::Added(Instance {
+            endpoint: EndpointId::new("t", "prefill", "generate"),
+            instance_id: id,
+            address: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+        })
+    }
+
+    fn ids(set: &[Arc<Instance>]) -> Vec<InstanceId> {
+        set.iter().map(|i| i.instance_id).collect()
+    }
+
+    #[tokio::test]
+    async fn the_admitted_set_is_shared_until_admission_or_discovery_changes_it() {
+        let (admit, admitted) = watch::channel(BTreeSet::from([1, 2]));
+        let view = RoutableView::spawn(
+            futures_util::stream::pending(),
+            Some(admitted),
+            CancellationToken::new(),
+        );
+        for id in [1, 2, 3] {
+            view.apply(added(id));
+        }
+        let first = view.routable();
+        assert_eq!(ids(&first), [1, 2]);
+        assert!(Arc::ptr_eq(&first, &view.routable()), "no change, same set");
+        admit.send_replace(BTreeSet::from([2, 3]));
+        let second = view.routable();
+        assert_eq!(
+            ids(&second),
+            [2, 3],
+            "an admission change shows at the next pick"
+        );
+        assert!(!Arc::ptr_eq(&first, &second));
+        view.apply(InstanceEvent::Removed(3));
+        assert_eq!(ids(&view.routable()), [2], "a discovery change too");
+        drop(admit);
+        assert_eq!(
+            ids(&view.routable()),
+            [2],
+            "a closed admission keeps its last set"
+        );
     }
 }

@@ -1,0 +1,345 @@
+//! Requests in flight per worker, kept ordered by load.
+//!
+//! The KV selector's score is `overlap_weight * overlap - load`. Among the workers that hold
+//! none of a request's blocks, the best is simply the least loaded one, so a selection only
+//! needs the holders (from the index) plus one least-loaded worker: O(B + holders) instead of
+//! a pass over every worker. The board makes "one least-loaded worker" O(1): members sit in
+//! buckets by load, and a change of load moves one worker between adjacent buckets.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::discovery::{Instance, InstanceId};
+use crate::kv_events::{mix, MixState};
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    load: u64,
+    /// Index in `members` and position in `buckets[load]`; `None` for a worker that is not a
+    /// member but still has requests in flight (it left the routable set mid-request).
+    member: Option<(usize, usize)>,
+}
+
+/// Requests in flight per worker, and the routable members bucketed by that load.
+///
+/// Loads are counted for every worker with a request in flight; only members (the routable set
+/// last given to [`set_members`](Self::set_members)) are candidates for
+/// [`least_loaded`](Self::least_loaded).
+#[derive(Default)]
+pub struct LoadBoard {
+    slots: HashMap<InstanceId, Slot, MixState>,
+    /// `buckets[l]`: the members with load `l`, in no particular order.
+    buckets: Vec<Vec<InstanceId>>,
+    /// The smallest `l` with `buckets[l]` non-empty; `buckets.len()` when there is none.
+    lowest: usize,
+    members: Option<Arc<[Arc<Instance>]>>,
+    /// `member_ids[i]`, `member_loads[i]`: the id and load of `members[i]` (dense copies, so a
+    /// merge walk touches no `Instance`).
+    member_ids: Vec<InstanceId>,
+    member_loads: Vec<u64>,
+    /// Whether `members` is sorted by ascending id (the routable view's order).
+    sorted: bool,
+}
+
+impl std::fmt::Debug for LoadBoard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadBoard")
+            .field("members", &self.members.as_ref().map_or(0, |m| m.len()))
+            .field("tracked", &self.slots.len())
+            .field("lowest", &self.lowest)
+            .finish()
+    }
+}
+
+fn bucket_of(load: u64) -> usize {
+    usize::try_from(load).unwrap_or(usize::MAX)
+}
+
+impl LoadBoard {
+    /// Whether `members` is the set the board was last given (the same shared snapshot): the
+    /// dispatcher re-syncs only when the routable view published a new one.
+    pub fn has_members(&self, members: &Arc<[Arc<Instance>]>) -> bool {
+        self.members
+            .as_ref()
+            .is_some_and(|m| Arc::ptr_eq(m, members))
+    }
+
+    /// Make `members` the candidates, keeping every worker's load. O(members).
+    pub fn set_members(&mut self, members: Arc<[Arc<Instance>]>) {
+        self.slots.retain(|_, s| {
+            s.member = None;
+            s.load > 0
+        });
+        for b in &mut self.buckets {
+            b.clear();
+        }
+        self.member_loads.clear();
+        self.member_loads.resize(members.len(), 0);
+        self.member_ids.clear();
+        self.member_ids
+            .extend(members.iter().map(|i| i.instance_id));
+        self.sorted = members
+            .windows(2)
+            .all(|w| w[0].instance_id < w[1].instance_id);
+        for (i, instance) in members.iter().enumerate() {
+            let id = instance.instance_id;
+            let slot = self.slots.entry(id).or_insert(Slot {
+                load: 0,
+                member: None,
+            });
+            if slot.member.is_some() {
+                continue; // a duplicate id: the first entry stands
+            }
+            let b = bucket_of(slot.load);
+            if self.buckets.len() <= b {
+                self.buckets.resize_with(b + 1, Vec::new);
+            }
+            slot.member = Some((i, self.buckets[b].len()));
+            self.member_loads[i] = slot.load;
+            self.buckets[b].push(id);
+        }
+        self.lowest = self
+            .buckets
+            .iter()
+            .position(|b| !b.is_empty())
+            .unwrap_or(self.buckets.len());
+        self.members = Some(members);
+    }
+
+    /// The members last set (none before the first [`set_members`](Self::set_members)).
+    pub fn members(&self) -> &[Arc<Instance>] {
+        self.members.as_deref().unwrap_or(&[])
+    }
+
+    /// The member `id`, if it is one. O(1).
+    pub fn member(&self, id: InstanceId) -> Option<&Arc<Instance>> {
+        let (i, _) = self.slots.get(&id)?.member?;
+        self.members.as_ref()?.get(i)
+    }
+
+    /// Requests in flight on `id`.
+    pub fn load(&self, id: InstanceId) -> u64 {
+        self.slots.get(&id).map_or(0, |s| s.load)
+    }
+
+    /// One more request in flight on `id`. O(1).
+    pub fn acquire(&mut self, id: InstanceId) {
+        let slot = self.slots.entry(id).or_insert(Slot {
+            load: 0,
+            member: None,
+        });
+        let from = slot.load;
+        slot.load = from.saturating_add(1);
+        let (to, member) = (slot.load, slot.member.is_some());
+        if member {
+            self.shift(id, from, to);
+        }
+    }
+
+    /// One request fewer in flight on `id` (never below zero). O(1).
+    pub fn release(&mut self, id: InstanceId) {
+        let Some(slot) = self.slots.get_mut(&id) else {
+            return;
+        };
+        let from = slot.load;
+        slot.load = from.saturating_sub(1);
+        let to = slot.load;
+        if slot.member.is_some() {
+            self.shift(id, from, to);
+        } else if to == 0 {
+            self.slots.remove(&id);
+        }
+    }
+
+    /// Move member `id` from bucket `from` to bucket `to` (adjacent or equal).
+    fn shift(&mut self, id: InstanceId, from: u64, to: u64) {
+        if from == to {
+            return;
+        }
+        let (bf, bt) = (bucket_of(from), bucket_of(to));
+        let (index, pos) = match self.slots.get(&id).and_then(|s| s.member) {
+            Some(member) => member,
+            None => return,
+        };
+        if let Some(l) = self.member_loads.get_mut(index) {
+            *l = to;
+        }
+        let bucket = &mut self.buckets[bf];
+        bucket.swap_remove(pos);
+        if let Some(&moved) = bucket.get(pos) {
+            if let Some(Slot {
+                member: Some((_, p)),
+                ..
+            }) = self.slots.get_mut(&moved)
+            {
+                *p = pos;
+            }
+        }
+        if self.buckets.len() <= bt {
+            self.buckets.resize_with(bt + 1, Vec::new);
+        }
+        let at = self.buckets[bt].len();
+        self.buckets[bt].push(id);
+        if let Some(Slot {
+            member: Some((_, p)),
+            ..
+        }) = self.slots.get_mut(&id)
+        {
+            *p = at;
+        }
+        if bt < self.lowest {
+            self.lowest = bt;
+        } else if bf == self.lowest && self.buckets[bf].is_empty() {
+            // Only an increment empties the lowest bucket, and it fills the next one.
+            self.lowest = bt;
+        }
+    }
+
+    /// For `holders` (`(id, overlap)`, the first `sorted_prefix` of them by ascending id), append
+    /// `(id, load, overlap)` to `out` for each that is a member not in `excluded`. A long sorted
+    /// run against sorted members is a merge walk over the dense loads (no hashing per holder);
+    /// otherwise one hash lookup per holder.
+    pub fn members_of(
+        &self,
+        holders: &[(InstanceId, usize)],
+        sorted_prefix: usize,
+        excluded: &[InstanceId],
+        out: &mut Vec<(InstanceId, u64, usize)>,
+    ) {
+        let ids = &self.member_ids;
+        let (run, rest) = holders.split_at(sorted_prefix.min(holders.len()));
+        let lookups = if self.sorted && run.len() * 4 >= ids.len() {
+            let mut j = 0;
+            for &(id, overlap) in run {
+                while j < ids.len() && ids[j] < id {
+                    j += 1;
+                }
+                if j < ids.len() && ids[j] == id && !excluded.contains(&id) {
+                    out.push((id, self.member_loads[j], overlap));
+                }
+            }
+            rest
+        } else {
+            holders
+        };
+        for &(id, overlap) in lookups {
+            if let Some(Slot {
+                load,
+                member: Some(_),
+            }) = self.slots.get(&id)
+            {
+                if !excluded.contains(&id) {
+                    out.push((id, *load, overlap));
+                }
+            }
+        }
+    }
+
+    /// A least-loaded member not in `excluded`, with its load: within the lowest bucket, the
+    /// one at a position chosen by `salt` (deterministic for a request, spread across
+    /// requests). O(1 + |excluded|) when the lowest buckets are not all excluded.
+    pub fn least_loaded(&self, salt: u64, excluded: &[InstanceId]) -> Option<(InstanceId, u64)> {
+        for (load, bucket) in self.buckets.iter().enumerate().skip(self.lowest) {
+            if bucket.is_empty() {
+                continue;
+            }
+            #[allow(clippy::cast_possible_truncation)] // reduced modulo a usize
+            let start = (mix(salt) % bucket.len() as u64) as usize;
+            for k in 0..bucket.len() {
+                let id = bucket[(start + k) % bucket.len()];
+                if !excluded.contains(&id) {
+                    return Some((id, load as u64));
+                }
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::EndpointId;
+
+    fn members(ids: &[InstanceId]) -> Arc<[Arc<Instance>]> {
+        ids.iter()
+            .map(|&id| {
+                Arc::new(Instance {
+                    endpoint: EndpointId::new("t", "prefill", "generate"),
+                    instance_id: id,
+                    address: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+                })
+            })
+            .collect()
+    }
+
+    /// The slow answer: the smallest load over the members not excluded.
+    fn min_load(board: &LoadBoard, excluded: &[InstanceId]) -> Option<u64> {
+        board
+            .members()
+            .iter()
+            .map(|i| i.instance_id)
+            .filter(|id| !excluded.contains(id))
+            .map(|id| board.load(id))
+            .min()
+    }
+
+    #[test]
+    fn least_loaded_is_a_member_with_the_smallest_load_through_any_history() {
+        let mut board = LoadBoard::default();
+        board.set_members(members(&[1, 2, 3, 4, 5]));
+        let mut rng = 7u64;
+        for step in 0..5_000u64 {
+            rng = mix(rng);
+            let id = rng % 7; // 0 and 6 are not members
+            if rng >> 32 & 1 == 0 {
+                board.acquire(id);
+            } else {
+                board.release(id);
+            }
+            if step % 997 == 0 {
+                let ids: Vec<_> = (1..=5).filter(|i| (rng >> i) & 1 == 1).collect();
+                board.set_members(members(&ids));
+            }
+            let excluded = [rng % 6, (rng >> 8) % 6];
+            let got = board.least_loaded(rng, &excluded);
+            assert_eq!(got.map(|g| g.1), min_load(&board, &excluded), "step {step}");
+            if let Some((id, load)) = got {
+                assert!(board.member(id).is_some());
+                assert!(!excluded.contains(&id));
+                assert_eq!(board.load(id), load);
+            }
+        }
+    }
+
+    #[test]
+    fn loads_survive_a_change_of_members_and_non_members_are_forgotten_at_zero() {
+        let mut board = LoadBoard::default();
+        board.set_members(members(&[1, 2]));
+        board.acquire(1);
+        board.acquire(1);
+        board.acquire(9);
+        board.set_members(members(&[2]));
+        assert_eq!(board.load(1), 2);
+        assert!(board.member(1).is_none());
+        assert_eq!(board.least_loaded(0, &[]), Some((2, 0)));
+        board.set_members(members(&[1]));
+        assert_eq!(board.least_loaded(0, &[]), Some((1, 2)));
+        board.release(9);
+        assert_eq!(board.load(9), 0);
+        assert!(!board.slots.contains_key(&9));
+        board.release(9); // never below zero, never a panic
+        assert_eq!(board.load(9), 0);
+    }
+
+    #[test]
+    fn an_all_excluded_pool_has_no_least_loaded_worker() {
+        let mut board = LoadBoard::default();
+        assert_eq!(board.least_loaded(1, &[]), None);
+        let set = members(&[1, 2]);
+        board.set_members(Arc::clone(&set));
+        assert!(board.has_members(&set));
+        assert!(!board.has_members(&members(&[1, 2])));
+        assert_eq!(board.least_loaded(1, &[1, 2]), None);
+    }
+}

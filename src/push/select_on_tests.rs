@@ -1,0 +1,232 @@
+//! `KvSelector::select_on` (holders plus one least-loaded worker) picks a best-scoring worker,
+//! as the pass over the whole pool does, through any history of loads, events and routing.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+
+use super::{KvSelector, LoadBoard};
+use crate::advert::KvRouterConfig;
+use crate::discovery::{EndpointId, Instance, InstanceId};
+use crate::kv_events::{EventBatch, KvEvent};
+
+fn members(ids: &[InstanceId]) -> Arc<[Arc<Instance>]> {
+    ids.iter()
+        .map(|&id| {
+            Arc::new(Instance {
+                endpoint: EndpointId::new("t", "prefill", "generate"),
+                instance_id: id,
+                address: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+            })
+        })
+        .collect()
+}
+
+/// Block `i` of chain `c`; chains `c < 4` share their first two blocks (a system prompt).
+fn chain(c: u64, len: usize) -> Vec<u64> {
+    (0..len as u64)
+        .map(|i| if c < 4 && i < 2 { 1000 + i } else { c << 8 | i })
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    /// Worker publishes that it stored (a prefix of) a chain.
+    Store {
+        worker: u64,
+        chain: u64,
+        len: usize,
+    },
+    /// Worker publishes that it removed block `at` of a chain.
+    Remove {
+        worker: u64,
+        chain: u64,
+        at: usize,
+    },
+    /// The chain was routed to a worker that publishes nothing (prediction).
+    Route {
+        worker: u64,
+        chain: u64,
+        len: usize,
+    },
+    Acquire(u64),
+    Release(u64),
+    Members(Vec<u64>),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        (0..12u64, 0..8u64, 1..6usize).prop_map(|(worker, chain, len)| Step::Store {
+            worker,
+            chain,
+            len
+        }),
+        (0..12u64, 0..8u64, 0..6usize).prop_map(|(worker, chain, at)| Step::Remove {
+            worker,
+            chain,
+            at
+        }),
+        (0..12u64, 0..8u64, 1..6usize).prop_map(|(worker, chain, len)| Step::Route {
+            worker,
+            chain,
+            len
+        }),
+        (0..12u64).prop_map(Step::Acquire),
+        (0..12u64).prop_map(Step::Release),
+        proptest::collection::vec(0..12u64, 0..12).prop_map(Step::Members),
+    ]
+}
+
+/// Workers 0..6 publish events; 6..12 are scored by prediction.
+fn publishes(worker: u64) -> bool {
+    worker < 6
+}
+
+fn build(steps: &[Step]) -> (KvSelector, LoadBoard) {
+    let mut kv = KvSelector::new(4, &KvRouterConfig::default(), 64);
+    let mut board = LoadBoard::default();
+    board.set_members(members(&(0..12).collect::<Vec<_>>()));
+    let mut seq = [0u64; 12];
+    for s in steps {
+        let mut publish = |kv: &mut KvSelector, worker: u64, event: KvEvent| {
+            let w = usize::try_from(worker).unwrap_or(0);
+            kv.apply_events(
+                worker,
+                &EventBatch {
+                    epoch: 1,
+                    seq: seq[w],
+                    events: vec![event],
+                },
+            );
+            seq[w] += 1;
+        };
+        match s {
+            Step::Store {
+                worker,
+                chain: c,
+                len,
+            } if publishes(*worker) => {
+                let blocks = chain(*c, *len);
+                publish(
+                    &mut kv,
+                    *worker,
+                    KvEvent::Stored {
+                        parent: None,
+                        blocks,
+                    },
+                );
+            }
+            Step::Remove {
+                worker,
+                chain: c,
+                at,
+            } if publishes(*worker) => {
+                let block = chain(*c, 6)[*at];
+                publish(
+                    &mut kv,
+                    *worker,
+                    KvEvent::Removed {
+                        blocks: vec![block],
+                    },
+                );
+            }
+            Step::Route {
+                worker,
+                chain: c,
+                len,
+            } if !publishes(*worker) => {
+                kv.record(&chain(*c, *len), *worker);
+            }
+            Step::Acquire(w) => board.acquire(*w),
+            Step::Release(w) => board.release(*w),
+            Step::Members(ids) => {
+                let mut ids = ids.clone();
+                ids.sort_unstable();
+                ids.dedup();
+                board.set_members(members(&ids));
+            }
+            _ => {}
+        }
+    }
+    (kv, board)
+}
+
+/// What a correct pick satisfies: a usable member (none only when there is none), its overlap
+/// as the selector credits it, and the best score over every usable member.
+fn check(
+    kv: &KvSelector,
+    board: &LoadBoard,
+    excluded: &[InstanceId],
+    hashes: &[u64],
+    pick: Option<(InstanceId, usize)>,
+) -> Result<(), String> {
+    let score = |id: InstanceId| {
+        #[allow(clippy::cast_precision_loss)]
+        let s = kv.overlap(hashes, id) as f64 - board.load(id) as f64;
+        s
+    };
+    let usable: Vec<InstanceId> = board
+        .members()
+        .iter()
+        .map(|i| i.instance_id)
+        .filter(|id| !excluded.contains(id))
+        .collect();
+    let best = usable.iter().map(|&id| score(id)).reduce(f64::max);
+    match (pick, best) {
+        (None, None) => Ok(()),
+        (Some((id, overlap)), Some(best)) => {
+            if !usable.contains(&id) {
+                return Err(format!("picked {id}, not a usable member"));
+            }
+            if overlap != kv.overlap(hashes, id) {
+                return Err(format!("overlap {overlap} reported for {id}"));
+            }
+            if score(id) != best {
+                return Err(format!("picked {id} scoring {}, best is {best}", score(id)));
+            }
+            Ok(())
+        }
+        (pick, best) => Err(format!("pick {pick:?} with best {best:?}")),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn select_on_picks_a_best_scoring_member(
+        steps in proptest::collection::vec(step(), 0..80),
+        request in (0..10u64, 0..7usize),
+        excluded in proptest::collection::vec(0..12u64, 0..3),
+        random in any::<u64>(),
+    ) {
+        let (kv, board) = build(&steps);
+        let hashes = chain(request.0, request.1);
+        let pick = kv.select_on(&hashes, &board, &excluded, random);
+        prop_assert_eq!(check(&kv, &board, &excluded, &hashes, pick), Ok(()));
+    }
+}
+
+/// The check bites: a fast path that scores only the holders (forgetting that an idle worker
+/// holding nothing can beat a busy holder) is caught.
+#[test]
+fn the_check_catches_a_pick_that_ignores_the_least_loaded_worker() {
+    let steps = [
+        Step::Store {
+            worker: 1,
+            chain: 5,
+            len: 1,
+        },
+        Step::Acquire(1),
+        Step::Acquire(1),
+        Step::Acquire(1),
+        Step::Members(vec![1, 2]),
+    ];
+    let (kv, board) = build(&steps);
+    let hashes = chain(5, 1);
+    let holders_only = kv.select(&hashes, &[(1, board.load(1))], 0);
+    assert!(check(&kv, &board, &[], &hashes, holders_only).is_err());
+    let pick = kv.select_on(&hashes, &board, &[], 0);
+    assert_eq!(check(&kv, &board, &[], &hashes, pick), Ok(()));
+    assert_eq!(pick, Some((2, 0)));
+}
