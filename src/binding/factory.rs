@@ -188,13 +188,13 @@ pub struct PrefillBinding {
 }
 
 /// Counts `tokens` in a binding's in-flight prefill tokens until dropped.
-struct TokenLoad {
+pub(crate) struct TokenLoad {
     counter: Arc<AtomicU64>,
     tokens: u64,
 }
 
 impl TokenLoad {
-    fn new(counter: &Arc<AtomicU64>, tokens: u64) -> Self {
+    pub(crate) fn new(counter: &Arc<AtomicU64>, tokens: u64) -> Self {
         counter.fetch_add(tokens, Ordering::Relaxed);
         TokenLoad {
             counter: Arc::clone(counter),

@@ -45,6 +45,7 @@ impl Run {
             fallback,
             name: format!("sim-{}", config.seed),
             drain_cap: None,
+            conditional: None,
         };
         let router = Arc::new(PrefillRouter::new(
             SimFactory::new(Arc::clone(&world), config.mutant),
