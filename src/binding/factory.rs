@@ -515,4 +515,46 @@ mod tests {
             "the mutant routed to worker 2 and the check must count it"
         );
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_picked_prefill_runs_on_the_picked_worker_and_releases_its_load() {
+        let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
+        let endpoint = EndpointId::new("t", "prefill", "generate");
+        let _w1 = prefill_worker(&discovery, &endpoint, 1).await;
+        let _w2 = prefill_worker(&discovery, &endpoint, 2).await;
+        let factory = DefaultBindingFactory::new(Arc::clone(&discovery), FactoryConfig::default());
+        let (_admit, admitted) = watch::channel(BTreeSet::from([1, 2]));
+        let target = WorkerSetTarget::new(
+            WorkerSetTargetId::new("t/prefill/generate", 1),
+            endpoint,
+            Arc::new(rr_card()),
+            admitted,
+        );
+        let binding = tokio::time::timeout(
+            Duration::from_secs(10),
+            factory.build(target, CancellationToken::new()),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            binding.router().view().wait_for(|r| r.len() == 2),
+        )
+        .await
+        .unwrap();
+        for i in 0..4u32 {
+            let request = GenerateRequest::new(vec![i; 20], 1);
+            let pick = binding.pick(&request).unwrap();
+            // Round robin: nothing cached; this pick's tokens are the pool's only load.
+            assert_eq!(pick.probe().cached_tokens, 0);
+            assert_eq!(pick.probe().pool_tokens_per_worker, 0);
+            assert_eq!(binding.inflight_tokens.load(Ordering::Relaxed), 20);
+            // Round robin in id order: pick i went to worker i % 2 + 1; a dispatch that picked
+            // again would take the rotation's next worker instead.
+            let outcome = binding.prefill_picked(pick, request).await.unwrap();
+            assert_eq!(outcome.worker, u64::from(i % 2) + 1);
+            assert_eq!(binding.inflight_tokens.load(Ordering::Relaxed), 0);
+        }
+    }
 }
