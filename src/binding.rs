@@ -18,6 +18,7 @@ mod decode;
 mod factory;
 
 pub use decode::DecodePool;
+pub(crate) use factory::TokenLoad;
 
 /// The former name of [`DecodePool`].
 #[deprecated(since = "0.2.0", note = "renamed to `DecodePool`")]

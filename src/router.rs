@@ -7,10 +7,13 @@
 //! - [`PrefillRouter`]: `set_target` (synchronous), `route`, `generate` (prefill with
 //!   `max_tokens` 1, then [`Decode`]), `status`, `subscribe`, `wait_active`, `shutdown`.
 //! - [`FallbackPolicy`]: what requests do while the hop is not Active.
+//! - [`ConditionalPolicy`]: per request, skip the remote prefill when it gains nothing
+//!   (off by default; [`conditional`]).
 //! - [`metrics`]: Prometheus metrics read from the status at scrape time.
 //!
 //! The driver loop and its contract are described in `docs/router.md`.
 
+pub mod conditional;
 mod config;
 mod driver;
 mod error;
@@ -22,13 +25,14 @@ mod shared;
 mod status;
 mod target;
 
+pub use conditional::{ConditionalPolicy, ConditionalSkip, PrefillProbe};
 pub use config::PrefillRouterConfig;
 pub use error::{GenerateError, WaitError};
 pub use fallback::{AfterWait, FallbackPolicy};
 pub use handle::{PrefillRouter, MAX_REROUTES};
 pub use legs::{
     BindingFactory, BindingHealth, BuildError, Decode, DecodeError, DecodeStream, Prefill,
-    PrefillError, PrefillOutcome,
+    PrefillError, PrefillOutcome, PrefillPick,
 };
 pub use status::{RouterCounters, RouterStatus};
 pub use target::{WorkerSetTarget, WorkerSetTargetId};

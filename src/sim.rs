@@ -22,6 +22,7 @@
 //! ```
 
 mod binding;
+pub mod conditional;
 mod config;
 mod controller;
 mod discovery;

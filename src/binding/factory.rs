@@ -13,10 +13,11 @@ use tracing::Instrument;
 use crate::advert::{self, DecodeDefaults, PrefillConfig};
 use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::hooks::FactoryHooks;
+use crate::push::Selection;
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{
-    BindingFactory, BindingHealth, BuildError, Prefill, PrefillError, PrefillOutcome,
-    WorkerSetTarget, WorkerSetTargetId,
+    BindingFactory, BindingHealth, BuildError, Prefill, PrefillError, PrefillOutcome, PrefillPick,
+    PrefillProbe, WorkerSetTarget, WorkerSetTargetId,
 };
 use crate::transport::GenerateRequest;
 
@@ -164,6 +165,7 @@ impl DefaultBindingFactory {
             resolved,
             router,
             stats: Arc::clone(&self.stats),
+            inflight_tokens: Arc::default(),
             _feed: feed.drop_guard(),
         })
     }
@@ -178,8 +180,40 @@ pub struct PrefillBinding {
     resolved: PrefillConfig,
     router: Dispatcher,
     stats: Arc<BindingStats>,
+    /// Uncached prompt tokens of the prefills picked on this binding and not finished (the
+    /// conditional policy's pool load).
+    inflight_tokens: Arc<AtomicU64>,
     /// Stops the view's discovery feed when the binding goes.
     _feed: DropGuard,
+}
+
+/// Counts `tokens` in a binding's in-flight prefill tokens until dropped.
+pub(crate) struct TokenLoad {
+    counter: Arc<AtomicU64>,
+    tokens: u64,
+}
+
+impl TokenLoad {
+    pub(crate) fn new(counter: &Arc<AtomicU64>, tokens: u64) -> Self {
+        counter.fetch_add(tokens, Ordering::Relaxed);
+        TokenLoad {
+            counter: Arc::clone(counter),
+            tokens,
+        }
+    }
+}
+
+impl Drop for TokenLoad {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.tokens, Ordering::Relaxed);
+    }
+}
+
+/// What a [`PrefillBinding`]'s pick holds until its dispatch: the dispatcher's selection (the
+/// worker and its share of the KV load) and the request's share of the pool's token load.
+struct HeldPick {
+    selection: Selection,
+    load: TokenLoad,
 }
 
 impl std::fmt::Debug for PrefillBinding {
@@ -255,6 +289,67 @@ impl Prefill for PrefillBinding {
                 tracing::error!(target = %self.id, worker, "prefill routed outside the admission set");
             }
             PrefillOutcome::collect(worker, stream).await
+        }
+        .boxed()
+    }
+
+    /// The dispatcher's held selection; the probe's cached tokens are its expected overlap
+    /// (KV mode; 0 otherwise) times the block size, its load the binding's in-flight
+    /// uncached tokens over the routable workers. A pick that finds nothing routable holds
+    /// nothing: its dispatch then takes [`prefill`](Prefill::prefill)'s path (which waits for
+    /// the view to catch up, or fails).
+    fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
+        let mut probe = PrefillProbe::prompt_only(request.token_ids.len());
+        let selection = match self.router.select_held(request) {
+            Ok(selection) => selection,
+            Err(PushError::NoRoutableInstances) => return Ok(PrefillPick::new(probe, None)),
+            Err(error) => return Err(error.into()),
+        };
+        let overlap = selection.expected_overlap_blocks().unwrap_or(0);
+        let cached = u64::try_from(overlap)
+            .unwrap_or(u64::MAX)
+            .saturating_mul(u64::from(self.resolved.block_size));
+        probe.cached_tokens = u32::try_from(cached)
+            .unwrap_or(u32::MAX)
+            .min(probe.prompt_tokens);
+        let workers = u64::try_from(self.router.view().routable().len().max(1)).unwrap_or(1);
+        probe.pool_tokens_per_worker = self.inflight_tokens.load(Ordering::Relaxed) / workers;
+        let load = TokenLoad::new(&self.inflight_tokens, u64::from(probe.uncached_tokens()));
+        Ok(PrefillPick::new(
+            probe,
+            Some(Box::new(HeldPick { selection, load })),
+        ))
+    }
+
+    /// Dispatches on the picked worker. If that send fails (the worker left the view, or the
+    /// connection failed: nothing reached a worker), the request takes
+    /// [`prefill`](Prefill::prefill)'s path on this same binding: a fresh pick with retries.
+    fn prefill_picked(
+        &self,
+        pick: PrefillPick,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let Some(held) = pick.into_held().and_then(|h| h.downcast::<HeldPick>().ok()) else {
+            return self.prefill(request);
+        };
+        async move {
+            let HeldPick { selection, load } = *held;
+            let worker = selection.instance().instance_id;
+            let stream = match self.router.generate_direct(worker, request.clone()).await {
+                Ok(stream) => stream,
+                Err(error) => {
+                    tracing::debug!(target = %self.id, worker, %error, "picked worker unreachable: picking again");
+                    drop((selection, load));
+                    return self.prefill(request).await;
+                }
+            };
+            // The stream counts its own share of the KV load from here on.
+            drop(selection);
+            // Routable (so admitted) at the send: the direct dispatch checks.
+            self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
+            let outcome = PrefillOutcome::collect(worker, stream).await;
+            drop(load);
+            outcome
         }
         .boxed()
     }
@@ -419,5 +514,47 @@ mod tests {
             stats.outside_admission.load(Ordering::Relaxed) > 0,
             "the mutant routed to worker 2 and the check must count it"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_picked_prefill_runs_on_the_picked_worker_and_releases_its_load() {
+        let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
+        let endpoint = EndpointId::new("t", "prefill", "generate");
+        let _w1 = prefill_worker(&discovery, &endpoint, 1).await;
+        let _w2 = prefill_worker(&discovery, &endpoint, 2).await;
+        let factory = DefaultBindingFactory::new(Arc::clone(&discovery), FactoryConfig::default());
+        let (_admit, admitted) = watch::channel(BTreeSet::from([1, 2]));
+        let target = WorkerSetTarget::new(
+            WorkerSetTargetId::new("t/prefill/generate", 1),
+            endpoint,
+            Arc::new(rr_card()),
+            admitted,
+        );
+        let binding = tokio::time::timeout(
+            Duration::from_secs(10),
+            factory.build(target, CancellationToken::new()),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            binding.router().view().wait_for(|r| r.len() == 2),
+        )
+        .await
+        .unwrap();
+        for i in 0..4u32 {
+            let request = GenerateRequest::new(vec![i; 20], 1);
+            let pick = binding.pick(&request).unwrap();
+            // Round robin: nothing cached; this pick's tokens are the pool's only load.
+            assert_eq!(pick.probe().cached_tokens, 0);
+            assert_eq!(pick.probe().pool_tokens_per_worker, 0);
+            assert_eq!(binding.inflight_tokens.load(Ordering::Relaxed), 20);
+            // Round robin in id order: pick i went to worker i % 2 + 1; a dispatch that picked
+            // again would take the rotation's next worker instead.
+            let outcome = binding.prefill_picked(pick, request).await.unwrap();
+            assert_eq!(outcome.worker, u64::from(i % 2) + 1);
+            assert_eq!(binding.inflight_tokens.load(Ordering::Relaxed), 0);
+        }
     }
 }

@@ -106,14 +106,29 @@ impl<T: Clone, B> ControlHooks<T, B> {
 /// refreshes when a build finishes, not the cell `set_target` publishes into (upstream's
 /// asynchronous binding store); the request-path race test must catch it.
 #[cfg(feature = "runtime")]
+///
+/// Conditional disaggregation adds a test hook (`after_probe`: awaited between the probe and
+/// the dispatch, where a test retargets) and a mutant (`reload_for_dispatch`: the dispatch
+/// loads the route again instead of using the probed binding, upstream's W10).
 pub(crate) struct RouterHooks<B> {
     lagging: Option<std::sync::Mutex<Route<B>>>,
+    after_probe: Option<ProbeHook>,
+    reload_for_dispatch: bool,
 }
+
+/// What a test runs between a request's conditional probe and its dispatch.
+#[cfg(feature = "runtime")]
+pub(crate) type ProbeHook =
+    Arc<dyn Fn() -> futures_util::future::BoxFuture<'static, ()> + Send + Sync>;
 
 #[cfg(feature = "runtime")]
 impl<B> Default for RouterHooks<B> {
     fn default() -> Self {
-        RouterHooks { lagging: None }
+        RouterHooks {
+            lagging: None,
+            after_probe: None,
+            reload_for_dispatch: false,
+        }
     }
 }
 
@@ -125,6 +140,41 @@ impl<B> RouterHooks<B> {
             lagging: Some(std::sync::Mutex::new(Route::Bypass(
                 BypassReason::NotYetTargeted,
             ))),
+            ..RouterHooks::default()
+        }
+    }
+
+    /// Hooks running `hook` between each conditional probe and its dispatch; with `reload`,
+    /// also the mutant that dispatches on a freshly loaded binding.
+    pub(crate) fn probe_hook(hook: ProbeHook, reload: bool) -> Self {
+        RouterHooks {
+            after_probe: Some(hook),
+            reload_for_dispatch: reload,
+            ..RouterHooks::default()
+        }
+    }
+
+    /// Between the conditional probe and the dispatch: the test's hook, if any.
+    pub(crate) fn after_probe(&self) -> futures_util::future::BoxFuture<'static, ()> {
+        match &self.after_probe {
+            Some(hook) => hook(),
+            None => Box::pin(std::future::ready(())),
+        }
+    }
+
+    /// The binding a probed request dispatches on: the probed one, or (the mutant) whatever
+    /// the route says now.
+    pub(crate) fn dispatch_binding(
+        &self,
+        probed: Arc<B>,
+        reload: impl FnOnce() -> Route<B>,
+    ) -> Arc<B> {
+        if !self.reload_for_dispatch {
+            return probed;
+        }
+        match reload() {
+            Route::Prefill(now) => now,
+            Route::Bypass(_) => probed,
         }
     }
 

@@ -66,6 +66,22 @@ impl<B> RouterHooks<B> {
     /// A build finished: nothing to refresh.
     #[inline(always)]
     pub(crate) fn build_finished(&self, _route: impl FnOnce() -> Route<B>) {}
+
+    /// Between the conditional probe and the dispatch: nothing happens.
+    #[inline(always)]
+    pub(crate) fn after_probe(&self) -> std::future::Ready<()> {
+        std::future::ready(())
+    }
+
+    /// The binding a probed request dispatches on: the one it probed.
+    #[inline(always)]
+    pub(crate) fn dispatch_binding(
+        &self,
+        probed: Arc<B>,
+        _reload: impl FnOnce() -> Route<B>,
+    ) -> Arc<B> {
+        probed
+    }
 }
 
 /// The binding factory's hooks: views honour the admission set.

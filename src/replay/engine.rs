@@ -20,13 +20,16 @@ use super::cost::CostModel;
 use super::run::Policy;
 use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::advert::{self, DecodeDefaults};
+use crate::binding::TokenLoad;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::kv_events::EventBatch;
 use crate::mock::BlockCache;
-use crate::push::{mix, Dispatcher, KvSelector, PushConfig, PushError, PushMode, RoutableView};
+use crate::push::{
+    mix, Dispatcher, KvSelector, PushConfig, PushError, PushMode, RoutableView, Selection,
+};
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
-    PrefillOutcome, WorkerSetTarget,
+    PrefillOutcome, PrefillPick, PrefillProbe, WorkerSetTarget,
 };
 use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 
@@ -60,6 +63,8 @@ pub(crate) struct Served {
     pub(crate) hits: u32,
     /// From arrival at the worker to the start of its prefill.
     pub(crate) queue: Duration,
+    /// Prefilled on the decode pool (the conditional policy skipped the hop).
+    pub(crate) local: bool,
 }
 
 /// One prefill worker: its KV cache, its batch slots and its counters.
@@ -133,6 +138,7 @@ impl Worker {
             blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
             hits,
             queue,
+            local: false,
         }
     }
 }
@@ -250,6 +256,9 @@ pub(crate) struct ReplayBinding {
     oracle: KvSelector,
     /// Ends the view's task when the binding drops.
     view_cancel: CancellationToken,
+    /// Uncached prompt tokens picked on this binding and not yet prefilled (the conditional
+    /// policy's pool load, as [`PrefillBinding`](crate::binding::PrefillBinding) counts it).
+    inflight_tokens: Arc<AtomicU64>,
 }
 
 impl ReplayBinding {
@@ -301,6 +310,7 @@ impl ReplayBinding {
             push,
             oracle,
             view_cancel,
+            inflight_tokens: Arc::default(),
         })
     }
 
@@ -381,17 +391,25 @@ fn failed(message: String) -> BoxFuture<'static, Result<PrefillOutcome, PrefillE
     future::ready(Err(PrefillError::Failed { message })).boxed()
 }
 
-impl Prefill for ReplayBinding {
-    fn prefill(
+/// What a replay pick holds until its prefill ends: the worker, the dispatcher's selection
+/// (the KV load term) and the request's share of the pool's token load.
+struct ReplayHeld {
+    id: InstanceId,
+    _selection: Option<Selection>,
+    _load: TokenLoad,
+}
+
+impl ReplayBinding {
+    /// The worker the policy picks for request `index`, the held selection (push-router
+    /// policies) and the leading blocks the pick is expected to hold: the selector's overlap
+    /// under the KV policies, the worker's real cache under the Dynamo baseline and the
+    /// oracle, none under round robin and random.
+    fn choose(
         &self,
-        request: GenerateRequest,
-    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
-        let Some(index) = request_index(&request) else {
-            return failed("request without a trace index".to_owned());
-        };
-        let Some(record) = self.shared.trace.get(index) else {
-            return failed(format!("no trace record {index}"));
-        };
+        index: usize,
+        record: &TraceRecord,
+        request: &GenerateRequest,
+    ) -> Result<(InstanceId, Option<Selection>, usize), PrefillError> {
         // Dynamo's baseline scores the workers itself; every other policy is the real push
         // router, whose selection counts as load until the prefill ends.
         let pick = match self.shared.policy {
@@ -399,25 +417,84 @@ impl Prefill for ReplayBinding {
             Policy::KvOracle => Some(self.oracle_pick(index)),
             _ => None,
         };
-        let (id, held) = if let Some(pick) = pick {
-            match pick {
-                Some(id) => (id, None),
-                None => {
-                    return future::ready(Err(PrefillError::Push(PushError::NoRoutableInstances)))
-                        .boxed()
-                }
-            }
-        } else {
-            match self.push.select_held(&request) {
-                Ok(selection) => {
-                    let id = selection.instance().instance_id;
-                    if self.shared.policy == Policy::KvEvents {
-                        self.check_credit(index, id, selection.expected_overlap_blocks());
-                    }
-                    (id, Some(selection))
-                }
-                Err(e) => return future::ready(Err(PrefillError::Push(e))).boxed(),
-            }
+        if let Some(pick) = pick {
+            let id = pick.ok_or(PrefillError::Push(PushError::NoRoutableInstances))?;
+            let held = match (self.shared.worker(id), self.shared.keys.get(index)) {
+                (Some(w), Some(keys)) => w.cache.lock().leading_hits(keys),
+                _ => 0,
+            };
+            return Ok((id, None, held));
+        }
+        let selection = self.push.select_held(request)?;
+        let id = selection.instance().instance_id;
+        if self.shared.policy == Policy::KvEvents {
+            self.check_credit(index, id, selection.expected_overlap_blocks());
+        }
+        let overlap = selection.expected_overlap_blocks().unwrap_or(0);
+        Ok((id, Some(selection), overlap))
+    }
+}
+
+impl Prefill for ReplayBinding {
+    fn prefill(
+        &self,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        match self.pick(&request) {
+            Ok(pick) => self.prefill_picked(pick, request),
+            Err(error) => future::ready(Err(error)).boxed(),
+        }
+    }
+
+    /// The policy's pick, probed from the trace record (the replay's prompts carry no tokens
+    /// under the non-KV policies): its prompt length, the pick's expected cached tokens, and
+    /// this binding's in-flight uncached tokens per routable worker.
+    fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
+        let missing = |what: String| PrefillError::Failed { message: what };
+        let index = request_index(request)
+            .ok_or_else(|| missing("request without a trace index".to_owned()))?;
+        let record = self
+            .shared
+            .trace
+            .get(index)
+            .ok_or_else(|| missing(format!("no trace record {index}")))?;
+        let (id, selection, cached_blocks) = self.choose(index, record, request)?;
+        let cached = u32::try_from(cached_blocks)
+            .unwrap_or(u32::MAX)
+            .saturating_mul(BLOCK_TOKENS)
+            .min(record.input_length);
+        let workers = u64::try_from(self.view.routable().len().max(1)).unwrap_or(1);
+        let probe = PrefillProbe {
+            prompt_tokens: record.input_length,
+            cached_tokens: cached,
+            pool_tokens_per_worker: self.inflight_tokens.load(Ordering::Relaxed) / workers,
+        };
+        let load = TokenLoad::new(&self.inflight_tokens, u64::from(probe.uncached_tokens()));
+        let held = ReplayHeld {
+            id,
+            _selection: selection,
+            _load: load,
+        };
+        Ok(PrefillPick::new(probe, Some(Box::new(held))))
+    }
+
+    fn prefill_picked(
+        &self,
+        pick: PrefillPick,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let Some(held) = pick
+            .into_held()
+            .and_then(|h| h.downcast::<ReplayHeld>().ok())
+        else {
+            return failed("a pick this binding did not make".to_owned());
+        };
+        let id = held.id;
+        let Some(index) = request_index(&request) else {
+            return failed("request without a trace index".to_owned());
+        };
+        let Some(record) = self.shared.trace.get(index) else {
+            return failed(format!("no trace record {index}"));
         };
         let Some(worker) = self.shared.worker(id) else {
             return failed(format!("worker {id} is not running"));
@@ -450,19 +527,48 @@ impl Prefill for ReplayBinding {
 }
 
 /// The decode hop: the first token (prefill's) at once, the rest after `decode_per_token`
-/// each, in one response (one timer per request keeps the replay fast).
+/// each, in one response (one timer per request keeps the replay fast). A request that comes
+/// without a prefill (the conditional policy skipped it) is prefilled here first, whole: its
+/// first token comes after [`CostModel::prefill_time`] of its entire prompt (decode's cache is
+/// not modelled, so nothing is cached), slowed by the other local prefills running on the
+/// decode pool (spread over as many decode workers as there are prefill workers).
 pub(crate) struct ReplayDecode {
     pub(crate) cost: CostModel,
+    pub(crate) shared: Arc<Shared>,
+    /// Decode workers the local prefills share.
+    pub(crate) workers: usize,
+    /// Local prefills running on the decode pool.
+    pub(crate) local: Arc<AtomicUsize>,
 }
 
+impl ReplayDecode {
+    /// Prefill request `index` on the decode pool, whole; record what it found (nothing).
+    async fn prefill_locally(&self, index: usize) {
+        let Some(record) = self.shared.trace.get(index) else {
+            return;
+        };
+        let running = self.local.fetch_add(1, Ordering::Relaxed) / self.workers.max(1);
+        tokio::time::sleep(self.cost.prefill_time(record.input_length, running)).await;
+        self.local.fetch_sub(1, Ordering::Relaxed);
+        if let Some(slot) = self.shared.served.lock().get_mut(index) {
+            *slot = Some(Served {
+                blocks: u32::try_from(record.hash_ids.len()).unwrap_or(u32::MAX),
+                hits: 0,
+                queue: Duration::ZERO,
+                local: true,
+            });
+        }
+    }
+}
 impl Decode for ReplayDecode {
     fn decode(
         &self,
         request: GenerateRequest,
         prefill: Option<PrefillOutcome>,
     ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
+        let skipped = prefill.is_none();
         let first = GenerateResponse {
-            token_ids: prefill.map(|p| p.tokens).unwrap_or_default(),
+            token_ids: prefill.map_or_else(|| vec![1], |p| p.tokens),
             finish: (request.max_tokens <= 1).then_some(FinishReason::Length),
             prefill: request.handoff.clone(),
         };
@@ -478,6 +584,13 @@ impl Decode for ReplayDecode {
                 })
             });
         let stream = futures_util::stream::iter([Ok(first)]).chain(tail);
-        future::ready(Ok(Box::pin(stream) as DecodeStream)).boxed()
+        let index = request_index(&request).filter(|_| skipped);
+        async move {
+            if let Some(index) = index {
+                self.prefill_locally(index).await;
+            }
+            Ok(Box::pin(stream) as DecodeStream)
+        }
+        .boxed()
     }
 }

@@ -110,8 +110,16 @@ pub struct ReplayReport {
     pub of_ceiling: f64,
     /// Time to first token: arrival to the first token, in ms of virtual time.
     pub ttft_ms: Percentiles,
-    /// Queueing delay: arrival at the prefill worker to the start of its prefill, in ms.
+    /// Queueing delay: arrival at the prefill worker to the start of its prefill, in ms
+    /// (requests prefilled on the prefill pool only).
     pub queue_ms: Percentiles,
+    /// The conditional disaggregation policy (`short<N`, `busy>M`), if any.
+    pub conditional: Option<String>,
+    /// Requests the conditional policy sent to decode whole (prefilled on the decode pool;
+    /// their blocks count in `prompt_blocks` with no hits).
+    pub skipped: u64,
+    /// `skipped / requests`.
+    pub skipped_share: f64,
     /// Uncached prompt tokens each worker prefilled, by worker id.
     pub prefill_tokens: Vec<u64>,
     /// Max over mean of `prefill_tokens` (1 = perfectly balanced).
@@ -159,6 +167,14 @@ impl fmt::Display for ReplayReport {
             self.wall_s,
             self.requests_per_s,
         )?;
+        if let Some(c) = &self.conditional {
+            write!(
+                f,
+                "\n            conditional {c}: {} skipped to decode ({:.1}%)",
+                self.skipped,
+                self.skipped_share * 100.0
+            )?;
+        }
         if let Some(e) = &self.event {
             write!(
                 f,

@@ -17,8 +17,8 @@ use super::report::{quantiles, EventReport, Percentiles, ReplayReport, Window};
 use super::trace::{ceiling, ratio, TraceRecord, BLOCK_TOKENS};
 use crate::advert::{ModelCard, RouterConfig, SelectionMode};
 use crate::router::{
-    AfterWait, FallbackPolicy, PrefillRouter, PrefillRouterConfig, WorkerSetTarget,
-    WorkerSetTargetId,
+    AfterWait, ConditionalPolicy, FallbackPolicy, PrefillRouter, PrefillRouterConfig,
+    WorkerSetTarget, WorkerSetTargetId,
 };
 use crate::transport::GenerateRequest;
 
@@ -150,6 +150,9 @@ pub struct ReplayConfig {
     pub event_loss_every: u64,
     /// Policy `kv-events`: how long a KV event batch takes to reach the router.
     pub event_delay: Duration,
+    /// The router's conditional disaggregation policy (`None`, the default: off). A skipped
+    /// request is prefilled whole on the decode pool (see `docs/replay.md`).
+    pub conditional: Option<ConditionalPolicy>,
 }
 
 impl ReplayConfig {
@@ -166,6 +169,7 @@ impl ReplayConfig {
             event: None,
             event_loss_every: 0,
             event_delay: Duration::ZERO,
+            conditional: None,
         }
     }
 }
@@ -251,6 +255,7 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
             },
             jitter_seed: Some(config.seed),
             name: "replay".to_owned(),
+            conditional: config.conditional,
             ..PrefillRouterConfig::default()
         },
     ));
@@ -276,6 +281,9 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     let _ = router.wait_active(Duration::from_secs(60)).await;
     let decode = Arc::new(ReplayDecode {
         cost: config.cost.clone(),
+        shared: Arc::clone(&shared),
+        workers: config.workers,
+        local: Arc::default(),
     });
     let ttft: Arc<Mutex<Vec<Option<Duration>>>> = Arc::new(Mutex::new(vec![None; records.len()]));
     let start = Instant::now();
@@ -363,6 +371,20 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     summarize(config, &records, &shared, &ttft, virtual_s)
 }
 
+/// The report's name for a conditional policy: `short<N` and `busy>M`, joined by `,`.
+fn conditional_label(policy: &ConditionalPolicy) -> String {
+    let short = policy.min_uncached_tokens.map(|n| format!("short<{n}"));
+    let busy = policy
+        .max_pool_tokens_per_worker
+        .map(|n| format!("busy>{n}"));
+    let parts: Vec<String> = short.into_iter().chain(busy).collect();
+    if parts.is_empty() {
+        "none".to_owned()
+    } else {
+        parts.join(",")
+    }
+}
+
 /// Prompt blocks and cached blocks over `served`.
 fn tally<'a>(served: impl Iterator<Item = &'a Served>) -> (u64, u64) {
     served.fold((0, 0), |(b, h), s| {
@@ -391,6 +413,7 @@ fn summarize(
     // Lost: no first token, or no prefill on record.
     let is_lost = |i: usize| ttft[i].is_none() || served[i].is_none();
     let lost = (0..records.len()).filter(|&i| is_lost(i)).count() as u64;
+    let skipped = served.iter().flatten().filter(|s| s.local).count() as u64;
     let prefill_tokens: Vec<u64> = shared
         .workers
         .lock()
@@ -453,7 +476,17 @@ fn summarize(
         },
         ttft_ms: Percentiles::of(ttft.iter().flatten().map(|&d| ms(d)).collect()),
         ttft_cdf_ms: quantiles(ttft.iter().flatten().map(|&d| ms(d)).collect()),
-        queue_ms: Percentiles::of(served.iter().flatten().map(|s| ms(s.queue)).collect()),
+        queue_ms: Percentiles::of(
+            served
+                .iter()
+                .flatten()
+                .filter(|s| !s.local)
+                .map(|s| ms(s.queue))
+                .collect(),
+        ),
+        conditional: config.conditional.map(|c| conditional_label(&c)),
+        skipped,
+        skipped_share: ratio(skipped, records.len() as u64),
         prefill_tokens,
         work_imbalance,
         hit_rate_by_decile: deciles,

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use super::conditional::ConditionalPolicy;
 use super::fallback::FallbackPolicy;
 use crate::lifecycle::RetryPolicy;
 
@@ -29,6 +30,11 @@ pub struct PrefillRouterConfig {
     /// [`GenerateError::Drained`](super::GenerateError::Drained), which drops the request's
     /// hold on the binding. Decode does not hold the binding, so it is never cut off.
     pub drain_cap: Option<Duration>,
+    /// Conditional disaggregation: while the hop is Active, send a request to decode whole
+    /// (no remote prefill) when the policy says the prefill gains it nothing. `None` (the
+    /// default) is off: every request prefills on the hop. See
+    /// [`conditional`](super::conditional).
+    pub conditional: Option<ConditionalPolicy>,
 }
 
 impl Default for PrefillRouterConfig {
@@ -41,6 +47,7 @@ impl Default for PrefillRouterConfig {
             fallback: FallbackPolicy::default(),
             name: "prefill".to_owned(),
             drain_cap: None,
+            conditional: None,
         }
     }
 }

@@ -78,6 +78,18 @@ impl<F: BindingFactory> PrefillRouter<F> {
         Self::build(factory, config, RouterHooks::lagging_route())
     }
 
+    /// A router awaiting `hook` between each conditional probe and its dispatch; with
+    /// `reload`, the mutant whose dispatch loads the route again (upstream's W10).
+    #[cfg(test)]
+    pub(crate) fn with_probe_hook(
+        factory: F,
+        config: PrefillRouterConfig,
+        hook: crate::hooks::ProbeHook,
+        reload: bool,
+    ) -> Self {
+        Self::build(factory, config, RouterHooks::probe_hook(hook, reload))
+    }
+
     fn build(factory: F, config: PrefillRouterConfig, hooks: RouterHooks<F::Binding>) -> Self {
         let (to_driver, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
@@ -128,6 +140,10 @@ impl<F: BindingFactory> PrefillRouter<F> {
 
     /// Serve one request: when Active, prefill on the loaded binding with `max_tokens` 1 and
     /// hand off to `decode` with the original request; otherwise apply the fallback policy.
+    /// With a [`ConditionalPolicy`](super::ConditionalPolicy) configured, an Active hop first
+    /// asks the binding for its pick ([`Prefill::pick`](super::Prefill::pick)) and sends the
+    /// request to decode whole when the policy says skip; otherwise it prefills on that pick,
+    /// on the same binding.
     ///
     /// A prefill error fails the request ([`GenerateError::Prefill`]); decode is not tried.
     ///
@@ -202,13 +218,42 @@ impl<F: BindingFactory> PrefillRouter<F> {
         decode: &dyn Decode,
         may_reroute: bool,
     ) -> Result<DecodeStream, Failed> {
-        bump(&self.shared.tally.prefilled);
         let prefill_request = GenerateRequest {
             max_tokens: 1,
             handoff: None,
             ..request.clone()
         };
-        let prefill = binding.prefill(prefill_request);
+        // Conditional disaggregation: probe on this binding, decide, then dispatch on this
+        // very pick of this very binding (or drop it). Never a second route load (W10).
+        let pick = match &self.shared.config.conditional {
+            None => None,
+            Some(policy) => {
+                let pick = match binding.pick(&prefill_request) {
+                    Ok(pick) => pick,
+                    Err(error) => {
+                        return Err(self.prefill_failed(error, &binding, request, may_reroute))
+                    }
+                };
+                if let Some(skip) = policy.decide(pick.probe()) {
+                    drop(pick);
+                    drop(binding);
+                    self.shared.tally.skip(skip);
+                    tracing::trace!(router = %self.shared.config.name, %skip, "prefill skipped: decode runs the whole request");
+                    return Ok(decode.decode(request, None).await?);
+                }
+                self.shared.hooks.after_probe().await;
+                Some(pick)
+            }
+        };
+        let binding = match pick {
+            Some(_) => self.shared.hooks.dispatch_binding(binding, || self.route()),
+            None => binding,
+        };
+        bump(&self.shared.tally.prefilled);
+        let prefill = match pick {
+            Some(pick) => binding.prefill_picked(pick, prefill_request),
+            None => binding.prefill(prefill_request),
+        };
         let result = match self.shared.config.drain_cap {
             None => prefill.await,
             Some(cap) => {
@@ -223,17 +268,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
         };
         let outcome = match result {
             Ok(outcome) => outcome,
-            // Nothing was sent: the binding lost its last admitted worker because it was
-            // retired under this request. Route again on what is published now.
-            Err(PrefillError::Push(PushError::NoRoutableInstances))
-                if may_reroute && !self.serves(&binding) =>
-            {
-                return Err(Failed::Reroute(request));
-            }
-            Err(error) => {
-                bump(&self.shared.tally.prefill_errors);
-                return Err(GenerateError::Prefill(error).into());
-            }
+            Err(error) => return Err(self.prefill_failed(error, &binding, request, may_reroute)),
         };
         // The binding is not needed for decode: release it so a retired one can go.
         drop(binding);
@@ -250,6 +285,29 @@ impl<F: BindingFactory> PrefillRouter<F> {
             ..request
         };
         Ok(decode.decode(decode_request, Some(outcome)).await?)
+    }
+
+    /// How a request whose prefill (or pick) on `binding` failed with `error` ends.
+    fn prefill_failed(
+        &self,
+        error: PrefillError,
+        binding: &Arc<F::Binding>,
+        request: GenerateRequest,
+        may_reroute: bool,
+    ) -> Failed {
+        match error {
+            // Nothing was sent: the binding lost its last admitted worker because it was
+            // retired under this request. Route again on what is published now.
+            PrefillError::Push(PushError::NoRoutableInstances)
+                if may_reroute && !self.serves(binding) =>
+            {
+                Failed::Reroute(request)
+            }
+            error => {
+                bump(&self.shared.tally.prefill_errors);
+                GenerateError::Prefill(error).into()
+            }
+        }
     }
 
     /// Whether the published route still prefills on `binding` (a cleared hop keeps its

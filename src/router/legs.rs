@@ -10,6 +10,7 @@ use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 
+use super::conditional::PrefillProbe;
 use super::target::WorkerSetTarget;
 use crate::discovery::InstanceId;
 use crate::health::FailureClass;
@@ -154,6 +155,66 @@ pub trait Prefill: Send + Sync + 'static {
     /// reports its routable view's and dispatcher's.
     fn health(&self) -> BindingHealth {
         BindingHealth::default()
+    }
+
+    /// Pick the worker `request` would prefill on and hold that pick (its share of the load)
+    /// without sending anything: the probe of conditional disaggregation. The router then
+    /// either dispatches on this very pick ([`prefill_picked`](Self::prefill_picked), on this
+    /// very binding) or drops it. The default knows only the prompt and holds nothing.
+    ///
+    /// # Errors
+    /// As [`prefill`](Self::prefill) would fail to route (e.g. an empty admission set).
+    fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
+        Ok(PrefillPick::new(
+            PrefillProbe::prompt_only(request.token_ids.len()),
+            None,
+        ))
+    }
+
+    /// Prefill `request` on `pick`, made by [`pick`](Self::pick) of this binding. The default
+    /// drops the pick and prefills as [`prefill`](Self::prefill) does.
+    fn prefill_picked(
+        &self,
+        pick: PrefillPick,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        drop(pick);
+        self.prefill(request)
+    }
+}
+
+/// A binding's held pick for one request ([`Prefill::pick`]): the probe the policy decides on,
+/// and whatever the binding holds for the dispatch (its selection and load share), released
+/// on drop.
+pub struct PrefillPick {
+    probe: PrefillProbe,
+    held: Option<Box<dyn std::any::Any + Send>>,
+}
+
+impl PrefillPick {
+    /// A pick reporting `probe` and holding `held` until dispatched or dropped.
+    pub fn new(probe: PrefillProbe, held: Option<Box<dyn std::any::Any + Send>>) -> Self {
+        PrefillPick { probe, held }
+    }
+
+    /// What the pick says about the request's prefill.
+    pub fn probe(&self) -> &PrefillProbe {
+        &self.probe
+    }
+
+    /// The held part, to be downcast by the binding that made it (`None` if the pick holds
+    /// nothing).
+    pub fn into_held(self) -> Option<Box<dyn std::any::Any + Send>> {
+        self.held
+    }
+}
+
+impl std::fmt::Debug for PrefillPick {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillPick")
+            .field("probe", &self.probe)
+            .field("held", &self.held.is_some())
+            .finish()
     }
 }
 

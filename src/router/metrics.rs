@@ -18,7 +18,7 @@
 //! | `retired_bindings_alive` | gauge | retired bindings still held by in-flight requests |
 //! | `prefilled_total` | counter | requests that prefilled on a binding |
 //! | `prefill_errors_total` | counter | prefills that failed their request |
-//! | `bypassed_total{reason}` | counter | requests sent to decode without prefill |
+//! | `bypassed_total{reason}` | counter | requests sent to decode without prefill (the hop's bypass reasons, and the conditional policy's `conditional_short` / `conditional_busy`) |
 //! | `rejected_total{reason}` | counter | requests rejected with `NotActivated` |
 //! | `waited_total` | counter | requests that waited for activation |
 //! | `drained_total` | counter | prefills cut off by the drain cap after their binding was retired |
@@ -34,6 +34,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
+use super::conditional::ConditionalSkip;
 use super::status::{RouterStatus, REASONS};
 use crate::lifecycle::Lifecycle;
 
@@ -83,6 +84,7 @@ fn per_reason(
     name: &str,
     help: &str,
     values: &std::collections::BTreeMap<crate::snapshot::BypassReason, u64>,
+    skips: Option<&std::collections::BTreeMap<ConditionalSkip, u64>>,
 ) -> Result<(), fmt::Error> {
     let kind = ConstCounter::new(0u64).metric_type();
     let mut family = encoder.encode_descriptor(name, help, None, kind)?;
@@ -90,6 +92,13 @@ fn per_reason(
         let labels = [("reason", reason.as_str())];
         let e = family.encode_family(&labels)?;
         ConstCounter::new(values.get(&reason).copied().unwrap_or(0)).encode(e)?;
+    }
+    // Conditional skips are bypasses too (to decode whole), with their own reasons.
+    for skip in skips.map_or(&[][..], |_| &ConditionalSkip::ALL[..]) {
+        let labels = [("reason", skip.as_str())];
+        let e = family.encode_family(&labels)?;
+        let n = skips.and_then(|s| s.get(skip)).copied().unwrap_or(0);
+        ConstCounter::new(n).encode(e)?;
     }
     Ok(())
 }
@@ -183,12 +192,14 @@ impl Collector for RouterCollector {
             "bypassed",
             "Requests sent to decode without prefill, by reason",
             &c.bypassed,
+            Some(&c.conditional_skips),
         )?;
         per_reason(
             e,
             "rejected",
             "Requests rejected because the hop was not active, by reason",
             &c.rejected,
+            None,
         )?;
         counter(e, "waited", "Requests that waited for activation", c.waited)?;
         counter(

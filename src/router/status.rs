@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::conditional::ConditionalSkip;
 use super::legs::BindingHealth;
 use super::target::WorkerSetTargetId;
 use crate::lifecycle::{BuildId, Lifecycle};
@@ -51,6 +52,10 @@ pub struct RouterCounters {
     pub prefill_errors: u64,
     /// Requests sent to decode without prefill, by the reason the hop was not Active.
     pub bypassed: BTreeMap<BypassReason, u64>,
+    /// Requests the conditional policy sent to decode whole although the hop was Active, by
+    /// reason (see [`conditional`](super::conditional); in the `bypassed_total` metric under
+    /// the labels `conditional_short` and `conditional_busy`).
+    pub conditional_skips: BTreeMap<ConditionalSkip, u64>,
     /// Requests rejected with `NotActivated`, by reason.
     pub rejected: BTreeMap<BypassReason, u64>,
     /// Requests that waited for activation (policy `WaitUpTo`).
@@ -108,6 +113,7 @@ pub(crate) struct Tally {
     pub(crate) rerouted: AtomicU64,
     bypassed: [AtomicU64; 5],
     rejected: [AtomicU64; 5],
+    skipped: [AtomicU64; 2],
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -118,6 +124,10 @@ pub(crate) fn bump(counter: &AtomicU64) {
 impl Tally {
     pub(crate) fn bypass(&self, reason: BypassReason) {
         bump(&self.bypassed[reason_index(reason)]);
+    }
+
+    pub(crate) fn skip(&self, skip: ConditionalSkip) {
+        bump(&self.skipped[skip as usize]);
     }
 
     pub(crate) fn reject(&self, reason: BypassReason) {
@@ -138,6 +148,10 @@ impl Tally {
         out.bypassed = REASONS
             .iter()
             .map(|r| (*r, get(&self.bypassed[reason_index(*r)])))
+            .collect();
+        out.conditional_skips = ConditionalSkip::ALL
+            .iter()
+            .map(|s| (*s, get(&self.skipped[*s as usize])))
             .collect();
         out.rejected = REASONS
             .iter()

@@ -1,5 +1,6 @@
 //! Tests of the adapter (fake factories and bindings; paused time where timing matters).
 
+mod conditional;
 mod driver;
 mod drop_safety;
 mod fakes;

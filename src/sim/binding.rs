@@ -10,6 +10,7 @@ use futures_util::future::{self, BoxFuture};
 use futures_util::FutureExt;
 use tokio_util::sync::CancellationToken;
 
+use super::conditional;
 use super::config::{timing, Mutant};
 use super::oracle::Violation;
 use super::world::{InFlight, Probe, World};
@@ -18,7 +19,7 @@ use crate::discovery::InstanceId;
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
-    PrefillOutcome, WorkerSetTarget,
+    PrefillOutcome, PrefillPick, PrefillProbe, WorkerSetTarget,
 };
 use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 
@@ -125,6 +126,16 @@ pub struct SimBinding {
     mutant: Option<Mutant>,
     /// Ends the view's feed when the binding drops (as a real binding ends its tasks).
     view_cancel: CancellationToken,
+    /// Prompt tokens of the requests picked on this binding and not finished (the conditional
+    /// policy's pool load).
+    inflight_tokens: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// What a simulated pick holds: the serial of the binding that made it and the request's share
+/// of the pool load.
+struct SimPick {
+    origin: u64,
+    load: crate::binding::TokenLoad,
 }
 
 impl std::fmt::Debug for SimBinding {
@@ -201,6 +212,7 @@ impl SimBinding {
             world,
             mutant,
             view_cancel,
+            inflight_tokens: Arc::default(),
         })
     }
 
@@ -410,6 +422,66 @@ impl Prefill for SimBinding {
         }
         .boxed()
     }
+
+    fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
+        Ok(self.conditional_pick(request))
+    }
+
+    /// Checks the pick came from this binding, then prefills as `prefill` does, the pick's
+    /// load held until the prefill ends.
+    fn prefill_picked(
+        &self,
+        pick: PrefillPick,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let held = pick.into_held().and_then(|h| h.downcast::<SimPick>().ok());
+        let origin = held.as_ref().map_or(u64::MAX, |h| h.origin);
+        conditional::dispatched(&self.world, request_id(&request), origin, self.serial());
+        let prefill = self.prefill(request);
+        async move {
+            let result = prefill.await;
+            drop(held.map(|h| h.load));
+            result
+        }
+        .boxed()
+    }
+}
+
+impl SimBinding {
+    /// The conditional probe: the prompt, nothing cached (the simulated workers keep no KV
+    /// cache), this binding's in-flight prompt tokens per routable worker. Recorded truthfully
+    /// in the world; the `ConditionalProbeLies` mutant reports an empty prompt instead.
+    fn conditional_pick(&self, request: &GenerateRequest) -> PrefillPick {
+        use std::sync::atomic::Ordering;
+        let id = request_id(request);
+        let workers = self.view.routable().len().max(1) as u64;
+        let truth = PrefillProbe {
+            pool_tokens_per_worker: self.inflight_tokens.load(Ordering::Relaxed) / workers,
+            ..PrefillProbe::prompt_only(request.token_ids.len())
+        };
+        conditional::probed(&self.world, id, self.serial(), truth);
+        let reported = match self.mutant {
+            Some(Mutant::ConditionalProbeLies) => PrefillProbe {
+                prompt_tokens: 0,
+                ..truth
+            },
+            Some(Mutant::ConditionalPrefillOnProbe) => {
+                // The probe sends the prefill already.
+                self.world.with(|s| s.prefilled.insert(id));
+                truth
+            }
+            _ => truth,
+        };
+        let load = crate::binding::TokenLoad::new(
+            &self.inflight_tokens,
+            u64::from(truth.uncached_tokens()),
+        );
+        let held = SimPick {
+            origin: self.serial(),
+            load,
+        };
+        PrefillPick::new(reported, Some(Box::new(held)))
+    }
 }
 
 fn outcome(worker: InstanceId, request: &GenerateRequest) -> PrefillOutcome {
@@ -447,8 +519,9 @@ impl Decode for SimDecode {
     fn decode(
         &self,
         request: GenerateRequest,
-        _prefill: Option<PrefillOutcome>,
+        prefill: Option<PrefillOutcome>,
     ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
+        conditional::decoded(&self.world, request_id(&request), prefill.is_none());
         let tokens = request.max_tokens.min(timing::MAX_TOKENS);
         // Drawn now, in call order, so the RNG sequence does not depend on stream polling.
         let mut rng = self

@@ -13,6 +13,10 @@ pub struct SimConfig {
     pub steps: u32,
     /// A deliberately broken part, to show the oracles catch it. `None` for real runs.
     pub mutant: Option<Mutant>,
+    /// Run the router with the conditional disaggregation policy
+    /// [`sim::conditional::POLICY`](super::conditional::POLICY) (off by default; the
+    /// conditional mutants turn it on).
+    pub conditional: bool,
 }
 
 impl SimConfig {
@@ -22,7 +26,23 @@ impl SimConfig {
             seed,
             steps,
             mutant: None,
+            conditional: false,
         }
+    }
+
+    /// The same run with the conditional disaggregation policy on.
+    pub fn with_conditional(mut self) -> Self {
+        self.conditional = true;
+        self
+    }
+
+    /// Whether the router runs the conditional policy (asked for, or a conditional mutant).
+    pub(crate) fn conditional_on(&self) -> bool {
+        self.conditional
+            || matches!(
+                self.mutant,
+                Some(Mutant::ConditionalProbeLies | Mutant::ConditionalPrefillOnProbe)
+            )
     }
 
     /// The same run with `mutant` planted.
@@ -67,6 +87,12 @@ pub enum Mutant {
     /// A prefill retry goes back to the worker that just failed instead of another one
     /// (oracle: a request failed while a healthy admitted worker was available).
     RetryReusesFailedWorker,
+    /// Bindings report every probe with an empty prompt, so every request looks short
+    /// (oracle: a skip without its condition).
+    ConditionalProbeLies,
+    /// A binding's pick already starts the remote prefill, as a probe that dispatches would
+    /// (oracle: a request both prefilled remotely and skipped).
+    ConditionalPrefillOnProbe,
 }
 
 /// Time constants of the simulated world (all simulated time: the clock is paused and jumps).

@@ -127,6 +127,15 @@ pub enum Violation {
         /// How many.
         alive: usize,
     },
+    /// A property of conditional disaggregation broke (see `sim/conditional.rs`).
+    ConditionalBroken {
+        /// The request (`u64::MAX` for the end-of-run counter check).
+        request: u64,
+        /// The property: its [`kind`](Violation::kind).
+        property: &'static str,
+        /// What happened.
+        detail: String,
+    },
 }
 
 impl fmt::Display for Violation {
@@ -221,6 +230,11 @@ impl fmt::Display for Violation {
             Violation::TasksLeftAfterShutdown { alive } => {
                 write!(f, "{alive} router tasks still running after shutdown")
             }
+            Violation::ConditionalBroken {
+                request,
+                property,
+                detail,
+            } => write!(f, "{property}: request {request}: {detail}"),
         }
     }
 }
@@ -243,6 +257,7 @@ impl Violation {
             Violation::RetiredAliveMiscounted { .. } => "retired_alive_miscounted",
             Violation::CountersDisagree { .. } => "counters_disagree",
             Violation::TasksLeftAfterShutdown { .. } => "tasks_left_after_shutdown",
+            Violation::ConditionalBroken { property, .. } => property,
         }
     }
 }

@@ -57,6 +57,10 @@ pub struct SimStats {
     pub blips: u64,
     /// Prefill attempts retried on another worker.
     pub retries: u64,
+    /// Requests the conditional policy skipped as short (runs with the policy on).
+    pub conditional_short: u64,
+    /// Requests the conditional policy skipped as busy.
+    pub conditional_busy: u64,
 }
 
 /// The outcome of one simulated run.
@@ -115,8 +119,13 @@ pub fn repro_command(config: &SimConfig) -> String {
         None => String::new(),
         Some(m) => format!(" --mutant {}", mutant_name(m)),
     };
+    let conditional = if config.conditional {
+        " --conditional"
+    } else {
+        ""
+    };
     format!(
-        "cargo run --release --features cli -- simulate --seed {} --steps {}{mutant}",
+        "cargo run --release --features cli -- simulate --seed {} --steps {}{mutant}{conditional}",
         config.seed, config.steps
     )
 }
@@ -130,6 +139,8 @@ pub fn mutant_name(mutant: Mutant) -> &'static str {
         Mutant::DeferredSetTarget => "deferred-set-target",
         Mutant::BreakerNeverCloses => "breaker-never-closes",
         Mutant::RetryReusesFailedWorker => "retry-reuses-failed-worker",
+        Mutant::ConditionalProbeLies => "conditional-probe-lies",
+        Mutant::ConditionalPrefillOnProbe => "conditional-prefill-on-probe",
     }
 }
 
@@ -142,6 +153,8 @@ pub fn parse_mutant(name: &str) -> Option<Mutant> {
         Mutant::DeferredSetTarget,
         Mutant::BreakerNeverCloses,
         Mutant::RetryReusesFailedWorker,
+        Mutant::ConditionalProbeLies,
+        Mutant::ConditionalPrefillOnProbe,
     ]
     .into_iter()
     .find(|m| mutant_name(*m) == name)

@@ -98,6 +98,8 @@ pub(crate) struct WorldState {
     pub(crate) leaked: Vec<Arc<Probe>>,
     /// Requests that called `prefill` (by id), for the outcome statistics.
     pub(crate) prefilled: std::collections::BTreeSet<u64>,
+    /// Conditional disaggregation's probes and skips.
+    pub(crate) conditional: super::conditional::Ledger,
     pub(crate) stats: SimStats,
     pub(crate) violations: Vec<Violation>,
     digest: u64,
@@ -131,6 +133,7 @@ impl World {
                 next_serial: 1,
                 leaked: Vec::new(),
                 prefilled: Default::default(),
+                conditional: Default::default(),
                 stats: SimStats::default(),
                 violations: Vec::new(),
                 digest: 0,

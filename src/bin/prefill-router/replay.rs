@@ -2,6 +2,8 @@
 
 use std::process::ExitCode;
 
+use prefill_router::router::ConditionalPolicy;
+
 use crate::args::{CliError, Flags};
 
 /// Usage of `prefill-router replay`.
@@ -10,6 +12,7 @@ usage: prefill-router replay --trace FILE [--workers N] [--policy P] [--cache-bl
                              [--limit K] [--json OUT] [--svg OUT] [--quiet]
                              [--retarget-at T | --flap-at T | --flap-rebuild-at T]
                              [--event-loss-every K] [--event-delay-ms D]
+                             [--conditional SPECS]
 
 Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
 hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and dispatchers
@@ -31,6 +34,10 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
   --flap-rebuild-at T  the same, but back as a new generation (a new binding)
   --event-loss-every K  kv-events: lose every K-th KV event batch (default none)
   --event-delay-ms D    kv-events: KV event batches reach the router D ms late (default 0)
+  --conditional SPECS   conditional disaggregation, one run per comma-separated spec (and
+                     policy): `off`, `short:N` (skip when under N uncached tokens), `busy:M`
+                     (skip when the pool holds over M uncached tokens per worker), or
+                     `short:N+busy:M` (default: off only)
 (needs the `cli` feature: cargo run --release --features cli -- replay ...)";
 
 /// Parsed options.
@@ -49,6 +56,31 @@ pub struct ReplayOptions {
     event_loss_every: u64,
     /// KV event delivery delay in milliseconds.
     event_delay_ms: u64,
+    /// The conditional policies to run (`None`: off).
+    conditional: Vec<Option<ConditionalPolicy>>,
+}
+
+/// One `--conditional` spec: `off`, `short:N`, `busy:M` or both joined by `+`.
+fn parse_conditional(spec: &str) -> Result<Option<ConditionalPolicy>, CliError> {
+    if spec == "off" {
+        return Ok(None);
+    }
+    let bad = || {
+        CliError::Usage(format!(
+            "bad --conditional spec `{spec}` (off | short:N | busy:M | short:N+busy:M)"
+        ))
+    };
+    let mut policy = ConditionalPolicy::default();
+    for part in spec.split('+') {
+        match part.split_once(':') {
+            Some(("short", n)) => policy.min_uncached_tokens = Some(n.parse().map_err(|_| bad())?),
+            Some(("busy", m)) => {
+                policy.max_pool_tokens_per_worker = Some(m.parse().map_err(|_| bad())?);
+            }
+            _ => return Err(bad()),
+        }
+    }
+    Ok(Some(policy))
 }
 
 impl ReplayOptions {
@@ -67,6 +99,7 @@ impl ReplayOptions {
             event: None,
             event_loss_every: 0,
             event_delay_ms: 0,
+            conditional: vec![None],
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -84,6 +117,13 @@ impl ReplayOptions {
                 "--flap-rebuild-at" => options.event = Some(("flap-rebuild", flags.parsed(flag)?)),
                 "--event-loss-every" => options.event_loss_every = flags.parsed(flag)?,
                 "--event-delay-ms" => options.event_delay_ms = flags.parsed(flag)?,
+                "--conditional" => {
+                    options.conditional = flags
+                        .value(flag)?
+                        .split(',')
+                        .map(parse_conditional)
+                        .collect::<Result<_, _>>()?;
+                }
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
             }
@@ -130,8 +170,12 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
         None => Policy::ALL.to_vec(),
     };
     let mut reports = Vec::new();
-    for policy in policies {
+    let runs = policies
+        .iter()
+        .flat_map(|&p| options.conditional.iter().map(move |&c| (p, c)));
+    for (policy, conditional) in runs {
         let config = ReplayConfig {
+            conditional,
             workers: options.workers,
             cache_blocks: options.cache_blocks,
             limit: options.limit,

@@ -9,7 +9,8 @@ use crate::args::{CliError, Flags};
 
 /// Usage of `prefill-router simulate`.
 pub const USAGE: &str = "\
-usage: prefill-router simulate [--seed N] [--steps K] [--seeds M] [--mutant NAME] [--quiet]
+usage: prefill-router simulate [--seed N] [--steps K] [--seeds M] [--mutant NAME] [--conditional]
+                               [--quiet]
 
 Runs the real PrefillRouter against a seeded in-memory world (faulty discovery feed, builds
 that fail/hang/outlive cancellation, workers that crash/reject/hang) on a paused clock, and
@@ -21,6 +22,8 @@ checks the oracles listed in docs/simulation.md.
   --mutant NAME plant a defect the oracles must catch:
                 ignore-admission | leak-bindings | no-prefill-timeout |
                 deferred-set-target
+  --conditional run the router with the conditional disaggregation policy
+                (prefill_router::sim::conditional::POLICY) and its oracles
   --quiet       print failing runs and the summary only
 (needs the `cli` feature: cargo run --release --features cli -- simulate ...)";
 
@@ -30,6 +33,8 @@ pub struct SimulateOptions {
     steps: u32,
     seeds: u64,
     mutant: Option<String>,
+    /// Run with the conditional disaggregation policy.
+    conditional: bool,
     quiet: bool,
 }
 
@@ -41,6 +46,7 @@ impl SimulateOptions {
             steps: 200,
             seeds: 1,
             mutant: None,
+            conditional: false,
             quiet: false,
         };
         let mut flags = Flags::new(args);
@@ -50,6 +56,7 @@ impl SimulateOptions {
                 "--steps" => options.steps = flags.parsed(flag)?,
                 "--seeds" => options.seeds = flags.parsed(flag)?,
                 "--mutant" => options.mutant = Some(flags.value(flag)?.to_owned()),
+                "--conditional" => options.conditional = true,
                 "--quiet" => options.quiet = true,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
@@ -83,6 +90,7 @@ fn run_blocking(options: &SimulateOptions) -> ExitCode {
     for seed in options.seed..options.seed.saturating_add(options.seeds) {
         let mut config = SimConfig::new(seed, options.steps);
         config.mutant = mutant;
+        config.conditional = options.conditional;
         let report = match simulate(&config) {
             Ok(report) => report,
             Err(error) => {

@@ -1,7 +1,7 @@
 //! Fake factories, bindings and decode hops for the adapter tests.
 
 use std::collections::{BTreeSet, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ use crate::discovery::{EndpointId, InstanceId};
 use crate::push::PushError;
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
-    PrefillOutcome, WorkerSetTarget, WorkerSetTargetId,
+    PrefillOutcome, PrefillPick, PrefillProbe, WorkerSetTarget, WorkerSetTargetId,
 };
 use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 
@@ -72,8 +72,13 @@ pub(super) struct FakeBinding {
     admitted: watch::Receiver<BTreeSet<InstanceId>>,
     /// Every request this binding's prefill worker received (the factory log's `prefills`).
     prefills: Arc<Mutex<Vec<GenerateRequest>>>,
+    /// The factory log (picks and the probe's pool load).
+    log: Arc<FactoryLog>,
     _live: LiveGuard,
 }
+
+/// What a [`FakeBinding`]'s pick holds: the target of the binding that made it.
+struct PickedOn(WorkerSetTargetId);
 
 impl Prefill for FakeBinding {
     fn prefill(
@@ -97,6 +102,32 @@ impl Prefill for FakeBinding {
                 }),
             })
         })
+    }
+
+    /// Probes the prompt length and the log's `pool_load`; holds this binding's target.
+    fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
+        let probe = PrefillProbe {
+            pool_tokens_per_worker: self.log.pool_load.load(Ordering::SeqCst),
+            ..PrefillProbe::prompt_only(request.token_ids.len())
+        };
+        Ok(PrefillPick::new(
+            probe,
+            Some(Box::new(PickedOn(self.target.clone()))),
+        ))
+    }
+
+    /// Logs (the picking binding's target, this binding's target), then prefills.
+    fn prefill_picked(
+        &self,
+        pick: PrefillPick,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let origin = pick
+            .into_held()
+            .and_then(|h| h.downcast::<PickedOn>().ok())
+            .map(|p| p.0.clone());
+        self.log.picks.lock().push((origin, self.target.clone()));
+        self.prefill(request)
     }
 
     /// One open breaker per admitted instance past the first, and one overload retry per
@@ -140,6 +171,11 @@ pub(super) struct FactoryLog {
     pub(super) bindings_live: Arc<Live>,
     /// Requests the prefill workers received, over every binding, in arrival order.
     pub(super) prefills: Arc<Mutex<Vec<GenerateRequest>>>,
+    /// Dispatches of picked requests: (target of the binding that picked, target of the
+    /// binding that dispatched).
+    pub(super) picks: Mutex<Vec<(Option<WorkerSetTargetId>, WorkerSetTargetId)>>,
+    /// The pool load every fake pick reports.
+    pub(super) pool_load: AtomicU64,
 }
 
 impl FactoryLog {
@@ -190,12 +226,14 @@ impl BindingFactory for ScriptFactory {
         let guard = LiveGuard::new(&self.log.builds_live);
         let bindings = Arc::clone(&self.log.bindings_live);
         let prefills = Arc::clone(&self.log.prefills);
+        let log = Arc::clone(&self.log);
         Box::pin(async move {
             let _guard = guard;
             let binding = move || FakeBinding {
                 target: target.id.clone(),
                 admitted: target.admitted.clone(),
                 prefills: Arc::clone(&prefills),
+                log: Arc::clone(&log),
                 _live: LiveGuard::new(&bindings),
             };
             match step {

@@ -98,7 +98,9 @@ impl Run {
             deadline,
         )
         .await;
-        if !matches!(outcome, Outcome::Completed { prefilled: true }) {
+        // A conditional skip is a healthy outcome too (its own oracles judge it).
+        let skipped = super::super::conditional::was_skipped(&self.world, id);
+        if !matches!(outcome, Outcome::Completed { prefilled: true }) && !skipped {
             self.world.violate(Violation::HealthyRequestFailed {
                 outcome: format!("{outcome:?}"),
             });
@@ -198,11 +200,13 @@ pub(super) fn check_counters(world: &World, router: &Router) {
         ),
         (
             "bypassed",
-            counters.bypassed.values().sum(),
+            // Conditional skips go to decode without prefill too, counted apart.
+            counters.bypassed.values().sum::<u64>() + super::super::conditional::skips(world),
             stats.bypass_calls,
         ),
         ("rejected", counters.rejected.values().sum(), stats.rejected),
     ];
+    super::super::conditional::check_counters(world, &counters);
     for (counter, reported, observed) in pairs {
         if reported != observed {
             world.violate(Violation::CountersDisagree {

@@ -27,6 +27,11 @@ impl Run {
         let mut rng = SimRng::new(config.seed);
         let workers = rng.between(2, 5);
         let world = World::new(config.seed, config.mutant, rng.fork(), workers);
+        world.with(|s| {
+            s.conditional.policy = config
+                .conditional_on()
+                .then_some(super::super::conditional::POLICY);
+        });
         let mut scenario = rng.fork();
         let fallback = draw_fallback(&mut scenario);
         let wait_budget = match fallback {
@@ -45,11 +50,12 @@ impl Run {
             fallback,
             name: format!("sim-{}", config.seed),
             drain_cap: None,
+            conditional: config
+                .conditional_on()
+                .then_some(super::super::conditional::POLICY),
         };
-        let router = Arc::new(PrefillRouter::new(
-            SimFactory::new(Arc::clone(&world), config.mutant),
-            router_config,
-        ));
+        let factory = SimFactory::new(Arc::clone(&world), config.mutant);
+        let router = Arc::new(PrefillRouter::new(factory, router_config));
         let source = if scenario.percent(50) {
             TargetSource::Controller
         } else {

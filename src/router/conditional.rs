@@ -1,0 +1,112 @@
+//! Conditional disaggregation: per request, skip the remote prefill and send the request to
+//! decode whole when the prefill hop would gain it nothing (issue #13 item 2).
+//!
+//! The decision is a pure function of one [`PrefillProbe`] (what the binding's pick for the
+//! request says: prompt tokens, the tokens the picked worker is expected to hold cached, the
+//! prefill pool's load per worker) and the [`ConditionalPolicy`]'s thresholds. The router
+//! probes and dispatches on the **same** binding and the same held pick (upstream loads its
+//! binding twice, once to probe and once to dispatch: its weakness W10), see `docs/router.md`.
+//!
+//! A skip is not a [`BypassReason`](crate::snapshot::BypassReason): a bypass means the pool
+//! is not usable (the snapshot says so), a skip means the pool is usable and was passed over
+//! for this request. Skips have their own type ([`ConditionalSkip`]) and counters, and appear
+//! in the `bypassed_total` metric under their own `reason` labels.
+
+use std::fmt;
+
+/// When to skip the remote prefill. Off unless configured
+/// ([`PrefillRouterConfig::conditional`](super::PrefillRouterConfig::conditional) is `None` by
+/// default); each condition is off while its threshold is `None`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ConditionalPolicy {
+    /// Skip when the prompt's uncached part (prompt tokens minus the tokens the picked worker
+    /// is expected to hold) is **below** this many tokens: a short prefill costs decode less
+    /// than the KV transfer costs the request.
+    pub min_uncached_tokens: Option<u32>,
+    /// Skip when the prefill pool holds **more** than this many queued or in-flight uncached
+    /// prefill tokens per routable worker: the request would queue behind them.
+    pub max_pool_tokens_per_worker: Option<u64>,
+}
+
+/// What a binding's pick for one request says about its prefill, for the policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefillProbe {
+    /// Tokens in the prompt.
+    pub prompt_tokens: u32,
+    /// Leading prompt tokens the picked worker is expected to hold in its KV cache (the KV
+    /// selector's overlap times the block size; 0 under the other modes).
+    pub cached_tokens: u32,
+    /// Queued or in-flight uncached prefill tokens on the binding's pool, per routable worker
+    /// (this request not included).
+    pub pool_tokens_per_worker: u64,
+}
+
+impl PrefillProbe {
+    /// A probe that knows only the prompt: nothing cached, an idle pool (bindings that do not
+    /// implement [`Prefill::pick`](super::Prefill::pick)).
+    pub fn prompt_only(prompt_tokens: usize) -> Self {
+        PrefillProbe {
+            prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
+            ..PrefillProbe::default()
+        }
+    }
+
+    /// The prompt tokens the picked worker would have to compute.
+    pub fn uncached_tokens(&self) -> u32 {
+        self.prompt_tokens.saturating_sub(self.cached_tokens)
+    }
+}
+
+/// Why a request skipped the remote prefill although the hop was Active.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ConditionalSkip {
+    /// The uncached part of the prompt was below the policy's threshold.
+    Short,
+    /// The prefill pool's load per worker was above the policy's threshold.
+    Busy,
+}
+
+impl ConditionalSkip {
+    /// Every skip reason, in a fixed order.
+    pub const ALL: [ConditionalSkip; 2] = [ConditionalSkip::Short, ConditionalSkip::Busy];
+
+    /// A short, stable, lower-case label (the `reason` of `bypassed_total`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConditionalSkip::Short => "conditional_short",
+            ConditionalSkip::Busy => "conditional_busy",
+        }
+    }
+}
+
+impl fmt::Display for ConditionalSkip {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl ConditionalPolicy {
+    /// The decision for one probe: `Some(skip)` sends the request to decode whole.
+    ///
+    /// Exactly: `Short` when `uncached < min_uncached_tokens`; otherwise `Busy` when
+    /// `pool_tokens_per_worker > max_pool_tokens_per_worker`; otherwise `None` (prefill). A
+    /// condition whose threshold is `None` never holds.
+    pub fn decide(&self, probe: &PrefillProbe) -> Option<ConditionalSkip> {
+        if self
+            .min_uncached_tokens
+            .is_some_and(|min| probe.uncached_tokens() < min)
+        {
+            return Some(ConditionalSkip::Short);
+        }
+        if self
+            .max_pool_tokens_per_worker
+            .is_some_and(|max| probe.pool_tokens_per_worker > max)
+        {
+            return Some(ConditionalSkip::Busy);
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests;
