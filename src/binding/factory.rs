@@ -287,6 +287,9 @@ impl Prefill for PrefillBinding {
 }
 
 #[cfg(test)]
+mod affinity_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::advert::{ModelCard, RouterConfig, SelectionMode};

@@ -66,8 +66,16 @@ mod tests {
     fn without_a_header_the_body_user_is_the_session() {
         let key = session_key(&HeaderMap::new(), Some("alice".into())).unwrap();
         assert_eq!(key.as_deref(), Some("alice"));
-        assert_eq!(session_key(&headers(b""), Some("bob".into())).unwrap().as_deref(), Some("bob"));
-        assert_eq!(session_key(&HeaderMap::new(), Some(String::new())).unwrap(), None);
+        assert_eq!(
+            session_key(&headers(b""), Some("bob".into()))
+                .unwrap()
+                .as_deref(),
+            Some("bob")
+        );
+        assert_eq!(
+            session_key(&HeaderMap::new(), Some(String::new())).unwrap(),
+            None
+        );
         assert_eq!(session_key(&HeaderMap::new(), None).unwrap(), None);
     }
 

@@ -238,6 +238,14 @@ impl Dispatcher {
         self
     }
 
+    /// A dispatcher running the mutant whose session affinity sends a session to its
+    /// remembered worker even when that is no longer routable.
+    #[cfg(test)]
+    pub(crate) fn with_affinity_ignores_routable_mutant(mut self) -> Self {
+        self.hooks = DispatchHooks::affinity_ignores_routable();
+        self
+    }
+
     /// The view this router picks from.
     pub fn view(&self) -> &RoutableView {
         &self.view
