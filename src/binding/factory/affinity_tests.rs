@@ -245,7 +245,7 @@ fn leaves_admission() -> Vec<Event> {
 #[test]
 fn the_admission_check_catches_affinity_that_ignores_routability() {
     for mode in [SelectionMode::RoundRobin, SelectionMode::KV] {
-        assert_eq!(run(mode.clone(), &leaves_admission(), Plant::None), Ok(()));
+        assert_eq!(run(mode, &leaves_admission(), Plant::None), Ok(()));
         let caught = run(mode, &leaves_admission(), Plant::IgnoresRoutable);
         assert!(caught.is_err_and(|e| e.contains("outside routable")));
     }
