@@ -9,7 +9,9 @@
 
 mod openai;
 mod server;
+mod session;
 pub mod tokenizer;
 
 pub use openai::ApiError;
 pub use server::{router, serve, HttpConfig};
+pub use session::{MAX_SESSION_LEN, SESSION_HEADER};

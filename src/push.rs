@@ -6,8 +6,10 @@
 //!   on a capped backoff closes it again, see [`failure_class`] and docs/health.md).
 //! - [`Dispatcher`]: modes [`PushMode::RoundRobin`], [`PushMode::Random`],
 //!   [`PushMode::Direct`] and [`PushMode::Kv`] (approximate prefix-aware selection, see
-//!   [`KvSelector`]).
+//!   [`KvSelector`]), each with optional session affinity ([`Dispatcher::with_session_affinity`]:
+//!   a session's requests stay on its worker while it stays routable, for a TTL).
 
+mod affinity;
 mod dispatcher;
 mod error;
 mod health;
@@ -19,6 +21,8 @@ mod retry_tests;
 mod select_on_tests;
 mod view;
 
+pub(crate) use affinity::AffinityTable;
+pub use affinity::{AffinityCounts, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
 pub use dispatcher::{Dispatcher, PushConfig, PushMode, RoutedStream, Selection};
 pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};

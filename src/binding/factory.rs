@@ -48,6 +48,9 @@ pub struct BindingStats {
     /// Prefills retried on another worker, by failure class (every binding's dispatcher counts
     /// here).
     pub retries: Arc<crate::push::RetryCounts>,
+    /// Session-affinity hits, misses, re-picks and evictions (every binding's dispatcher
+    /// counts here; each binding keeps its own table).
+    pub affinity: Arc<crate::push::AffinityCounts>,
 }
 
 /// Builds [`PrefillBinding`]s over a discovery backend and dispatchers.
@@ -113,6 +116,23 @@ impl BindingFactory for DefaultBindingFactory {
 }
 
 impl DefaultBindingFactory {
+    /// A new binding's dispatcher over `view`: the resolved mode, the factory's shared
+    /// counters, and session affinity at the resolved TTL in a table of its own (never one an
+    /// earlier binding used: a rebuilt binding starts empty).
+    pub(crate) fn dispatcher(&self, view: RoutableView, resolved: &PrefillConfig) -> Dispatcher {
+        let mode = PushMode::from_prefill_config(resolved, None);
+        let dispatcher = Dispatcher::new(view, mode, self.config.push.clone())
+            .with_retry_counts(Arc::clone(&self.stats.retries))
+            .with_session_affinity(
+                resolved.session_affinity_ttl,
+                Arc::clone(&self.stats.affinity),
+            );
+        let table = self
+            .hooks
+            .affinity_table(dispatcher.affinity_table().cloned());
+        dispatcher.with_affinity_table(table)
+    }
+
     async fn build_inner(
         &self,
         target: WorkerSetTarget,
@@ -141,10 +161,8 @@ impl DefaultBindingFactory {
         //    empty admission set this waits until the router's build timeout (a failure, so
         //    the machine retries), never forever.
         view.wait_for(|routable| !routable.is_empty()).await;
-        // 4. The dispatcher in the resolved mode and block size.
-        let mode = PushMode::from_prefill_config(&resolved, None);
-        let router = Dispatcher::new(view, mode, self.config.push.clone())
-            .with_retry_counts(Arc::clone(&self.stats.retries));
+        // 4. The dispatcher in the resolved mode and block size, with a fresh affinity table.
+        let router = self.dispatcher(view, &resolved);
         // 5. The resolved configuration, once per activation (upstream's log line).
         tracing::info!(
             prefill_router_mode = %resolved.router_mode,
@@ -359,8 +377,12 @@ impl Prefill for PrefillBinding {
             self.router.view().open_breakers(),
             self.router.retry_counts().snapshot(),
         )
+        .with_affinity(self.stats.affinity.snapshot())
     }
 }
+
+#[cfg(test)]
+mod affinity_tests;
 
 #[cfg(test)]
 mod tests {

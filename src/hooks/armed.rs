@@ -202,10 +202,14 @@ impl<B> RouterHooks<B> {
 
 /// The binding factory's hooks. The mutant: views ignore the admission set (the admission
 /// check must catch it).
+///
+/// Second mutant: every binding the factory builds shares the first one's session-affinity
+/// table, so a rebuilt binding inherits the old entries (the affinity checks must catch it).
 #[cfg(feature = "runtime")]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct FactoryHooks {
     ignore_admission: bool,
+    inherited_affinity: Option<Arc<parking_lot::Mutex<Option<Arc<crate::push::AffinityTable>>>>>,
 }
 
 #[cfg(feature = "runtime")]
@@ -214,7 +218,32 @@ impl FactoryHooks {
     pub(crate) fn ignore_admission() -> Self {
         FactoryHooks {
             ignore_admission: true,
+            inherited_affinity: None,
         }
+    }
+
+    /// Hooks running the mutant whose rebuilt bindings inherit the affinity table.
+    pub(crate) fn inherit_affinity() -> Self {
+        FactoryHooks {
+            ignore_admission: false,
+            inherited_affinity: Some(Arc::default()),
+        }
+    }
+
+    /// The session-affinity table of a new binding's dispatcher (the mutant: the first table
+    /// the factory ever made).
+    pub(crate) fn affinity_table(
+        &self,
+        fresh: Option<Arc<crate::push::AffinityTable>>,
+    ) -> Option<Arc<crate::push::AffinityTable>> {
+        let Some(shared) = &self.inherited_affinity else {
+            return fresh;
+        };
+        let mut shared = shared.lock();
+        if shared.is_none() {
+            *shared = fresh;
+        }
+        shared.clone()
     }
 
     /// Whether views ignore the admission set.
@@ -229,13 +258,31 @@ impl FactoryHooks {
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct DispatchHooks {
     reuse_failed: bool,
+    affinity_ignores_routable: bool,
 }
 
 #[cfg(feature = "runtime")]
 impl DispatchHooks {
     /// Hooks running the mutant whose retries reuse the failed worker.
     pub(crate) fn reuse_failed() -> Self {
-        DispatchHooks { reuse_failed: true }
+        DispatchHooks {
+            reuse_failed: true,
+            affinity_ignores_routable: false,
+        }
+    }
+
+    /// Hooks running the mutant whose session affinity sends a session to its remembered
+    /// worker whether or not it is still routable (outside admission, breaker open).
+    pub(crate) fn affinity_ignores_routable() -> Self {
+        DispatchHooks {
+            reuse_failed: false,
+            affinity_ignores_routable: true,
+        }
+    }
+
+    /// Whether a session's remembered worker must be routable to get the request.
+    pub(crate) fn affinity_checks_routable(&self) -> bool {
+        !self.affinity_ignores_routable
     }
 
     /// Whether a failed worker is excluded from the request's later attempts.

@@ -96,6 +96,15 @@ impl FactoryHooks {
     pub(crate) const fn ignores_admission(&self) -> bool {
         false
     }
+
+    /// The session-affinity table of a new binding's dispatcher: the fresh one it was given.
+    #[inline(always)]
+    pub(crate) fn affinity_table(
+        &self,
+        fresh: Option<Arc<crate::push::AffinityTable>>,
+    ) -> Option<Arc<crate::push::AffinityTable>> {
+        fresh
+    }
 }
 
 /// The dispatcher's hooks: a retry never picks a worker that failed the request.
@@ -108,6 +117,13 @@ impl DispatchHooks {
     /// Whether a failed worker is excluded from the request's later attempts: always.
     #[inline(always)]
     pub(crate) const fn excludes_failed(&self) -> bool {
+        true
+    }
+
+    /// Whether a session's remembered worker must be routable (admitted, discovered, breaker
+    /// closed) to get the request: always.
+    #[inline(always)]
+    pub(crate) const fn affinity_checks_routable(&self) -> bool {
         true
     }
 }

@@ -375,13 +375,18 @@ impl App {
         let in_flight = InFlight::new(&self.0.metrics.in_flight);
         let timeout = self.0.config.request_timeout;
         let deadline = Instant::now() + timeout;
+        let headers = request.headers().clone();
         let parsed = match self.body(request).await.and_then(|b| self.parse(kind, &b)) {
             Ok(parsed) => parsed,
             Err(error) => return error.into_response(),
         };
+        let session = match super::session::session_key(&headers, parsed.session) {
+            Ok(session) => session,
+            Err(error) => return error.into_response(),
+        };
         let prompt_tokens = parsed.token_ids.len();
         let mut request = GenerateRequest::new(parsed.token_ids, parsed.max_tokens);
-        request.session = parsed.session;
+        request.session = session;
         let mut stream = match tokio::time::timeout_at(deadline, self.0.hop.generate(request)).await
         {
             Err(_) => return ApiError::deadline(timeout).into_response(),

@@ -1,5 +1,7 @@
 //! The dispatcher.
 
+mod sessions;
+
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -11,6 +13,7 @@ use futures_core::Stream;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
+use super::affinity::{AffinityCounts, AffinityOutcome, AffinityStats, AffinityTable};
 use super::error::{Attempt, PushError, RetryCounts};
 use super::health::failure_class;
 use super::kv::{block_hashes, mix, KvSelector};
@@ -80,6 +83,11 @@ pub struct PushConfig {
     /// before the worker produced any output (default 2, so at most 3 attempts; 0 disables
     /// retries). No attempt starts past the request's deadline. See docs/health.md.
     pub retry_budget: u32,
+    /// Most sessions a dispatcher's session-affinity table remembers (least recently used
+    /// evicted first; 0 disables affinity). Default [`DEFAULT_AFFINITY_CAPACITY`].
+    ///
+    /// [`DEFAULT_AFFINITY_CAPACITY`]: super::DEFAULT_AFFINITY_CAPACITY
+    pub affinity_capacity: usize,
 }
 
 impl Default for PushConfig {
@@ -91,6 +99,7 @@ impl Default for PushConfig {
             seed: 0x5eed,
             health: BackoffPolicy::default(),
             retry_budget: 2,
+            affinity_capacity: super::DEFAULT_AFFINITY_CAPACITY,
         }
     }
 }
@@ -114,6 +123,23 @@ pub struct Dispatcher {
     /// Where the mutant whose retries reuse the failed worker breaks the pick; zero-sized in
     /// normal builds.
     hooks: DispatchHooks,
+    /// Session → worker, while younger than the binding's TTL (`None`: no affinity).
+    affinity: Option<Arc<AffinityTable>>,
+}
+
+/// What a pick chooses from: the view's shared routable set, that set minus the excluded
+/// workers, and the excluded workers.
+pub(super) type Candidates<'a> = (
+    &'a Arc<[Arc<Instance>]>,
+    &'a [Arc<Instance>],
+    &'a [InstanceId],
+);
+
+/// One pick: the instance, the KV overlap expected there, how affinity decided it.
+pub(super) struct Pick {
+    pub(super) instance: Arc<Instance>,
+    pub(super) overlap: Option<usize>,
+    pub(super) affinity: Option<AffinityOutcome>,
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -150,7 +176,52 @@ impl Dispatcher {
             loads: Arc::default(),
             retries: Arc::default(),
             hooks: DispatchHooks::default(),
+            affinity: None,
         }
+    }
+
+    /// Turn on session affinity: a request with a session key goes to the worker its session
+    /// last went to while that was less than `ttl` ago and the worker is still routable
+    /// (`None`: no affinity, as when [`PushConfig::affinity_capacity`] is 0). Counted in
+    /// `counts` (shared, e.g. by every binding of one factory). `Direct` mode ignores it.
+    #[must_use]
+    pub fn with_session_affinity(self, ttl: Option<Duration>, counts: Arc<AffinityCounts>) -> Self {
+        let capacity = self.config.affinity_capacity;
+        let table = ttl
+            .filter(|_| capacity > 0)
+            .map(|ttl| Arc::new(AffinityTable::new(ttl, capacity, counts)));
+        self.with_affinity_table(table)
+    }
+
+    /// Use `table` as this dispatcher's affinity table (the factory's hook decides which).
+    #[must_use]
+    pub(crate) fn with_affinity_table(mut self, table: Option<Arc<AffinityTable>>) -> Self {
+        self.affinity = table;
+        self
+    }
+
+    /// This dispatcher's affinity table, if affinity is on.
+    pub(crate) fn affinity_table(&self) -> Option<&Arc<AffinityTable>> {
+        self.affinity.as_ref()
+    }
+
+    /// The session-affinity TTL (`None`: no affinity).
+    pub fn session_affinity_ttl(&self) -> Option<Duration> {
+        self.affinity.as_ref().map(|t| t.ttl())
+    }
+
+    /// Sessions remembered now (expired entries not yet collected included; never above
+    /// [`PushConfig::affinity_capacity`]).
+    pub fn affinity_len(&self) -> usize {
+        self.affinity.as_ref().map_or(0, |t| t.len())
+    }
+
+    /// The affinity counters (shared ones, if the dispatcher was given shared counts).
+    pub fn affinity_stats(&self) -> AffinityStats {
+        self.affinity
+            .as_ref()
+            .map(|t| t.counts().snapshot())
+            .unwrap_or_default()
     }
 
     /// Count this dispatcher's retries in `counts` (shared, e.g. by every binding of one
@@ -170,6 +241,14 @@ impl Dispatcher {
     #[cfg(test)]
     pub(crate) fn with_reuse_failed_mutant(mut self) -> Self {
         self.hooks = DispatchHooks::reuse_failed();
+        self
+    }
+
+    /// A dispatcher running the mutant whose session affinity sends a session to its
+    /// remembered worker even when that is no longer routable.
+    #[cfg(test)]
+    pub(crate) fn with_affinity_ignores_routable_mutant(mut self) -> Self {
+        self.hooks = DispatchHooks::affinity_ignores_routable();
         self
     }
 
@@ -194,7 +273,7 @@ impl Dispatcher {
     /// Pick an instance for `request` per the mode, without sending anything. In KV mode the
     /// pick is remembered (the request's blocks are attributed to the chosen worker).
     pub fn select(&self, request: &GenerateRequest) -> Result<Arc<Instance>, PushError> {
-        self.select_with_overlap(request, &[]).map(|(i, _)| i)
+        self.select_with_overlap(request, &[]).map(|p| p.instance)
     }
 
     /// As [`select`](Self::select), never picking an instance in `excluded` (the workers a
@@ -204,16 +283,21 @@ impl Dispatcher {
         request: &GenerateRequest,
         excluded: &[InstanceId],
     ) -> Result<Arc<Instance>, PushError> {
-        self.select_with_overlap(request, excluded).map(|(i, _)| i)
+        self.select_with_overlap(request, excluded)
+            .map(|p| p.instance)
     }
 
     fn select_with_overlap(
         &self,
         request: &GenerateRequest,
         excluded: &[InstanceId],
-    ) -> Result<(Arc<Instance>, Option<usize>), PushError> {
+    ) -> Result<Pick, PushError> {
         if let PushMode::Direct(id) = self.mode {
-            return self.direct_target(id).map(|i| (i, None));
+            return self.direct_target(id).map(|instance| Pick {
+                instance,
+                overlap: None,
+                affinity: None,
+            });
         }
         let all = self.view.routable();
         // The common case (a first attempt) reads the shared snapshot as is.
@@ -228,6 +312,27 @@ impl Dispatcher {
         if routable.is_empty() {
             return Err(PushError::NoRoutableInstances);
         }
+        match (&self.affinity, request.session.as_deref()) {
+            (Some(table), Some(session)) => {
+                self.pick_for_session(table, session, request, (&all, &routable, excluded))
+            }
+            _ => self
+                .pick(request, (&all, &routable, excluded))
+                .map(|(instance, overlap)| Pick {
+                    instance,
+                    overlap,
+                    affinity: None,
+                }),
+        }
+    }
+
+    /// The mode's pick among `routable` (not empty): `all` is the view's shared set, `routable`
+    /// that set minus `excluded` (the KV mode reads `all` and skips `excluded` itself).
+    pub(super) fn pick(
+        &self,
+        request: &GenerateRequest,
+        (all, routable, excluded): Candidates<'_>,
+    ) -> Result<(Arc<Instance>, Option<usize>), PushError> {
         match &self.mode {
             PushMode::RoundRobin => {
                 let n = self.next.fetch_add(1, Ordering::Relaxed);
@@ -248,8 +353,8 @@ impl Dispatcher {
                 // The view hands out one shared set until it changes: re-sync the board's
                 // members, and drop indexed workers that left, only then (O(pool) per change,
                 // O(1) per request).
-                if !board.has_members(&all) {
-                    board.set_members(Arc::clone(&all));
+                if !board.has_members(all) {
+                    board.set_members(Arc::clone(all));
                     self.prune_kv_index(&mut kv.lock());
                 }
                 let mut kv = kv.lock();
@@ -273,7 +378,11 @@ impl Dispatcher {
     /// [`Selection`] counts as one request in flight on the instance (the KV load term) until
     /// dropped, exactly as a routed stream does.
     pub fn select_held(&self, request: &GenerateRequest) -> Result<Selection, PushError> {
-        let (instance, overlap) = self.select_with_overlap(request, &[])?;
+        let Pick {
+            instance,
+            overlap,
+            affinity,
+        } = self.select_with_overlap(request, &[])?;
         let load = self
             .kv
             .is_some()
@@ -281,6 +390,7 @@ impl Dispatcher {
         Ok(Selection {
             instance,
             overlap,
+            affinity,
             _load: load,
         })
     }
@@ -314,8 +424,8 @@ impl Dispatcher {
             self.config.retry_budget
         };
         if budget == 0 {
-            let (instance, overlap) = self.select_with_overlap(&request, &[])?;
-            return self.dispatch(instance, overlap, request, deadline).await;
+            let pick = self.select_with_overlap(&request, &[])?;
+            return self.dispatch(pick, request, deadline).await;
         }
         let mut attempts: Vec<Attempt> = Vec::new();
         let mut excluded: Vec<InstanceId> = Vec::new();
@@ -325,11 +435,11 @@ impl Dispatcher {
             let Some(current) = request.as_ref() else {
                 return Err(exhausted(attempts, PushError::NoRoutableInstances));
             };
-            let (instance, overlap) = match self.select_with_overlap(current, &excluded) {
+            let pick = match self.select_with_overlap(current, &excluded) {
                 Ok(pick) => pick,
                 Err(e) => return Err(exhausted(attempts, e)),
             };
-            let id = instance.instance_id;
+            let id = pick.instance.instance_id;
             let last = attempts.len() >= budget as usize;
             // Keep a copy only while another attempt may follow.
             let this = if last {
@@ -338,10 +448,7 @@ impl Dispatcher {
                 request.clone()
             }
             .unwrap_or_default();
-            let failure = match self
-                .dispatch_classified(instance, overlap, this, deadline)
-                .await
-            {
+            let failure = match self.dispatch_classified(pick, this, deadline).await {
                 // Every attempt reads its first item ahead, the last one too: a request that was
                 // retried ends with one error listing its attempts, never a stream error.
                 Ok(mut stream) => match stream.peek().await {
@@ -376,28 +483,36 @@ impl Dispatcher {
     ) -> Result<RoutedStream, PushError> {
         let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
         let target = self.direct_target(instance)?;
-        self.dispatch(target, None, request, deadline).await
+        let pick = Pick {
+            instance: target,
+            overlap: None,
+            affinity: None,
+        };
+        self.dispatch(pick, request, deadline).await
     }
 
     async fn dispatch(
         &self,
-        instance: Arc<Instance>,
-        overlap: Option<usize>,
+        pick: Pick,
         request: GenerateRequest,
         deadline: Option<Instant>,
     ) -> Result<RoutedStream, PushError> {
-        self.dispatch_classified(instance, overlap, request, deadline)
+        self.dispatch_classified(pick, request, deadline)
             .await
             .map_err(|(e, _)| e)
     }
 
     async fn dispatch_classified(
         &self,
-        instance: Arc<Instance>,
-        overlap: Option<usize>,
+        pick: Pick,
         request: GenerateRequest,
         deadline: Option<Instant>,
     ) -> Result<RoutedStream, (PushError, FailureClass)> {
+        let Pick {
+            instance,
+            overlap,
+            affinity,
+        } = pick;
         let id = instance.instance_id;
         let load = self.kv.is_some().then(|| LoadGuard::new(&self.loads, id));
         let send = async {
@@ -414,6 +529,7 @@ impl Dispatcher {
             Ok(inner) => Ok(RoutedStream {
                 instance: id,
                 overlap,
+                affinity,
                 inner,
                 view: self.view.clone(),
                 peeked: None,
@@ -580,6 +696,7 @@ impl Drop for LoadGuard {
 pub struct Selection {
     instance: Arc<Instance>,
     overlap: Option<usize>,
+    affinity: Option<AffinityOutcome>,
     _load: Option<LoadGuard>,
 }
 
@@ -602,6 +719,11 @@ impl Selection {
     pub fn expected_overlap_blocks(&self) -> Option<usize> {
         self.overlap
     }
+
+    /// How session affinity decided the pick (`None`: no session key, or affinity off).
+    pub fn affinity(&self) -> Option<AffinityOutcome> {
+        self.affinity
+    }
 }
 
 /// The responses of a routed request, and which instance serves it. Dropping it cancels the
@@ -609,6 +731,7 @@ impl Selection {
 pub struct RoutedStream {
     instance: InstanceId,
     overlap: Option<usize>,
+    affinity: Option<AffinityOutcome>,
     inner: ResponseStream,
     view: RoutableView,
     /// The first item, read ahead by a retrying `generate` (`Some(None)`: the stream ended).
@@ -634,6 +757,11 @@ impl RoutedStream {
     /// In KV mode, the leading blocks the selector expected the worker to have cached.
     pub fn expected_overlap_blocks(&self) -> Option<usize> {
         self.overlap
+    }
+
+    /// How session affinity decided the pick (`None`: no session key, or affinity off).
+    pub fn affinity(&self) -> Option<AffinityOutcome> {
+        self.affinity
     }
 
     /// Read the first item ahead. An error is returned with its class (the stream is then

@@ -47,13 +47,10 @@ fn instance(id: InstanceId) -> Instance {
     }
 }
 
-/// The request index the replay writes into `GenerateRequest::session` (`req-<index>`).
+/// The request index the replay writes into `GenerateRequest::request_id` (the session key
+/// is left to session affinity).
 pub(crate) fn request_index(request: &GenerateRequest) -> Option<usize> {
-    request
-        .session
-        .as_deref()
-        .and_then(|s| s.strip_prefix("req-"))
-        .and_then(|n| n.parse().ok())
+    request.request_id.and_then(|i| usize::try_from(i).ok())
 }
 
 /// What one prefill found and cost.

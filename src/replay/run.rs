@@ -337,7 +337,7 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         let request = GenerateRequest {
             token_ids: prompt(record, config.policy),
             max_tokens: record.output_length.max(1),
-            session: Some(format!("req-{index}")),
+            request_id: Some(index as u64),
             ..GenerateRequest::default()
         };
         let router = Arc::clone(&router);

@@ -227,6 +227,9 @@ pub struct BindingHealth {
     pub open_breakers: usize,
     /// Prefills retried on another worker, by the class of the failure that caused the retry.
     pub retries: BTreeMap<FailureClass, u64>,
+    /// Session-affinity counters of the binding's dispatcher (the default factory's bindings
+    /// share one count, so it does not restart with a rebuild).
+    pub affinity: crate::push::AffinityStats,
 }
 
 impl BindingHealth {
@@ -235,7 +238,15 @@ impl BindingHealth {
         BindingHealth {
             open_breakers,
             retries,
+            affinity: crate::push::AffinityStats::default(),
         }
+    }
+
+    /// This report with these session-affinity counters.
+    #[must_use]
+    pub fn with_affinity(mut self, affinity: crate::push::AffinityStats) -> Self {
+        self.affinity = affinity;
+        self
     }
 }
 

@@ -25,6 +25,9 @@
 //! | `rerouted_total` | counter | requests routed again: their binding was retired before they picked a worker |
 //! | `open_breakers` | gauge | the serving binding's instances whose health breaker is open (0 when not Active) |
 //! | `prefill_retries_total{class}` | counter | prefills retried on another worker, by the failure's class (the serving binding's; the default factory's bindings share one count) |
+//! | `affinity_total{outcome}` | counter | prefills of requests with a session key, by how session affinity decided them: `hit` (remembered worker), `miss` (no live entry), `repick` (remembered worker not routable; the entry moved) |
+//! | `affinity_evictions_total` | counter | affinity entries evicted to keep a binding's table within its cap |
+//! | `affinity_expired_total` | counter | affinity entries dropped after their TTL |
 
 use std::fmt;
 use std::sync::Weak;
@@ -234,6 +237,33 @@ impl Collector for RouterCollector {
                 ConstCounter::new(s.health.retries.get(&class).copied().unwrap_or(0)).encode(m)?;
             }
         }
+        let a = s.health.affinity;
+        {
+            let kind = ConstCounter::new(0u64).metric_type();
+            let mut family = e.encode_descriptor(
+                "affinity",
+                "Prefills of requests with a session key, by how session affinity decided them",
+                None,
+                kind,
+            )?;
+            for (outcome, value) in [("hit", a.hits), ("miss", a.misses), ("repick", a.repicks)] {
+                let labels = [("outcome", outcome)];
+                let m = family.encode_family(&labels)?;
+                ConstCounter::new(value).encode(m)?;
+            }
+        }
+        counter(
+            e,
+            "affinity_evictions",
+            "Session-affinity entries evicted to keep a table within its cap",
+            a.evictions,
+        )?;
+        counter(
+            e,
+            "affinity_expired",
+            "Session-affinity entries dropped after their TTL",
+            a.expired,
+        )?;
         Ok(())
     }
 }

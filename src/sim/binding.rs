@@ -23,14 +23,10 @@ use crate::router::{
 };
 use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 
-/// The request id the simulator writes into `GenerateRequest::session` (`req-<id>`).
+/// The request id the simulator writes into `GenerateRequest::request_id` (the session key
+/// is left to session affinity).
 pub(crate) fn request_id(request: &GenerateRequest) -> u64 {
-    request
-        .session
-        .as_deref()
-        .and_then(|s| s.strip_prefix("req-"))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(u64::MAX)
+    request.request_id.unwrap_or(u64::MAX)
 }
 
 /// Keys of the decision streams (see `World::keyed`).

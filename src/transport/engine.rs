@@ -14,13 +14,20 @@ pub struct GenerateRequest {
     pub token_ids: Vec<u32>,
     /// How many tokens to generate; a disaggregated prefill hop sends 1.
     pub max_tokens: u32,
-    /// A conversation or session key (for affinity and for the engine's own bookkeeping).
+    /// A conversation or session key: requests sharing one prefill on the same worker while
+    /// the binding's session-affinity TTL allows (docs/router.md), and the engine may use it
+    /// for its own bookkeeping.
     pub session: Option<String>,
     /// Tokens that end generation early.
     pub stop_token_ids: Vec<u32>,
     /// The KV-cache location a decode worker should pull from, when this request is the decode
     /// half of a handoff (the prefill response's [`PrefillInfo`]).
     pub handoff: Option<PrefillInfo>,
+    /// The caller's own id for this request, for in-process engines that need to recognise
+    /// it (the simulator, the trace replay). Never routed on and never sent on the wire (not
+    /// serialized: frames are unchanged, and a decoded request has `None`).
+    #[serde(skip)]
+    pub request_id: Option<u64>,
 }
 
 impl GenerateRequest {

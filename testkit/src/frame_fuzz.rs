@@ -105,6 +105,8 @@ impl FrameSeed {
                     session: session.clone(),
                     stop_token_ids: stop_token_ids.clone(),
                     handoff: handoff.as_ref().map(PrefillSeed::info),
+                    // Process-local, never on the wire.
+                    request_id: None,
                 },
             },
             FrameSeed::Cancel(id) => Frame::Cancel { id: *id },

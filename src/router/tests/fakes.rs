@@ -130,8 +130,8 @@ impl Prefill for FakeBinding {
         self.prefill(request)
     }
 
-    /// One open breaker per admitted instance past the first, and one overload retry per
-    /// prefill served: distinct values for the metrics test to find.
+    /// One open breaker per admitted instance past the first, one overload retry and two
+    /// affinity hits per prefill served: distinct values for the metrics test to find.
     fn health(&self) -> crate::router::BindingHealth {
         let open = self.admitted.borrow().len().saturating_sub(1);
         let served = self.prefills.lock().len() as u64;
@@ -139,6 +139,13 @@ impl Prefill for FakeBinding {
             open,
             [(crate::health::FailureClass::Overloaded, served)].into(),
         )
+        .with_affinity(crate::push::AffinityStats {
+            hits: 2 * served,
+            misses: 3,
+            repicks: 4,
+            evictions: 5,
+            expired: 6,
+        })
     }
 }
 

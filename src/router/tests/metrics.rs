@@ -69,6 +69,11 @@ async fn metrics_report_lifecycle_activations_failures_bypasses_and_worker_healt
         r#"prefill_router_prefill_retries_total{router="llama",class="overloaded"} 1"#,
         r#"prefill_router_prefill_retries_total{router="llama",class="connection_refused"} 0"#,
         r#"prefill_router_prefill_retries_total{router="llama",class="deadline"} 0"#,
+        r#"prefill_router_affinity_total{router="llama",outcome="hit"} 2"#,
+        r#"prefill_router_affinity_total{router="llama",outcome="miss"} 3"#,
+        r#"prefill_router_affinity_total{router="llama",outcome="repick"} 4"#,
+        r#"prefill_router_affinity_evictions_total{router="llama"} 5"#,
+        r#"prefill_router_affinity_expired_total{router="llama"} 6"#,
     ] {
         assert!(has(&text, line), "missing {line:?} in\n{text}");
     }

@@ -58,7 +58,7 @@ impl Run {
         let request = GenerateRequest {
             token_ids: tokens,
             max_tokens,
-            session: Some(format!("req-{id}")),
+            request_id: Some(id),
             ..GenerateRequest::default()
         };
         let deadline = self.wait_budget
