@@ -235,3 +235,93 @@ fn real_trace_events_give_stale_credit_only_when_batches_are_lost_or_late() {
         "{lossy}"
     );
 }
+
+/// Four conversations of four turns, interleaved, ten seconds apart: turn *t* of
+/// conversation *c* repeats the conversation's earlier blocks and adds one. Three round-robin
+/// workers scatter the turns; session affinity keeps each conversation on one worker.
+fn conversations() -> Vec<TraceRecord> {
+    let mut lines = String::new();
+    for turn in 0..4u64 {
+        for conv in 0..4u64 {
+            let mut ids = vec![0, 100 * (conv + 1)];
+            ids.extend((1..=turn).map(|t| 100 * (conv + 1) + t));
+            let at = (turn * 4 + conv) * 10_000;
+            lines.push_str(&format!(
+                "{{\"timestamp\": {at}, \"input_length\": {}, \"output_length\": 4, \"hash_ids\": {ids:?}}}\n",
+                ids.len() * 512
+            ));
+        }
+    }
+    parse_trace(lines.as_bytes()).expect("synthetic trace parses")
+}
+
+#[test]
+fn session_affinity_keeps_every_later_turn_on_its_conversations_worker() {
+    use std::time::Duration;
+
+    let trace = conversations();
+    let with_ttl = |ttl: Option<Duration>| {
+        run(
+            &ReplayConfig {
+                workers: 3,
+                session_affinity: ttl,
+                ..ReplayConfig::new(Policy::RoundRobin)
+            },
+            &trace,
+        )
+        .unwrap()
+    };
+    let off = with_ttl(None);
+    let on = with_ttl(Some(Duration::from_secs(60)));
+    let expired = with_ttl(Some(Duration::from_secs(5)));
+    eprintln!("{off}\n{on}\n{expired}");
+    for r in [&off, &on, &expired] {
+        assert_eq!((r.requests, r.lost), (16, 0), "{r}");
+    }
+    assert!(off.affinity.is_none());
+    let stats = on.affinity.clone().expect("affinity report");
+    // The first turn of each conversation is a miss, every later one a hit.
+    assert_eq!(
+        (stats.hits, stats.misses, stats.repicks),
+        (12, 4, 0),
+        "{on}"
+    );
+    // Turn t (t >= 1) then finds its t + 1 earlier blocks; only block 0 can miss.
+    assert!(
+        on.cached_blocks >= 4 * (2 + 3 + 4),
+        "every later turn hits its whole history: {on}"
+    );
+    assert!(on.prefix_hit_rate > off.prefix_hit_rate, "{on}\n{off}");
+    // Turns 40 s apart outlive a 5 s TTL: no hits, every turn a miss.
+    let stats = expired.affinity.clone().expect("affinity report");
+    assert_eq!((stats.hits, stats.misses), (0, 16), "{expired}");
+    assert!(on.label().ends_with("affinity 60 s"), "{}", on.label());
+}
+
+/// On the real trace (a session per conversation), affinity lifts round-robin's hit rate.
+#[test]
+fn real_trace_affinity_lifts_round_robins_hit_rate() {
+    use std::time::Duration;
+
+    let Some(trace) = real_trace() else {
+        return;
+    };
+    let report = |ttl| {
+        run(
+            &ReplayConfig {
+                limit: Some(3_000),
+                session_affinity: ttl,
+                ..ReplayConfig::new(Policy::RoundRobin)
+            },
+            &trace,
+        )
+        .unwrap()
+    };
+    let (off, on) = (report(None), report(Some(Duration::from_secs(600))));
+    eprintln!("{off}\n{on}");
+    assert_eq!((off.lost, on.lost), (0, 0));
+    let stats = on.affinity.clone().expect("affinity report");
+    assert!(stats.hits > 0, "{on}");
+    assert_eq!(stats.hits + stats.misses + stats.repicks, 3_000, "{on}");
+    assert!(on.prefix_hit_rate > off.prefix_hit_rate, "{on}\n{off}");
+}

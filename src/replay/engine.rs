@@ -25,7 +25,8 @@ use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::kv_events::EventBatch;
 use crate::mock::BlockCache;
 use crate::push::{
-    mix, Dispatcher, KvSelector, PushConfig, PushError, PushMode, RoutableView, Selection,
+    mix, AffinityCounts, Dispatcher, KvSelector, PushConfig, PushError, PushMode, RoutableView,
+    Selection,
 };
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
@@ -166,6 +167,10 @@ pub(crate) struct Shared {
     pub(crate) served: Mutex<Vec<Option<Served>>>,
     /// Bindings the factory built (a flap that reuses the binding builds none).
     pub(crate) builds: AtomicU64,
+    /// The session-affinity TTL each binding's dispatcher gets (`None`: off).
+    pub(crate) affinity_ttl: Option<Duration>,
+    /// Affinity outcomes over every binding.
+    pub(crate) affinity: Arc<AffinityCounts>,
 }
 
 impl Shared {
@@ -289,14 +294,18 @@ impl ReplayBinding {
         for &id in target.admitted.borrow().iter() {
             view.apply(InstanceEvent::Added(instance(id)));
         }
-        let push = Arc::new(Dispatcher::new(
-            view.clone(),
-            mode,
-            PushConfig {
-                seed: shared.seed,
-                ..PushConfig::default()
-            },
-        ));
+        let push = Arc::new(
+            Dispatcher::new(
+                view.clone(),
+                mode,
+                PushConfig {
+                    seed: shared.seed,
+                    ..PushConfig::default()
+                },
+            )
+            // A fresh table per binding, as the default factory builds it.
+            .with_session_affinity(shared.affinity_ttl, Arc::clone(&shared.affinity)),
+        );
         if shared.policy == Policy::KvEvents {
             // A new binding learns the caches from the workers' next events on.
             shared.subscribers.lock().push(Arc::downgrade(&push));

@@ -120,6 +120,8 @@ pub struct ReplayReport {
     pub skipped: u64,
     /// `skipped / requests`.
     pub skipped_share: f64,
+    /// Session affinity's outcomes, if the replay ran with it.
+    pub affinity: Option<AffinityReport>,
     /// Uncached prompt tokens each worker prefilled, by worker id.
     pub prefill_tokens: Vec<u64>,
     /// Max over mean of `prefill_tokens` (1 = perfectly balanced).
@@ -143,6 +145,24 @@ pub struct ReplayReport {
     pub wall_s: f64,
     /// Requests replayed per wall-clock second.
     pub requests_per_s: f64,
+}
+
+impl ReplayReport {
+    /// The run's name: the policy, with its conditional policy and affinity TTL if any
+    /// (`round-robin, affinity 600 s`).
+    pub fn label(&self) -> String {
+        let conditional = self
+            .conditional
+            .as_ref()
+            .map(|c| format!(", conditional {c}"))
+            .unwrap_or_default();
+        let affinity = self
+            .affinity
+            .as_ref()
+            .map(|a| format!(", affinity {:.0} s", a.ttl_s))
+            .unwrap_or_default();
+        format!("{}{conditional}{affinity}", self.policy)
+    }
 }
 
 impl fmt::Display for ReplayReport {
@@ -175,6 +195,13 @@ impl fmt::Display for ReplayReport {
                 self.skipped_share * 100.0
             )?;
         }
+        if let Some(a) = &self.affinity {
+            write!(
+                f,
+                "\n            affinity ttl {:.0} s: {} hits, {} misses, {} re-picks, {} evictions",
+                a.ttl_s, a.hits, a.misses, a.repicks, a.evictions
+            )?;
+        }
         if let Some(e) = &self.event {
             write!(
                 f,
@@ -195,4 +222,19 @@ impl fmt::Display for ReplayReport {
         }
         Ok(())
     }
+}
+
+/// Session affinity over one replay (all bindings together).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AffinityReport {
+    /// The TTL of a session's entry, in seconds.
+    pub ttl_s: f64,
+    /// Requests sent to their session's remembered worker.
+    pub hits: u64,
+    /// Requests whose session had no live entry (new, or expired): picked by the policy.
+    pub misses: u64,
+    /// Requests whose remembered worker was no longer routable: picked again, entry moved.
+    pub repicks: u64,
+    /// Entries evicted by the table's capacity.
+    pub evictions: u64,
 }

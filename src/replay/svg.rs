@@ -37,7 +37,7 @@ pub fn svg(title: &str, reports: &[ReplayReport]) -> String {
             COLORS[i % COLORS.len()],
             PAD + 18.0,
             y,
-            escape(&r.policy),
+            escape(&r.label()),
             r.prefix_hit_rate * 100.0,
             r.ceiling * 100.0,
             r.ttft_ms.p50,

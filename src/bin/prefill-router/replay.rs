@@ -1,6 +1,7 @@
 //! `prefill-router replay`: a request trace through the router in virtual time, per policy.
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use prefill_router::router::ConditionalPolicy;
 
@@ -12,7 +13,7 @@ usage: prefill-router replay --trace FILE [--workers N] [--policy P] [--cache-bl
                              [--limit K] [--json OUT] [--svg OUT] [--quiet]
                              [--retarget-at T | --flap-at T | --flap-rebuild-at T]
                              [--event-loss-every K] [--event-delay-ms D]
-                             [--conditional SPECS]
+                             [--conditional SPECS] [--affinity SPECS]
 
 Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
 hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and dispatchers
@@ -22,7 +23,7 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
   --trace FILE       the trace (required)
   --workers N        prefill workers (default 6)
   --policy P         kv | kv-events | kv-oracle | dynamo | round-robin | random | all
-                     (default kv; all runs each)
+                     (default kv; all runs each; a comma-separated list runs those)
   --cache-blocks C   KV blocks per worker, LRU (default unbounded)
   --limit K          replay only the first K requests
   --json OUT         also write the reports as JSON to OUT
@@ -38,6 +39,9 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
                      policy): `off`, `short:N` (skip when under N uncached tokens), `busy:M`
                      (skip when the pool holds over M uncached tokens per worker), or
                      `short:N+busy:M` (default: off only)
+  --affinity SPECS   session affinity (a session is a conversation), one run per
+                     comma-separated spec (and policy and conditional spec): `off` or a TTL
+                     in seconds (default: off only); kv, kv-events, round-robin, random
 (needs the `cli` feature: cargo run --release --features cli -- replay ...)";
 
 /// Parsed options.
@@ -58,6 +62,24 @@ pub struct ReplayOptions {
     event_delay_ms: u64,
     /// The conditional policies to run (`None`: off).
     conditional: Vec<Option<ConditionalPolicy>>,
+    /// The session-affinity TTLs to run (`None`: off).
+    affinity: Vec<Option<Duration>>,
+}
+
+/// One `--affinity` spec: `off` or a TTL in seconds (> 0, finite).
+fn parse_affinity(spec: &str) -> Result<Option<Duration>, CliError> {
+    if spec == "off" {
+        return Ok(None);
+    }
+    spec.parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .map(|s| Some(Duration::from_secs_f64(s)))
+        .ok_or_else(|| {
+            CliError::Usage(format!(
+                "bad --affinity spec `{spec}` (off | a TTL in seconds)"
+            ))
+        })
 }
 
 /// One `--conditional` spec: `off`, `short:N`, `busy:M` or both joined by `+`.
@@ -100,6 +122,7 @@ impl ReplayOptions {
             event_loss_every: 0,
             event_delay_ms: 0,
             conditional: vec![None],
+            affinity: vec![None],
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -124,6 +147,13 @@ impl ReplayOptions {
                         .map(parse_conditional)
                         .collect::<Result<_, _>>()?;
                 }
+                "--affinity" => {
+                    options.affinity = flags
+                        .value(flag)?
+                        .split(',')
+                        .map(parse_affinity)
+                        .collect::<Result<_, _>>()?;
+                }
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
             }
@@ -138,12 +168,13 @@ impl ReplayOptions {
         if options.workers == 0 {
             return Err(CliError::Usage("--workers must be at least 1".into()));
         }
-        if options.policy != "all"
-            && prefill_router::replay::Policy::parse(&options.policy).is_none()
+        if let Some(bad) = options
+            .policy
+            .split(',')
+            .find(|p| *p != "all" && prefill_router::replay::Policy::parse(p).is_none())
         {
             return Err(CliError::Usage(format!(
-                "unknown policy `{}` (kv | kv-events | kv-oracle | dynamo | round-robin | random | all)",
-                options.policy
+                "unknown policy `{bad}` (kv | kv-events | kv-oracle | dynamo | round-robin | random | all)"
             )));
         }
         Ok(options)
@@ -165,17 +196,23 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let policies: Vec<Policy> = match Policy::parse(&options.policy) {
-        Some(policy) => vec![policy],
-        None => Policy::ALL.to_vec(),
-    };
+    // Parse checked every name; `all` expands in place.
+    let policies: Vec<Policy> = options
+        .policy
+        .split(',')
+        .flat_map(|name| Policy::parse(name).map_or(Policy::ALL.to_vec(), |p| vec![p]))
+        .collect();
     let mut reports = Vec::new();
-    let runs = policies
-        .iter()
-        .flat_map(|&p| options.conditional.iter().map(move |&c| (p, c)));
-    for (policy, conditional) in runs {
+    let runs = policies.iter().flat_map(|&p| {
+        options
+            .conditional
+            .iter()
+            .flat_map(move |&c| options.affinity.iter().map(move |&a| (p, c, a)))
+    });
+    for (policy, conditional, session_affinity) in runs {
         let config = ReplayConfig {
             conditional,
+            session_affinity,
             workers: options.workers,
             cache_blocks: options.cache_blocks,
             limit: options.limit,
@@ -232,4 +269,48 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<ReplayOptions, CliError> {
+        let args: Vec<String> = args.iter().map(|&a| a.to_owned()).collect();
+        ReplayOptions::parse(&args)
+    }
+
+    #[test]
+    fn affinity_specs_parse_to_ttls_and_bad_ones_are_usage_errors() {
+        let Ok(options) = parse(&["--trace", "t", "--affinity", "off,600,0.5"]) else {
+            panic!("valid --affinity specs refused");
+        };
+        assert_eq!(
+            options.affinity,
+            vec![
+                None,
+                Some(Duration::from_secs(600)),
+                Some(Duration::from_millis(500))
+            ]
+        );
+        for bad in ["0", "-3", "nan", "inf", "ten", ""] {
+            assert!(
+                matches!(
+                    parse(&["--trace", "t", "--affinity", bad]),
+                    Err(CliError::Usage(_))
+                ),
+                "{bad:?} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn policy_lists_name_known_policies_only() {
+        assert!(parse(&["--trace", "t", "--policy", "kv,round-robin"]).is_ok());
+        assert!(parse(&["--trace", "t", "--policy", "all"]).is_ok());
+        match parse(&["--trace", "t", "--policy", "kv,nope"]) {
+            Err(CliError::Usage(message)) => assert!(message.contains("`nope`"), "{message}"),
+            _ => panic!("an unknown policy in a list is a usage error"),
+        }
+    }
 }
