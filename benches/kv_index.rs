@@ -116,6 +116,9 @@ fn select(c: &mut Criterion) {
         let board = board(n);
         for (name, events) in [("events", true), ("prediction", false)] {
             let kv = pool(n, events);
+            // The board listing every holder one by one (no load-order walk for a widely held
+            // prefix): what `select_on` did before the deep limit.
+            let listing = events.then(|| pool(n, events).with_deep_limit(usize::MAX));
             let conversation = chain((n / 2) * CHAINS_PER_WORKER + 1);
             let shared = shared_chain((n / 2) * CHAINS_PER_WORKER);
             for (shape, hashes) in [("conversation", &conversation), ("shared-prefix", &shared)] {
@@ -127,7 +130,16 @@ fn select(c: &mut Criterion) {
                         black_box(kv.select(black_box(hashes), &candidates, r))
                     })
                 });
-                // ...and the holders plus one least-loaded worker (what the dispatcher runs).
+                if let Some(listing) = &listing {
+                    let id = BenchmarkId::new(format!("{name}/{shape}/every-holder"), n);
+                    group.bench_function(id, |b| {
+                        b.iter(|| {
+                            r = r.wrapping_add(1);
+                            black_box(listing.select_on(black_box(hashes), &board, &[], r))
+                        })
+                    });
+                }
+                // ...and the deep holders plus the load-order walk (what the dispatcher runs).
                 group.bench_function(BenchmarkId::new(format!("{name}/{shape}/board"), n), |b| {
                     b.iter(|| {
                         r = r.wrapping_add(1);

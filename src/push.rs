@@ -28,7 +28,7 @@ pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 #[cfg(feature = "sim")]
 pub(crate) use kv::mix;
-pub use kv::{block_hashes, KvSelector};
+pub use kv::{block_hashes, KvSelector, DEEP_HOLDERS_LIMIT};
 pub use load_board::LoadBoard;
 
 /// The former name of [`Dispatcher`] ("router" now names only the prefill router).

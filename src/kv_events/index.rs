@@ -256,7 +256,7 @@ impl KvIndex {
         let Some(first) = hashes.first().and_then(|h| self.holders.get(h)) else {
             return;
         };
-        let mut depth = hashes.len();
+        let depth = hashes.len();
         // While every holder of the first block still matches, `active` is not materialised.
         let mut i = 1;
         while i < hashes.len() {
@@ -266,13 +266,59 @@ impl KvIndex {
             }
         }
         out.extend(first.iter().map(|&w| (w, depth)));
-        if i == hashes.len() {
+        self.narrow(hashes, i, out);
+    }
+
+    /// The holders of a request's deep blocks only: with `k` the first block of `hashes` held
+    /// by at most `limit` workers, every worker holding blocks `0..=k`, with its leading
+    /// blocks, written to `out` (cleared first) sorted by worker; returns `k`. Every worker
+    /// *not* listed holds at most `k` leading blocks. So a shared prefix held by the whole pool
+    /// costs O(k) here instead of O(pool) (the caller bounds the rest with the load order).
+    /// `k == 0` is [`overlaps`](Self::overlaps); `k == hashes.len()` (every block widely held)
+    /// lists nobody.
+    pub fn deep_overlaps(
+        &self,
+        hashes: &[u64],
+        limit: usize,
+        out: &mut Vec<(InstanceId, usize)>,
+    ) -> usize {
+        let held_by = |h: &u64| self.holders.get(h).map_or(0, Vec::len);
+        let k = hashes
+            .iter()
+            .position(|h| held_by(h) <= limit)
+            .unwrap_or(hashes.len());
+        if k == 0 {
+            self.overlaps(hashes, out);
+            return 0;
+        }
+        out.clear();
+        let Some(deep) = hashes.get(k).and_then(|h| self.holders.get(h)) else {
+            return k;
+        };
+        out.extend(
+            deep.iter()
+                .filter(|w| {
+                    self.workers
+                        .get(w)
+                        .is_some_and(|e| hashes[..k].iter().all(|h| e.blocks.contains(h)))
+                })
+                .map(|&w| (w, hashes.len())),
+        );
+        self.narrow(hashes, k + 1, out);
+        k
+    }
+
+    /// `out` lists workers (sorted) holding every block before `from`, with a depth of
+    /// `hashes.len()`: walk the blocks from `from` on and set each worker's depth to its
+    /// first missing block.
+    fn narrow(&self, hashes: &[u64], from: usize, out: &mut [(InstanceId, usize)]) {
+        if from >= hashes.len() || out.is_empty() {
             return;
         }
         // Positions in `out` still matching, ascending (so `out` stays sorted by worker).
         let mut active: Vec<usize> = (0..out.len()).collect();
         let mut kept: Vec<usize> = Vec::with_capacity(active.len());
-        for (i, h) in hashes.iter().enumerate().skip(i) {
+        for (i, h) in hashes.iter().enumerate().skip(from) {
             let next: &[InstanceId] = self.holders.get(h).map_or(&[], Vec::as_slice);
             kept.clear();
             if next.len() > 8 * active.len() {
@@ -303,10 +349,6 @@ impl KvIndex {
             if active.is_empty() {
                 return;
             }
-        }
-        depth = hashes.len();
-        for &at in &active {
-            out[at].1 = depth;
         }
     }
 

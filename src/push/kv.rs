@@ -65,7 +65,18 @@ pub struct KvSelector {
     tick: u64,
     /// The real caches of the workers that publish events.
     index: KvIndex,
+    /// [`select_on`](Self::select_on) lists the holders of a request's blocks from the first
+    /// block held by at most this many workers (see [`KvIndex::deep_overlaps`]).
+    deep_limit: usize,
+    /// The mutant of the selection tests: the load-order walk credits no shallow blocks (as if
+    /// the widely held prefix were held by nobody).
+    #[cfg(test)]
+    ignore_shallow: bool,
 }
+
+/// The default of [`KvSelector`]'s deep limit: holders of a block held more widely (a system
+/// prompt every worker caches) are not listed one by one; the load order bounds them.
+pub const DEEP_HOLDERS_LIMIT: usize = 32;
 
 impl std::fmt::Debug for KvSelector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -102,7 +113,25 @@ impl KvSelector {
             order: VecDeque::new(),
             tick: 0,
             index: KvIndex::default(),
+            deep_limit: DEEP_HOLDERS_LIMIT,
+            #[cfg(test)]
+            ignore_shallow: false,
         }
+    }
+
+    /// The mutant: the walk in [`select_on`](Self::select_on) ignores the shallow blocks.
+    #[cfg(test)]
+    pub(crate) fn ignoring_shallow_blocks(mut self) -> Self {
+        self.ignore_shallow = true;
+        self
+    }
+
+    /// The same selector listing holders one by one only for blocks held by at most `limit`
+    /// workers (default [`DEEP_HOLDERS_LIMIT`]; the tests vary it to exercise both paths).
+    #[must_use]
+    pub fn with_deep_limit(mut self, limit: usize) -> Self {
+        self.deep_limit = limit;
+        self
     }
 
     /// The index of the publishing workers' caches.
@@ -208,11 +237,17 @@ impl KvSelector {
 
     /// [`select`](Self::select) over the members of `board` (their loads its own) minus
     /// `excluded`, without a pass over the pool: with a positive overlap weight and
-    /// temperature 0, the best worker is either one holding the request's first block or the
-    /// least-loaded member (every other non-holder scores lower or equal), so this scores the
-    /// holders and one [`LoadBoard::least_loaded`] pick. Costs O(B + holders + |excluded|).
-    /// Otherwise (a sampling temperature, or a weight that does not reward overlap) it scores
-    /// every member, as [`select`](Self::select) does.
+    /// temperature 0, a worker's score is at most `weight × overlap − load`, so this scores
+    /// (1) the workers holding the request's blocks from its first *narrowly* held block `k`
+    /// on (held by at most the deep limit of workers; [`KvIndex::deep_overlaps`]), exactly,
+    /// (2) the prediction's workers, and (3) the members in ascending load order
+    /// ([`LoadBoard::walk_by_load`]) with overlaps up to `k`, stopping as soon as
+    /// `weight × k − load` cannot beat the best so far. Every unlisted worker holds at most `k`
+    /// leading blocks, so the stop is exact. Without a widely held prefix (`k = 0`) the walk
+    /// stops after one least-loaded member: O(B + holders + |excluded|); a prefix the whole pool
+    /// holds costs O(B + k × (members walked)), typically a handful. Otherwise (a sampling
+    /// temperature, or a weight that does not reward overlap) it scores every member, as
+    /// [`select`](Self::select) does.
     ///
     /// The pick's score equals the best score over the members; among equal scores the
     /// candidates differ from [`select`](Self::select)'s (ties between non-holders go to the
@@ -236,16 +271,40 @@ impl KvSelector {
         }
         let salt = hashes.first().copied().unwrap_or(0);
         let mut holders = Vec::new();
-        self.index.overlaps(hashes, &mut holders);
+        let k = self
+            .index
+            .deep_overlaps(hashes, self.deep_limit, &mut holders);
         let indexed = holders.len();
         let mut predicted = self.predicted(hashes);
         predicted.retain(|&(w, _)| !self.index.publishes(w));
         holders.extend(predicted);
         let mut scored = Vec::with_capacity(holders.len() + 1);
         board.members_of(&holders, indexed, excluded, &mut scored);
-        if let Some((id, load)) = board.least_loaded(salt, excluded) {
-            if !scored.iter().any(|s| s.0 == id) {
-                scored.push((id, load, 0));
+        #[allow(clippy::cast_precision_loss)] // block and request counts are far below 2^52
+        let score = |overlap: usize, load: u64| self.overlap_weight * overlap as f64 - load as f64;
+        let mut best = scored
+            .iter()
+            .map(|&(_, load, overlap)| score(overlap, load))
+            .reduce(f64::max);
+        // The shallow part: every member's credit up to `k` blocks, least loaded first.
+        let shallow = &hashes[..k];
+        let mut walked: Option<(InstanceId, u64, usize)> = None;
+        board.walk_by_load(salt, excluded, |id, load| {
+            if best.is_some_and(|b| score(k, load) <= b) {
+                return false;
+            }
+            let overlap = self.index.overlap(shallow, id);
+            #[cfg(test)]
+            let overlap = if self.ignore_shallow { 0 } else { overlap };
+            if best.is_none_or(|b| score(overlap, load) > b) {
+                best = Some(score(overlap, load));
+                walked = Some((id, load, overlap));
+            }
+            true
+        });
+        if let Some(w) = walked {
+            if !scored.iter().any(|s| s.0 == w.0) {
+                scored.push(w);
             }
         }
         self.pick(hashes, scored.into_iter(), random)

@@ -235,6 +235,31 @@ impl LoadBoard {
         }
     }
 
+    /// Visit the members not in `excluded` in order of ascending load, until `visit` returns
+    /// false; within a load, from a position chosen by `salt` (as
+    /// [`least_loaded`](Self::least_loaded), whose member is visited first). A visit that stops
+    /// at once costs O(1 + |excluded|).
+    pub fn walk_by_load(
+        &self,
+        salt: u64,
+        excluded: &[InstanceId],
+        mut visit: impl FnMut(InstanceId, u64) -> bool,
+    ) {
+        for (load, bucket) in self.buckets.iter().enumerate().skip(self.lowest) {
+            if bucket.is_empty() {
+                continue;
+            }
+            #[allow(clippy::cast_possible_truncation)] // reduced modulo a usize
+            let start = (mix(salt) % bucket.len() as u64) as usize;
+            for k in 0..bucket.len() {
+                let id = bucket[(start + k) % bucket.len()];
+                if !excluded.contains(&id) && !visit(id, load as u64) {
+                    return;
+                }
+            }
+        }
+    }
+
     /// A least-loaded member not in `excluded`, with its load: within the lowest bucket, the
     /// one at a position chosen by `salt` (deterministic for a request, spread across
     /// requests). O(1 + |excluded|) when the lowest buckets are not all excluded.

@@ -83,7 +83,16 @@ fn publishes(worker: u64) -> bool {
 }
 
 fn build(steps: &[Step]) -> (KvSelector, LoadBoard) {
-    let mut kv = KvSelector::new(4, &KvRouterConfig::default(), 64);
+    build_with(steps, crate::push::DEEP_HOLDERS_LIMIT, false)
+}
+
+/// `deep_limit`: list holders from the first block held by at most this many workers;
+/// `mutant`: the walk ignores the shallow blocks.
+fn build_with(steps: &[Step], deep_limit: usize, mutant: bool) -> (KvSelector, LoadBoard) {
+    let mut kv = KvSelector::new(4, &KvRouterConfig::default(), 64).with_deep_limit(deep_limit);
+    if mutant {
+        kv = kv.ignoring_shallow_blocks();
+    }
     let mut board = LoadBoard::default();
     board.set_members(members(&(0..12).collect::<Vec<_>>()));
     let mut seq = [0u64; 12];
@@ -199,8 +208,10 @@ proptest! {
         request in (0..10u64, 0..7usize),
         excluded in proptest::collection::vec(0..12u64, 0..3),
         random in any::<u64>(),
+        deep_limit in prop_oneof![0..4usize, Just(crate::push::DEEP_HOLDERS_LIMIT)],
     ) {
-        let (kv, board) = build(&steps);
+        // Small limits make the shared prefix (chains 0..4) "widely held": the walk's path.
+        let (kv, board) = build_with(&steps, deep_limit, false);
         let hashes = chain(request.0, request.1);
         let pick = kv.select_on(&hashes, &board, &excluded, random);
         prop_assert_eq!(check(&kv, &board, &excluded, &hashes, pick), Ok(()));
@@ -229,4 +240,51 @@ fn the_check_catches_a_pick_that_ignores_the_least_loaded_worker() {
     let pick = kv.select_on(&hashes, &board, &[], 0);
     assert_eq!(check(&kv, &board, &[], &hashes, pick), Ok(()));
     assert_eq!(pick, Some((2, 0)));
+}
+
+/// The check bites on the walk too: a selector whose load-order walk credits nobody with the
+/// widely held prefix (so a worker holding it looks no better than an idle one holding nothing)
+/// is caught.
+#[test]
+fn the_check_catches_a_walk_that_ignores_the_widely_held_prefix() {
+    // Chain 0 = [1000, 1001, 2]; chain 1 = [1000, 1001, ...]: the first two blocks are shared.
+    let steps = [
+        Step::Store {
+            worker: 1,
+            chain: 0,
+            len: 3,
+        },
+        Step::Store {
+            worker: 2,
+            chain: 1,
+            len: 2,
+        },
+        Step::Store {
+            worker: 3,
+            chain: 1,
+            len: 2,
+        },
+        Step::Acquire(1),
+        Step::Acquire(1),
+        Step::Acquire(1),
+        Step::Acquire(1),
+        Step::Acquire(1),
+        Step::Acquire(3),
+        Step::Members(vec![1, 2, 3, 4, 5]),
+    ];
+    let hashes = chain(0, 3);
+    // Limit 1: blocks 1000 and 1001 (3 holders) are shallow, block 2 (1 holder) is deep, so
+    // k = 2; worker 2 (load 0, 2 blocks) scores 2, worker 1 (load 5, 3 blocks) -2, idle
+    // non-holders 0.
+    let (kv, board) = build_with(&steps, 1, false);
+    assert_eq!(kv.index().deep_overlaps(&hashes, 1, &mut Vec::new()), 2);
+    let pick = kv.select_on(&hashes, &board, &[], 0);
+    assert_eq!(check(&kv, &board, &[], &hashes, pick), Ok(()));
+    assert_eq!(pick, Some((2, 2)));
+    let (mutant, board) = build_with(&steps, 1, true);
+    let pick = mutant.select_on(&hashes, &board, &[], 0);
+    assert!(
+        check(&mutant, &board, &[], &hashes, pick).is_err(),
+        "{pick:?}"
+    );
 }

@@ -239,6 +239,35 @@ proptest! {
             prop_assert_eq!(walked.get(&w).copied().unwrap_or(0), expected, "worker {}", w);
         }
     }
+
+    #[test]
+    fn deep_overlaps_list_exactly_the_workers_beyond_the_widely_held_prefix(
+        ops in workers_ops(),
+        request in proptest::collection::vec(0u8..24, 0..8),
+        limit in 0usize..5,
+    ) {
+        let published: Vec<Published> = ops.iter().map(|o| publish(o)).collect();
+        let mut index = KvIndex::default();
+        feed(&mut index, &deliveries(&published, &[Fault::Deliver]));
+        let hashes: Vec<u64> = request.iter().map(|&b| block(b)).collect();
+        let mut out = Vec::new();
+        let k = index.deep_overlaps(&hashes, limit, &mut out);
+        prop_assert!(k <= hashes.len());
+        prop_assert!(out.windows(2).all(|p| p[0].0 < p[1].0), "not sorted: {:?}", out);
+        let listed: BTreeMap<InstanceId, usize> = out.iter().copied().collect();
+        for w in 1..=published.len() as InstanceId {
+            let overlap = index.overlap(&hashes, w);
+            match listed.get(&w) {
+                // Listed: exactly its leading blocks, and beyond k (unless k = 0: all holders).
+                Some(&n) => {
+                    prop_assert_eq!(n, overlap, "worker {}", w);
+                    prop_assert!(overlap > k || (k == 0 && overlap > 0), "worker {} at {}", w, n);
+                }
+                // Unlisted: at most k leading blocks.
+                None => prop_assert!(overlap <= k, "worker {} holds {} > k = {}", w, overlap, k),
+            }
+        }
+    }
 }
 
 /// The soundness check bites: the mutant that ignores removals credits a removed block on
