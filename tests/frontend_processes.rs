@@ -306,3 +306,107 @@ fn etcd_two_serves_share_a_generation_and_one_survives_the_others_kill() {
     }
     assert_eq!(get(b_addr, "/ready").json()["target"], targets[0]);
 }
+
+/// Session affinity end to end: prefill workers whose card asks for round-robin routing with a
+/// 600 s session TTL; requests carrying `x-session-id` stay on their session's worker while
+/// requests without one rotate; when that worker leaves, the session's next request re-picks
+/// among the others and sticks to its new worker. The frontend's metrics count it all.
+#[test]
+fn sessions_stay_on_their_prefill_worker_until_it_leaves() {
+    let cluster = Cluster::new();
+    let card = cluster.dir.path().join("prefill-card.json");
+    std::fs::write(
+        &card,
+        json!({
+            "name": "mock-llm",
+            "kv_cache_block_size": 16,
+            "router_config": {"router_mode": "round-robin", "session_affinity_ttl_secs": 600},
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let card = card.to_str().unwrap().to_owned();
+    let mut prefill: Vec<(u64, Proc)> = (1..=3)
+        .map(|id| (id, cluster.worker("prefill", id, &["--card", &card])))
+        .collect();
+    let _d = cluster.worker("decode", DECODE, &[]);
+    let (_serve, addr) = cluster.serve(&[]);
+    until("three prefill workers routable", || {
+        let mut seen: Vec<u64> = (0..6)
+            .filter_map(|_| {
+                let r = post(addr, "/v1/chat/completions", &chat("warm up", 1, false));
+                (r.status == 200).then(|| prefill_worker(&r))
+            })
+            .collect();
+        seen.sort_unstable();
+        seen.dedup();
+        seen == [1, 2, 3]
+    });
+    let send = |session: &str, n: u32| {
+        let body = chat(&format!("turn {n} of {session}"), 2, false).to_string();
+        let r = request_with(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            Some(body.as_bytes()),
+            &[("x-session-id", session)],
+        );
+        assert_eq!(r.status, 200, "{session} turn {n}: {r:?}");
+        prefill_worker(&r)
+    };
+    let sessions = ["alice", "bob", "carol", "dave"];
+    let first: Vec<u64> = sessions.iter().map(|s| send(s, 0)).collect();
+    for n in 1..6 {
+        for (s, &w) in sessions.iter().zip(&first) {
+            assert_eq!(send(s, n), w, "{s} turn {n} left its worker");
+        }
+    }
+    // Without a session, round robin still rotates.
+    let mut anonymous: Vec<u64> = (0..6)
+        .map(|n| {
+            let r = post(
+                addr,
+                "/v1/chat/completions",
+                &chat(&format!("anon {n}"), 1, false),
+            );
+            assert_eq!(r.status, 200);
+            prefill_worker(&r)
+        })
+        .collect();
+    anonymous.sort_unstable();
+    anonymous.dedup();
+    assert_eq!(anonymous, [1, 2, 3], "requests without a session rotate");
+
+    // Alice's worker leaves (SIGTERM: it deregisters); her next turn moves and then sticks.
+    let gone = first[0];
+    let at = prefill.iter().position(|(id, _)| *id == gone).unwrap();
+    let (_, proc) = prefill.remove(at);
+    assert!(proc.terminate().success());
+    let mut moved = None;
+    until("alice re-picked off the departed worker", || {
+        let w = send("alice", 100);
+        moved = Some(w);
+        w != gone
+    });
+    let moved = moved.unwrap();
+    for n in 101..105 {
+        assert_eq!(send("alice", n), moved, "alice sticks to her new worker");
+    }
+    let metrics = get(addr, "/metrics").body;
+    let value = |outcome: &str| -> u64 {
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("prefill_router_affinity_total{")
+                    && l.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    assert!(value("miss") >= 4, "one miss per new session: {metrics}");
+    assert!(
+        value("hit") >= 4 * 5 + 4,
+        "every later turn a hit: {metrics}"
+    );
+    assert!(value("repick") >= 1, "alice's move is a re-pick: {metrics}");
+}

@@ -276,11 +276,26 @@ fn dechunk(raw: &[u8]) -> Vec<u8> {
 
 /// Send one request (`Connection: close`) and read the whole response, within WAIT.
 pub fn request(addr: SocketAddr, method: &str, path: &str, body: Option<&[u8]>) -> Response {
+    request_with(addr, method, path, body, &[])
+}
+
+/// [`request`] with extra request headers.
+pub fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    headers: &[(&str, &str)],
+) -> Response {
     let mut stream = TcpStream::connect_timeout(&addr, WAIT).expect("connect");
     stream.set_read_timeout(Some(WAIT)).unwrap();
     let body = body.unwrap_or_default();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n",
         body.len()
     );
     stream.write_all(head.as_bytes()).unwrap();
