@@ -264,20 +264,12 @@ impl LoadBoard {
     /// one at a position chosen by `salt` (deterministic for a request, spread across
     /// requests). O(1 + |excluded|) when the lowest buckets are not all excluded.
     pub fn least_loaded(&self, salt: u64, excluded: &[InstanceId]) -> Option<(InstanceId, u64)> {
-        for (load, bucket) in self.buckets.iter().enumerate().skip(self.lowest) {
-            if bucket.is_empty() {
-                continue;
-            }
-            #[allow(clippy::cast_possible_truncation)] // reduced modulo a usize
-            let start = (mix(salt) % bucket.len() as u64) as usize;
-            for k in 0..bucket.len() {
-                let id = bucket[(start + k) % bucket.len()];
-                if !excluded.contains(&id) {
-                    return Some((id, load as u64));
-                }
-            }
-        }
-        None
+        let mut first = None;
+        self.walk_by_load(salt, excluded, |id, load| {
+            first = Some((id, load));
+            false
+        });
+        first
     }
 }
 
@@ -334,6 +326,25 @@ mod tests {
                 assert!(!excluded.contains(&id));
                 assert_eq!(board.load(id), load);
             }
+            // The walk: every usable member once, by ascending load, the least loaded first.
+            let mut walked = Vec::new();
+            board.walk_by_load(rng, &excluded, |id, load| {
+                walked.push((id, load));
+                true
+            });
+            assert_eq!(walked.first().copied(), got, "step {step}");
+            assert!(walked.windows(2).all(|w| w[0].1 <= w[1].1), "step {step}");
+            let mut ids: Vec<_> = walked.iter().map(|w| w.0).collect();
+            ids.sort_unstable();
+            let mut usable: Vec<_> = board
+                .members()
+                .iter()
+                .map(|i| i.instance_id)
+                .filter(|id| !excluded.contains(id))
+                .collect();
+            usable.sort_unstable();
+            assert_eq!(ids, usable, "step {step}");
+            assert!(walked.iter().all(|&(id, load)| board.load(id) == load));
         }
     }
 
