@@ -32,6 +32,7 @@ mod pool;
 mod report;
 mod rng;
 mod run;
+pub mod sessions;
 mod sink;
 mod world;
 

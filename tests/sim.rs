@@ -37,6 +37,14 @@ fn three_hundred_seeds_hold_every_oracle() {
     assert_seeds_pass(0..300, STEPS);
 }
 
+/// More seeds at 200 steps (about 5 s): seeds 1001, 2225 and 2900 of this range found a
+/// routable view that kept an admission set whose sender had sent its last (empty) set and
+/// closed (`push::view::tests::an_admission_change_followed_by_the_senders_drop_still_shows`).
+#[test]
+fn three_thousand_seeds_of_two_hundred_steps_hold_every_oracle() {
+    assert_seeds_pass(0..3_000, 200);
+}
+
 /// Thousands of seeds, longer runs: `cargo test --release --features sim --test sim -- --ignored`.
 #[test]
 #[ignore = "long run (minutes); run explicitly"]

@@ -60,6 +60,8 @@ struct Filtered {
     admission: watch::Receiver<BTreeSet<InstanceId>>,
     usable: Arc<[Arc<Instance>]>,
     routable: Arc<[Arc<Instance>]>,
+    /// The admission sender was gone when this was computed: its last value is final.
+    closed: bool,
 }
 
 struct Inner {
@@ -287,8 +289,14 @@ impl RoutableView {
         };
         let mut filtered = self.inner.filtered.lock();
         if let Some(f) = filtered.as_ref() {
-            // A closed sender can change nothing more: the cached filter stands.
-            if Arc::ptr_eq(&f.usable, &usable) && !f.admission.has_changed().unwrap_or(false) {
+            // `has_changed` fails once the sender is gone, even if its last value is unseen
+            // (an admission set emptied and then dropped): filter once more after the close,
+            // then the cache stands for good.
+            let unchanged = match f.admission.has_changed() {
+                Ok(changed) => !changed,
+                Err(_) => f.closed,
+            };
+            if unchanged && Arc::ptr_eq(&f.usable, &usable) {
                 return Arc::clone(&f.routable);
             }
         }
@@ -303,10 +311,12 @@ impl RoutableView {
                 .cloned()
                 .collect()
         };
+        let closed = receiver.has_changed().is_err();
         *filtered = Some(Filtered {
             admission: receiver,
             usable,
             routable: Arc::clone(&routable),
+            closed,
         });
         routable
     }
@@ -413,5 +423,35 @@ mod tests {
             [2],
             "a closed admission keeps its last set"
         );
+    }
+
+    /// Found by the simulator (3 of 3,000 seeds): an admission set emptied and its sender
+    /// dropped before the next pick. The receiver's `has_changed` then fails instead of saying
+    /// "changed", and a cache trusting that kept dispatching to the old set.
+    #[tokio::test]
+    async fn an_admission_change_followed_by_the_senders_drop_still_shows() {
+        let (admit, admitted) = watch::channel(BTreeSet::from([1, 2]));
+        let view = RoutableView::spawn(
+            futures_util::stream::pending(),
+            Some(admitted),
+            CancellationToken::new(),
+        );
+        for id in [1, 2] {
+            view.apply(added(id));
+        }
+        assert_eq!(ids(&view.routable()), [1, 2]);
+        admit.send_replace(BTreeSet::new());
+        drop(admit);
+        assert!(
+            view.routable().is_empty(),
+            "the last admission set (empty) applies"
+        );
+        let closed = view.routable();
+        assert!(
+            Arc::ptr_eq(&closed, &view.routable()),
+            "then the cache stands"
+        );
+        view.apply(added(3));
+        assert!(view.routable().is_empty(), "nothing is admitted any more");
     }
 }

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::conditional;
 use super::config::{timing, Mutant};
 use super::oracle::Violation;
+use super::sessions;
 use super::world::{InFlight, Probe, World};
 use crate::advert::{self, DecodeDefaults};
 use crate::discovery::InstanceId;
@@ -125,6 +126,8 @@ pub struct SimBinding {
     /// Prompt tokens of the requests picked on this binding and not finished (the conditional
     /// policy's pool load).
     inflight_tokens: Arc<std::sync::atomic::AtomicU64>,
+    /// The dispatcher's session-affinity table (runs with sessions).
+    affinity: Option<Arc<crate::push::AffinityTable>>,
 }
 
 /// What a simulated pick holds: the serial of the binding that made it and the request's share
@@ -187,6 +190,7 @@ impl SimBinding {
         );
         let probe = world.new_probe(target.id.clone(), cancel);
         let seed = world.keyed(&[STREAM_PUSH, probe.serial]).next_u64();
+        let affinity = sessions::table_for_binding(&world, mutant);
         let push = Dispatcher::new(
             view.clone(),
             mode,
@@ -194,7 +198,8 @@ impl SimBinding {
                 seed,
                 ..PushConfig::default()
             },
-        );
+        )
+        .with_affinity_table(affinity.clone());
         world.attach_view(&probe, &view);
         if mutant == Some(Mutant::LeakBindings) {
             world.with(|s| s.leaked.push(Arc::clone(&probe)));
@@ -209,6 +214,7 @@ impl SimBinding {
             mutant,
             view_cancel,
             inflight_tokens: Arc::default(),
+            affinity,
         })
     }
 
@@ -266,7 +272,7 @@ impl SimBinding {
         let reuse = self.mutant == Some(Mutant::RetryReusesFailedWorker);
         let worker = match (tried.last(), reuse) {
             (Some(&last), true) => last,
-            _ => self.push.select_excluding(request, tried)?.instance_id,
+            _ => self.pick_with_affinity(id, request, tried)?,
         };
         let admitted = self.target.admitted.borrow().clone();
         if !admitted.contains(&worker) {
@@ -304,6 +310,47 @@ impl SimBinding {
             }
         });
         Ok((worker, plan))
+    }
+
+    /// The dispatcher's pick, judged by the affinity oracles when the run has sessions.
+    fn pick_with_affinity(
+        &self,
+        id: u64,
+        request: &GenerateRequest,
+        tried: &[InstanceId],
+    ) -> Result<InstanceId, PushError> {
+        let Some(table) = &self.affinity else {
+            return Ok(self.push.select_excluding(request, tried)?.instance_id);
+        };
+        // Read in the same poll as the pick: what the dispatcher picks from.
+        let routable: Vec<InstanceId> =
+            self.view.routable().iter().map(|i| i.instance_id).collect();
+        let before = table.counts().snapshot();
+        let mut worker = self.push.select_excluding(request, tried)?.instance_id;
+        let mut outcomes = sessions::outcome_between(before, table.counts().snapshot());
+        let session = request.session.as_deref();
+        if self.mutant == Some(Mutant::AffinityIgnoresRoutable) {
+            // The broken dispatcher: a live entry wins, routable or not.
+            if let Some(remembered) =
+                session.and_then(|s| sessions::live_entry(&self.world, self.serial(), s))
+            {
+                worker = remembered;
+                outcomes = vec![crate::push::AffinityOutcome::Hit];
+            }
+        }
+        sessions::picked(
+            &self.world,
+            &sessions::Pick {
+                request: id,
+                serial: self.serial(),
+                session,
+                routable: &routable,
+                tried,
+                worker,
+                outcomes,
+            },
+        );
+        Ok(worker)
     }
 
     /// Oracle: a prefill that failed on connection failures after trying fewer distinct

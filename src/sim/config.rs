@@ -17,6 +17,10 @@ pub struct SimConfig {
     /// [`sim::conditional::POLICY`](super::conditional::POLICY) (off by default; the
     /// conditional mutants turn it on).
     pub conditional: bool,
+    /// Give requests session keys and the bindings session affinity with
+    /// [`sim::sessions::TTL`](super::sessions::TTL), under the affinity oracles (off by
+    /// default; the affinity mutants turn it on).
+    pub sessions: bool,
 }
 
 impl SimConfig {
@@ -27,7 +31,23 @@ impl SimConfig {
             steps,
             mutant: None,
             conditional: false,
+            sessions: false,
         }
+    }
+
+    /// The same run with sessions and session affinity on.
+    pub fn with_sessions(mut self) -> Self {
+        self.sessions = true;
+        self
+    }
+
+    /// Whether requests carry sessions (asked for, or an affinity mutant).
+    pub(crate) fn sessions_on(&self) -> bool {
+        self.sessions
+            || matches!(
+                self.mutant,
+                Some(Mutant::AffinityIgnoresRoutable | Mutant::AffinityInheritedByRebuild)
+            )
     }
 
     /// The same run with the conditional disaggregation policy on.
@@ -93,6 +113,12 @@ pub enum Mutant {
     /// A binding's pick already starts the remote prefill, as a probe that dispatches would
     /// (oracle: a request both prefilled remotely and skipped).
     ConditionalPrefillOnProbe,
+    /// A session goes to its remembered worker while the entry lives, whether or not that
+    /// worker is still routable (oracle: an affinity hit outside the routable set).
+    AffinityIgnoresRoutable,
+    /// Every binding shares the first binding's affinity table, so a rebuilt binding inherits
+    /// the old sessions (oracle: affinity survived a rebuild).
+    AffinityInheritedByRebuild,
 }
 
 /// Time constants of the simulated world (all simulated time: the clock is paused and jumps).

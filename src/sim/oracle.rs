@@ -127,6 +127,15 @@ pub enum Violation {
         /// How many.
         alive: usize,
     },
+    /// A property of session affinity broke (see `sim/sessions.rs`).
+    AffinityBroken {
+        /// The request.
+        request: u64,
+        /// The property: its [`kind`](Violation::kind).
+        property: &'static str,
+        /// What happened.
+        detail: String,
+    },
     /// A property of conditional disaggregation broke (see `sim/conditional.rs`).
     ConditionalBroken {
         /// The request (`u64::MAX` for the end-of-run counter check).
@@ -234,6 +243,11 @@ impl fmt::Display for Violation {
                 request,
                 property,
                 detail,
+            }
+            | Violation::AffinityBroken {
+                request,
+                property,
+                detail,
             } => write!(f, "{property}: request {request}: {detail}"),
         }
     }
@@ -257,7 +271,8 @@ impl Violation {
             Violation::RetiredAliveMiscounted { .. } => "retired_alive_miscounted",
             Violation::CountersDisagree { .. } => "counters_disagree",
             Violation::TasksLeftAfterShutdown { .. } => "tasks_left_after_shutdown",
-            Violation::ConditionalBroken { property, .. } => property,
+            Violation::ConditionalBroken { property, .. }
+            | Violation::AffinityBroken { property, .. } => property,
         }
     }
 }

@@ -61,6 +61,12 @@ pub struct SimStats {
     pub conditional_short: u64,
     /// Requests the conditional policy skipped as busy.
     pub conditional_busy: u64,
+    /// Picks session affinity sent to the session's remembered worker (runs with sessions).
+    pub affinity_hits: u64,
+    /// Picks of a session with no live entry on the binding.
+    pub affinity_misses: u64,
+    /// Picks whose remembered worker was not routable (or failed by the request): moved.
+    pub affinity_repicks: u64,
 }
 
 /// The outcome of one simulated run.
@@ -124,8 +130,9 @@ pub fn repro_command(config: &SimConfig) -> String {
     } else {
         ""
     };
+    let sessions = if config.sessions { " --sessions" } else { "" };
     format!(
-        "cargo run --release --features cli -- simulate --seed {} --steps {}{mutant}{conditional}",
+        "cargo run --release --features cli -- simulate --seed {} --steps {}{mutant}{conditional}{sessions}",
         config.seed, config.steps
     )
 }
@@ -141,6 +148,8 @@ pub fn mutant_name(mutant: Mutant) -> &'static str {
         Mutant::RetryReusesFailedWorker => "retry-reuses-failed-worker",
         Mutant::ConditionalProbeLies => "conditional-probe-lies",
         Mutant::ConditionalPrefillOnProbe => "conditional-prefill-on-probe",
+        Mutant::AffinityIgnoresRoutable => "affinity-ignores-routable",
+        Mutant::AffinityInheritedByRebuild => "affinity-inherited-by-rebuild",
     }
 }
 
@@ -155,6 +164,8 @@ pub fn parse_mutant(name: &str) -> Option<Mutant> {
         Mutant::RetryReusesFailedWorker,
         Mutant::ConditionalProbeLies,
         Mutant::ConditionalPrefillOnProbe,
+        Mutant::AffinityIgnoresRoutable,
+        Mutant::AffinityInheritedByRebuild,
     ]
     .into_iter()
     .find(|m| mutant_name(*m) == name)
@@ -215,6 +226,13 @@ impl fmt::Display for SimReport {
             s.events_lost,
             s.events_duplicated
         )?;
+        if s.affinity_hits + s.affinity_misses + s.affinity_repicks > 0 {
+            writeln!(
+                f,
+                "  session affinity: {} hits, {} misses, {} re-picks",
+                s.affinity_hits, s.affinity_misses, s.affinity_repicks
+            )?;
+        }
         for v in &self.violations {
             writeln!(f, "  VIOLATION [{}] {v}", v.kind())?;
         }

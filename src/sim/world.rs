@@ -100,6 +100,8 @@ pub(crate) struct WorldState {
     pub(crate) prefilled: std::collections::BTreeSet<u64>,
     /// Conditional disaggregation's probes and skips.
     pub(crate) conditional: super::conditional::Ledger,
+    /// Session affinity's mirror of the bindings' tables.
+    pub(crate) sessions: super::sessions::Ledger,
     pub(crate) stats: SimStats,
     pub(crate) violations: Vec<Violation>,
     digest: u64,
@@ -134,6 +136,7 @@ impl World {
                 leaked: Vec::new(),
                 prefilled: Default::default(),
                 conditional: Default::default(),
+                sessions: Default::default(),
                 stats: SimStats::default(),
                 violations: Vec::new(),
                 digest: 0,

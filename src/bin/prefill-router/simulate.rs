@@ -10,7 +10,7 @@ use crate::args::{CliError, Flags};
 /// Usage of `prefill-router simulate`.
 pub const USAGE: &str = "\
 usage: prefill-router simulate [--seed N] [--steps K] [--seeds M] [--mutant NAME] [--conditional]
-                               [--quiet]
+                               [--sessions] [--quiet]
 
 Runs the real PrefillRouter against a seeded in-memory world (faulty discovery feed, builds
 that fail/hang/outlive cancellation, workers that crash/reject/hang) on a paused clock, and
@@ -21,9 +21,14 @@ checks the oracles listed in docs/simulation.md.
   --seeds M     run M consecutive seeds (default 1)
   --mutant NAME plant a defect the oracles must catch:
                 ignore-admission | leak-bindings | no-prefill-timeout |
-                deferred-set-target
+                deferred-set-target | breaker-never-closes |
+                retry-reuses-failed-worker | conditional-probe-lies |
+                conditional-prefill-on-probe | affinity-ignores-routable |
+                affinity-inherited-by-rebuild
   --conditional run the router with the conditional disaggregation policy
                 (prefill_router::sim::conditional::POLICY) and its oracles
+  --sessions    give requests session keys and the bindings session affinity
+                (prefill_router::sim::sessions::TTL), under the affinity oracles
   --quiet       print failing runs and the summary only
 (needs the `cli` feature: cargo run --release --features cli -- simulate ...)";
 
@@ -35,6 +40,8 @@ pub struct SimulateOptions {
     mutant: Option<String>,
     /// Run with the conditional disaggregation policy.
     conditional: bool,
+    /// Run with sessions and session affinity.
+    sessions: bool,
     quiet: bool,
 }
 
@@ -47,6 +54,7 @@ impl SimulateOptions {
             seeds: 1,
             mutant: None,
             conditional: false,
+            sessions: false,
             quiet: false,
         };
         let mut flags = Flags::new(args);
@@ -57,6 +65,7 @@ impl SimulateOptions {
                 "--seeds" => options.seeds = flags.parsed(flag)?,
                 "--mutant" => options.mutant = Some(flags.value(flag)?.to_owned()),
                 "--conditional" => options.conditional = true,
+                "--sessions" => options.sessions = true,
                 "--quiet" => options.quiet = true,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
@@ -91,6 +100,7 @@ fn run_blocking(options: &SimulateOptions) -> ExitCode {
         let mut config = SimConfig::new(seed, options.steps);
         config.mutant = mutant;
         config.conditional = options.conditional;
+        config.sessions = options.sessions;
         let report = match simulate(&config) {
             Ok(report) => report,
             Err(error) => {

@@ -59,6 +59,11 @@ impl Run {
             token_ids: tokens,
             max_tokens,
             request_id: Some(id),
+            session: self
+                .world
+                .with(|s| s.sessions.on)
+                .then(|| super::super::sessions::draw(&self.world, id))
+                .flatten(),
             ..GenerateRequest::default()
         };
         let deadline = self.wait_budget

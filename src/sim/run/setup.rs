@@ -28,6 +28,7 @@ impl Run {
         let workers = rng.between(2, 5);
         let world = World::new(config.seed, config.mutant, rng.fork(), workers);
         world.with(|s| {
+            s.sessions.on = config.sessions_on();
             s.conditional.policy = config
                 .conditional_on()
                 .then_some(super::super::conditional::POLICY);
