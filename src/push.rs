@@ -14,6 +14,7 @@ mod dispatcher;
 mod error;
 mod health;
 mod kv;
+mod kv_feed;
 mod load_board;
 #[cfg(test)]
 mod retry_tests;
@@ -29,6 +30,7 @@ pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 #[cfg(feature = "sim")]
 pub(crate) use kv::mix;
 pub use kv::{block_hashes, KvSelector};
+pub use kv_feed::KvEventCounts;
 pub use load_board::LoadBoard;
 
 /// The former name of [`Dispatcher`] ("router" now names only the prefill router).
