@@ -15,6 +15,8 @@ mod error;
 mod health;
 mod kv;
 mod kv_feed;
+#[cfg(test)]
+mod kv_feed_tests;
 mod load_board;
 #[cfg(test)]
 mod retry_tests;
