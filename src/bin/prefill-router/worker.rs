@@ -10,8 +10,8 @@ use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
 use prefill_router::discovery::{EndpointId, Instance, InstanceId};
 use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
 use prefill_router::transport::{
-    serve, serve_with_kv_events, Engine, EngineError, EngineStream, GenerateRequest, GenerateResponse, KvEventSource,
-    ServerConfig,
+    serve, serve_with_kv_events, Engine, EngineError, EngineStream, GenerateRequest,
+    GenerateResponse, KvEventSource, ServerConfig,
 };
 use tokio::net::TcpListener;
 
