@@ -25,6 +25,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 const BLOCK: u32 = 16;
+/// The default coalescing window, compared with none.
+const COALESCED: Duration = prefill_router::transport::KV_COALESCE;
 const WORKER: InstanceId = 1;
 
 fn config() -> MockConfig {
@@ -132,7 +134,15 @@ async fn main() {
         .unwrap_or(5);
     let cancel = CancellationToken::new();
 
-    // Latency: one request at a time, so each request's cache change is one batch.
+    for coalesce in [Duration::ZERO, COALESCED] {
+        latency(coalesce, &cancel).await;
+    }
+    cost(rounds, &cancel).await;
+    cancel.cancel();
+}
+
+/// One request at a time, so each request's cache change is one batch.
+async fn latency(coalesce: Duration, cancel: &CancellationToken) {
     let timed = Arc::new(Timed {
         inner: MockPrefill::with_kv_events(WORKER, config(), 1),
         changed: Mutex::new(VecDeque::new()),
@@ -140,11 +150,14 @@ async fn main() {
     let server = serve_with_kv_events(
         listener().await,
         timed.clone(),
-        ServerConfig::default(),
+        ServerConfig {
+            kv_coalesce: coalesce,
+            ..ServerConfig::default()
+        },
         timed.clone(),
     )
     .expect("serve");
-    let router = router_over(&server, &cancel).await;
+    let router = router_over(&server, cancel).await;
     let (applied_tx, mut applied_rx) = mpsc::unbounded_channel();
     let sink = Arc::new(Applier {
         router: Arc::clone(&router),
@@ -177,7 +190,8 @@ async fn main() {
     }
     latencies.sort();
     println!(
-        "delivery latency, cache change -> applied in the index ({} batches): p50 {:?}, p99 {:?}, max {:?}",
+        "delivery latency (kv_coalesce {:?}), cache change -> applied in the index ({} batches): p50 {:?}, p99 {:?}, max {:?}",
+        coalesce,
         latencies.len(),
         pct(&latencies, 0.50),
         pct(&latencies, 0.99),
@@ -185,28 +199,40 @@ async fn main() {
     );
     drop(conn);
     server.stop().await;
+}
 
-    // Cost per request: the same KV dispatcher path to a worker with and without events.
-    let with_events = MockPrefill::with_kv_events(WORKER, config(), 1);
-    let on = serve_with_kv_events(
-        listener().await,
-        with_events.clone(),
-        ServerConfig::default(),
-        with_events,
-    )
-    .expect("serve");
+/// The same KV dispatcher path to a worker without events, with events one batch per request
+/// (`kv_coalesce` 0), and with the default 1 ms coalescing window.
+async fn cost(rounds: u32, cancel: &CancellationToken) {
     let off = serve(
         listener().await,
         MockPrefill::new(WORKER, config()),
         ServerConfig::default(),
     )
     .expect("serve");
-    let router_on = router_over(&on, &cancel).await;
-    let router_off = router_over(&off, &cancel).await;
+    let mut servers = vec![off];
+    for coalesce in [Duration::ZERO, COALESCED] {
+        let engine = MockPrefill::with_kv_events(WORKER, config(), 1);
+        let server = serve_with_kv_events(
+            listener().await,
+            engine.clone(),
+            ServerConfig {
+                kv_coalesce: coalesce,
+                ..ServerConfig::default()
+            },
+            engine,
+        )
+        .expect("serve");
+        servers.push(server);
+    }
+    let mut routers = Vec::new();
+    for server in &servers {
+        routers.push(router_over(server, cancel).await);
+    }
     const PER_ROUND: u32 = 4_000;
-    let (mut t_on, mut t_off) = (Duration::ZERO, Duration::ZERO);
+    let mut totals = [Duration::ZERO; 3];
     for round in 0..=rounds {
-        for (router, total) in [(&router_off, &mut t_off), (&router_on, &mut t_on)] {
+        for (router, total) in routers.iter().zip(totals.iter_mut()) {
             let start = Instant::now();
             for i in 0..PER_ROUND {
                 one(router, prompt(round * PER_ROUND + i)).await;
@@ -219,15 +245,22 @@ async fn main() {
     }
     let n = f64::from(rounds * PER_ROUND);
     let us = |t: Duration| t.as_secs_f64() * 1e6 / n;
-    let counts = router_on.kv_event_counts().expect("KV mode");
     println!(
-        "per routed request (KV mode, sequential, {} requests each): events off {:.1} µs, on {:.1} µs (ratio {:.2}); batches applied {}, lagged {}",
-        rounds * PER_ROUND,
-        us(t_off),
-        us(t_on),
-        us(t_on) / us(t_off),
-        counts.applied(),
-        counts.lagged()
+        "per routed request (KV mode, sequential, {} requests each, interleaved rounds):",
+        rounds * PER_ROUND
     );
-    cancel.cancel();
+    println!("  events off                  {:.1} µs", us(totals[0]));
+    for (i, label) in ["events on, kv_coalesce 0   ", "events on, kv_coalesce 1 ms"]
+        .iter()
+        .enumerate()
+    {
+        let counts = routers[i + 1].kv_event_counts().expect("KV mode");
+        println!(
+            "  {label} {:.1} µs (x{:.2}); batches applied {}, lagged {}",
+            us(totals[i + 1]),
+            us(totals[i + 1]) / us(totals[0]),
+            counts.applied(),
+            counts.lagged()
+        );
+    }
 }

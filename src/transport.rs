@@ -22,7 +22,7 @@ pub use engine::{
 pub use error::{FrameError, RemoteError, TransportError};
 pub use events::{
     decode_kv_payload, KvEventSink, KvEventSource, KvStreamError, KV_BROADCAST_BATCHES,
-    KV_SINK_BATCHES, MAX_KV_BATCH_BYTES,
+    KV_COALESCE, KV_SINK_BATCHES, MAX_KV_BATCH_BYTES,
 };
 pub use server::{serve, serve_with_kv_events, ServerConfig, ServerHandle};
 pub use wire::{decode_frame, encode_frame, Frame, DEFAULT_MAX_FRAME_LEN};

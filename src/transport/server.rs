@@ -30,6 +30,11 @@ pub struct ServerConfig {
     pub max_in_flight: usize,
     /// Open connections; beyond it new connections are closed at once.
     pub max_connections: usize,
+    /// With [`serve_with_kv_events`]: how long the worker waits after a request start before
+    /// it takes the KV events, so that requests starting meanwhile share one batch (default
+    /// [`KV_COALESCE`](super::KV_COALESCE), 1 ms; zero: a batch per request start, lowest
+    /// latency, highest cost per request).
+    pub kv_coalesce: Duration,
 }
 
 impl Default for ServerConfig {
@@ -38,6 +43,7 @@ impl Default for ServerConfig {
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             max_in_flight: 1024,
             max_connections: 4096,
+            kv_coalesce: super::events::KV_COALESCE,
         }
     }
 }
@@ -116,7 +122,14 @@ fn serve_inner(
     let local_addr = listener.local_addr()?;
     let shutdown = CancellationToken::new();
     let connections = Arc::new(AtomicUsize::new(0));
-    let hub = events.map(|source| Hub::spawn(source, config.max_frame_len, shutdown.clone()));
+    let hub = events.map(|source| {
+        Hub::spawn(
+            source,
+            config.max_frame_len,
+            config.kv_coalesce,
+            shutdown.clone(),
+        )
+    });
     let task = tokio::spawn(accept_loop(
         listener,
         engine,
