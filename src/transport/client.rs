@@ -203,8 +203,7 @@ impl Connection {
         let feed = match sink {
             Some(sink) => {
                 // First on the wire, so the worker subscribes before it sees any request.
-                let subscribe = wire::encode_bounded(&Frame::KvSubscribe, usize::MAX)
-                    .ok_or(TransportError::RequestTooLarge { max: usize::MAX })?;
+                let subscribe = bytes::Bytes::from(wire::encode_frame(&Frame::KvSubscribe));
                 let feed = Feed::spawn(sink);
                 if !shared.writer.send(subscribe).await {
                     return Err(TransportError::Disconnected {
