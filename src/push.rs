@@ -14,6 +14,9 @@ mod dispatcher;
 mod error;
 mod health;
 mod kv;
+mod kv_feed;
+#[cfg(test)]
+mod kv_feed_tests;
 mod load_board;
 #[cfg(test)]
 mod retry_tests;
@@ -29,6 +32,7 @@ pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 #[cfg(feature = "sim")]
 pub(crate) use kv::mix;
 pub use kv::{block_hashes, KvSelector, DEEP_HOLDERS_LIMIT};
+pub use kv_feed::KvEventCounts;
 pub use load_board::LoadBoard;
 
 /// The former name of [`Dispatcher`] ("router" now names only the prefill router).

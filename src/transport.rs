@@ -10,6 +10,7 @@
 mod client;
 mod engine;
 mod error;
+mod events;
 mod server;
 mod wire;
 mod writer;
@@ -19,5 +20,9 @@ pub use engine::{
     Engine, EngineError, EngineStream, FinishReason, GenerateRequest, GenerateResponse, PrefillInfo,
 };
 pub use error::{FrameError, RemoteError, TransportError};
-pub use server::{serve, ServerConfig, ServerHandle};
+pub use events::{
+    decode_kv_payload, KvEventSink, KvEventSource, KvStreamError, KV_BROADCAST_BATCHES,
+    KV_COALESCE, KV_SINK_BATCHES, MAX_KV_BATCH_BYTES,
+};
+pub use server::{serve, serve_with_kv_events, ServerConfig, ServerHandle};
 pub use wire::{decode_frame, encode_frame, Frame, DEFAULT_MAX_FRAME_LEN};

@@ -259,6 +259,7 @@ impl FactoryHooks {
 pub(crate) struct DispatchHooks {
     reuse_failed: bool,
     affinity_ignores_routable: bool,
+    keep_kv_on_reconnect: bool,
 }
 
 #[cfg(feature = "runtime")]
@@ -268,6 +269,7 @@ impl DispatchHooks {
         DispatchHooks {
             reuse_failed: true,
             affinity_ignores_routable: false,
+            keep_kv_on_reconnect: false,
         }
     }
 
@@ -275,14 +277,28 @@ impl DispatchHooks {
     /// worker whether or not it is still routable (outside admission, breaker open).
     pub(crate) fn affinity_ignores_routable() -> Self {
         DispatchHooks {
-            reuse_failed: false,
             affinity_ignores_routable: true,
+            ..DispatchHooks::default()
         }
     }
 
     /// Whether a session's remembered worker must be routable to get the request.
     pub(crate) fn affinity_checks_routable(&self) -> bool {
         !self.affinity_ignores_routable
+    }
+
+    /// Hooks running the mutant that keeps a worker's KV index entries when its connection
+    /// (and so its event stream) ends or is replaced.
+    pub(crate) fn keep_kv_on_reconnect() -> Self {
+        DispatchHooks {
+            keep_kv_on_reconnect: true,
+            ..DispatchHooks::default()
+        }
+    }
+
+    /// Whether a reconnect or a closed connection drops the worker's KV index entries.
+    pub(crate) fn resets_kv_on_reconnect(&self) -> bool {
+        !self.keep_kv_on_reconnect
     }
 
     /// Whether a failed worker is excluded from the request's later attempts.

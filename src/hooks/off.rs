@@ -126,6 +126,12 @@ impl DispatchHooks {
     pub(crate) const fn affinity_checks_routable(&self) -> bool {
         true
     }
+
+    /// Whether a reconnect or a closed connection drops the worker's KV index entries: always.
+    #[inline(always)]
+    pub(crate) const fn resets_kv_on_reconnect(&self) -> bool {
+        true
+    }
 }
 
 /// The discovery watchers' known-set hooks: a resync diffs against what is known.

@@ -198,6 +198,14 @@ impl MockPrefill {
     }
 }
 
+/// A prefill worker built [`with_kv_events`](MockPrefill::with_kv_events) publishes its
+/// cache's batches on the request plane ([`crate::transport::serve_with_kv_events`]).
+impl crate::transport::KvEventSource for MockPrefill {
+    fn take_kv_events(&self) -> Vec<EventBatch> {
+        MockPrefill::take_kv_events(self)
+    }
+}
+
 impl Engine for MockPrefill {
     fn generate(&self, request: GenerateRequest) -> EngineStream {
         let (info, cost) = self.worker.prefill(&request.token_ids);

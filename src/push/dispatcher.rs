@@ -17,6 +17,7 @@ use super::affinity::{AffinityCounts, AffinityOutcome, AffinityStats, AffinityTa
 use super::error::{Attempt, PushError, RetryCounts};
 use super::health::failure_class;
 use super::kv::{block_hashes, mix, KvSelector};
+use super::kv_feed::{KvEventCounts, KvFeed};
 use super::load_board::LoadBoard;
 use super::view::{InstanceStatus, RoutableView};
 use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
@@ -115,7 +116,9 @@ pub struct Dispatcher {
     connections: Mutex<HashMap<InstanceId, Connection>>,
     next: AtomicUsize,
     rng: AtomicU64,
-    kv: Option<Mutex<KvSelector>>,
+    kv: Option<Arc<Mutex<KvSelector>>>,
+    /// The workers' KV event streams into `kv` (KV mode only).
+    kv_feed: Option<Arc<KvFeed>>,
     /// Requests in flight per instance, ordered by load over the routable set (kept in KV mode
     /// only, where it is the load term).
     loads: Loads,
@@ -158,13 +161,17 @@ impl Dispatcher {
             PushMode::Kv {
                 block_size,
                 config: kv,
-            } => Some(Mutex::new(KvSelector::new(
+            } => Some(Arc::new(Mutex::new(KvSelector::new(
                 *block_size,
                 kv,
                 config.kv_capacity,
-            ))),
+            )))),
             _ => None,
         };
+        let hooks = DispatchHooks::default();
+        let kv_feed = kv
+            .as_ref()
+            .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), view.clone(), hooks)));
         Dispatcher {
             rng: AtomicU64::new(config.seed),
             view,
@@ -173,9 +180,10 @@ impl Dispatcher {
             connections: Mutex::new(HashMap::new()),
             next: AtomicUsize::new(0),
             kv,
+            kv_feed,
             loads: Arc::default(),
             retries: Arc::default(),
-            hooks: DispatchHooks::default(),
+            hooks,
             affinity: None,
         }
     }
@@ -250,6 +258,23 @@ impl Dispatcher {
     pub(crate) fn with_affinity_ignores_routable_mutant(mut self) -> Self {
         self.hooks = DispatchHooks::affinity_ignores_routable();
         self
+    }
+
+    /// A dispatcher running the mutant that keeps a worker's KV index entries across a
+    /// reconnect or a closed connection.
+    #[cfg(test)]
+    pub(crate) fn with_keep_kv_on_reconnect_mutant(mut self) -> Self {
+        self.hooks = DispatchHooks::keep_kv_on_reconnect();
+        self.kv_feed = self
+            .kv
+            .as_ref()
+            .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), self.view.clone(), self.hooks)));
+        self
+    }
+
+    /// What the workers' KV event streams delivered (`None` when not in KV mode).
+    pub fn kv_event_counts(&self) -> Option<&Arc<KvEventCounts>> {
+        self.kv_feed.as_ref().map(|feed| feed.counts())
     }
 
     /// The view this router picks from.
@@ -550,16 +575,32 @@ impl Dispatcher {
                 }
             }
         }
-        let fresh = Connection::connect(instance.address, self.config.client.clone()).await?;
+        let client = self.config.client.clone();
+        let (fresh, generation) = match &self.kv_feed {
+            // KV mode: the connection carries the worker's KV events too.
+            Some(feed) => {
+                let (sink, generation) = feed.sink(id);
+                let conn =
+                    Connection::connect_with_kv_events(instance.address, client, sink).await?;
+                (conn, Some(generation))
+            }
+            None => (Connection::connect(instance.address, client).await?, None),
+        };
         let mut conns = self.connections.lock();
         // Drop connections of instances that left discovery, so the pool stays bounded by the
         // discovered set.
         conns.retain(|k, c| !c.is_closed() && self.view.is_discovered(*k));
         match conns.get(&id) {
-            // Another caller connected concurrently: share theirs, ours closes on drop.
+            // Another caller connected concurrently: share theirs, ours closes on drop (and its
+            // event stream, never adopted, changes nothing).
             Some(c) if !c.is_closed() && c.peer_addr() == instance.address => Ok(c.clone()),
             _ => {
                 conns.insert(id, fresh.clone());
+                // A new connection starts the worker's index entries afresh: events between
+                // the old stream's end and this one's start may be lost.
+                if let (Some(feed), Some(generation)) = (&self.kv_feed, generation) {
+                    feed.adopt(id, generation);
+                }
                 Ok(fresh)
             }
         }
@@ -571,33 +612,14 @@ impl Dispatcher {
     /// ignored (a worker outside admission earns no credit; its next batch once admitted
     /// starts it afresh).
     pub fn apply_kv_events(&self, worker: InstanceId, batch: &EventBatch) -> Option<Applied> {
-        let kv = self.kv.as_ref()?;
-        let member = matches!(
-            self.view.status(worker),
-            InstanceStatus::Routable(_) | InstanceStatus::Unhealthy(_)
-        );
-        let mut kv = kv.lock();
-        if !member {
-            kv.reset_events(worker);
-            return None;
-        }
-        let applied = kv.apply_events(worker, batch);
-        if matches!(applied, Applied::Resynced | Applied::Overflowed) {
-            tracing::debug!(
-                worker,
-                seq = batch.seq,
-                ?applied,
-                "KV events: worker's entries dropped"
-            );
-        }
-        Some(applied)
+        self.kv_feed.as_ref()?.apply(worker, batch)
     }
 
     /// Drop what the KV index knows of `worker` (its event stream reconnected or was lost):
     /// until its next batch it is scored by prediction.
     pub fn reset_kv_events(&self, worker: InstanceId) {
-        if let Some(kv) = &self.kv {
-            kv.lock().reset_events(worker);
+        if let Some(feed) = &self.kv_feed {
+            feed.reset(worker);
         }
     }
 
@@ -624,6 +646,9 @@ impl Dispatcher {
     pub fn forget(&self, id: InstanceId) {
         if let Some(kv) = &self.kv {
             kv.lock().forget(id);
+        }
+        if let Some(feed) = &self.kv_feed {
+            feed.forget(id);
         }
         self.connections.lock().remove(&id);
     }

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::engine::{GenerateRequest, GenerateResponse};
 use super::error::{FrameError, RemoteError, TransportError};
+use super::events::{Feed, KvEventSink};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
 use super::writer::Writer;
 
@@ -141,6 +142,26 @@ impl Connection {
     /// Connect to a worker at `addr` (TCP_NODELAY on) and start the connection's reader task
     /// on the current tokio runtime.
     pub async fn connect(addr: SocketAddr, config: ClientConfig) -> Result<Self, TransportError> {
+        Self::connect_inner(addr, config, None).await
+    }
+
+    /// [`connect`](Self::connect), and subscribe to the worker's KV cache event batches: they
+    /// go to `sink` (decoded off the reader task, bounded; see [`KvEventSink`]) until the
+    /// connection ends, which the sink hears as [`KvEventSink::closed`]. A worker that
+    /// publishes no events serves the connection as usual.
+    pub async fn connect_with_kv_events(
+        addr: SocketAddr,
+        config: ClientConfig,
+        sink: Arc<dyn KvEventSink>,
+    ) -> Result<Self, TransportError> {
+        Self::connect_inner(addr, config, Some(sink)).await
+    }
+
+    async fn connect_inner(
+        addr: SocketAddr,
+        config: ClientConfig,
+        sink: Option<Arc<dyn KvEventSink>>,
+    ) -> Result<Self, TransportError> {
         let stream =
             match tokio::time::timeout(config.connect_timeout, TcpStream::connect(addr)).await {
                 Err(_) => return Err(TransportError::ConnectTimeout { addr }),
@@ -174,10 +195,27 @@ impl Connection {
             next_id: AtomicU64::new(1),
             closed,
         });
-        tokio::spawn(read_loop(rd, Arc::clone(&shared)));
-        Ok(Connection {
-            handle: Arc::new(Handle { shared }),
-        })
+        let connection = Connection {
+            handle: Arc::new(Handle {
+                shared: Arc::clone(&shared),
+            }),
+        };
+        let feed = match sink {
+            Some(sink) => {
+                // First on the wire, so the worker subscribes before it sees any request.
+                let subscribe = bytes::Bytes::from(wire::encode_frame(&Frame::KvSubscribe));
+                let feed = Feed::spawn(sink);
+                if !shared.writer.send(subscribe).await {
+                    return Err(TransportError::Disconnected {
+                        reason: "connection closed while subscribing to KV events".into(),
+                    });
+                }
+                Some(feed)
+            }
+            None => None,
+        };
+        tokio::spawn(read_loop(rd, shared, feed));
+        Ok(connection)
     }
 
     /// The worker's address.
@@ -247,7 +285,7 @@ impl Connection {
     }
 }
 
-async fn read_loop(rd: OwnedReadHalf, shared: Arc<Shared>) {
+async fn read_loop(rd: OwnedReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
     let max = shared.config.max_frame_len;
     let mut frames = FramedRead::new(rd, wire::codec(max));
     let failure = loop {
@@ -276,7 +314,14 @@ async fn read_loop(rd: OwnedReadHalf, shared: Arc<Shared>) {
             Ok(Frame::Data { id, response }) => (id, Event::Data(response)),
             Ok(Frame::End { id }) => (id, Event::End),
             Ok(Frame::Error { id, error }) => (id, Event::Failed(TransportError::Remote(error))),
-            Ok(Frame::Request { .. } | Frame::Cancel { .. }) => {
+            Ok(Frame::KvEvents { payload }) => {
+                // Unasked-for events (no subscription) are ignored, not a protocol error.
+                if let Some(feed) = &feed {
+                    feed.offer(payload);
+                }
+                continue;
+            }
+            Ok(Frame::Request { .. } | Frame::Cancel { .. } | Frame::KvSubscribe) => {
                 break TransportError::Frame(FrameError::Unexpected {
                     reason: "worker sent a client frame".into(),
                 })
@@ -302,6 +347,8 @@ async fn read_loop(rd: OwnedReadHalf, shared: Arc<Shared>) {
         tracing::warn!(addr = %shared.addr, error = %e, "closing connection: bad frame from worker");
     }
     shared.fail_all(failure);
+    // The feed's task delivers what it buffered, then tells the sink the stream ended.
+    drop(feed);
 }
 
 /// The responses of one request. Dropping it before the end cancels the request at the worker.

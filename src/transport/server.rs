@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::engine::{Engine, EngineError, EngineStream, GenerateRequest, GenerateResponse};
 use super::error::{FrameError, RemoteError};
+use super::events::{Hub, KvEventSource};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
 use super::writer::Writer;
 
@@ -29,6 +30,11 @@ pub struct ServerConfig {
     pub max_in_flight: usize,
     /// Open connections; beyond it new connections are closed at once.
     pub max_connections: usize,
+    /// With [`serve_with_kv_events`]: how long the worker waits after a request start before
+    /// it takes the KV events, so that requests starting meanwhile share one batch (default
+    /// [`KV_COALESCE`](super::KV_COALESCE), 1 ms; zero: a batch per request start, lowest
+    /// latency, highest cost per request).
+    pub kv_coalesce: Duration,
 }
 
 impl Default for ServerConfig {
@@ -37,6 +43,7 @@ impl Default for ServerConfig {
             max_frame_len: DEFAULT_MAX_FRAME_LEN,
             max_in_flight: 1024,
             max_connections: 4096,
+            kv_coalesce: super::events::KV_COALESCE,
         }
     }
 }
@@ -90,13 +97,44 @@ pub fn serve(
     engine: Arc<dyn Engine>,
     config: ServerConfig,
 ) -> io::Result<ServerHandle> {
+    serve_inner(listener, engine, config, None)
+}
+
+/// [`serve`], and publish the KV cache event batches `events` yields to every connection that
+/// subscribes ([`Frame::KvSubscribe`], sent by
+/// [`Connection::connect_with_kv_events`](super::Connection::connect_with_kv_events)).
+/// Connections that do not subscribe see the request plane exactly as from [`serve`].
+pub fn serve_with_kv_events(
+    listener: TcpListener,
+    engine: Arc<dyn Engine>,
+    config: ServerConfig,
+    events: Arc<dyn KvEventSource>,
+) -> io::Result<ServerHandle> {
+    serve_inner(listener, engine, config, Some(events))
+}
+
+fn serve_inner(
+    listener: TcpListener,
+    engine: Arc<dyn Engine>,
+    config: ServerConfig,
+    events: Option<Arc<dyn KvEventSource>>,
+) -> io::Result<ServerHandle> {
     let local_addr = listener.local_addr()?;
     let shutdown = CancellationToken::new();
     let connections = Arc::new(AtomicUsize::new(0));
+    let hub = events.map(|source| {
+        Hub::spawn(
+            source,
+            config.max_frame_len,
+            config.kv_coalesce,
+            shutdown.clone(),
+        )
+    });
     let task = tokio::spawn(accept_loop(
         listener,
         engine,
         config,
+        hub,
         shutdown.clone(),
         Arc::clone(&connections),
     ));
@@ -112,6 +150,7 @@ async fn accept_loop(
     listener: TcpListener,
     engine: Arc<dyn Engine>,
     config: ServerConfig,
+    hub: Option<Arc<Hub>>,
     shutdown: CancellationToken,
     connections: Arc<AtomicUsize>,
 ) {
@@ -131,9 +170,10 @@ async fn accept_loop(
                 let config = config.clone();
                 let token = shutdown.child_token();
                 let connections = Arc::clone(&connections);
+                let hub = hub.clone();
                 tokio::spawn(async move {
                     let _open = OpenConnection(connections);
-                    serve_connection(stream, peer, engine, config, token).await;
+                    serve_connection(stream, peer, engine, config, hub, token).await;
                 });
             }
             Err(e) => {
@@ -192,6 +232,7 @@ async fn serve_connection(
     peer: SocketAddr,
     engine: Arc<dyn Engine>,
     config: ServerConfig,
+    hub: Option<Arc<Hub>>,
     token: CancellationToken,
 ) {
     if let Err(e) = stream.set_nodelay(true) {
@@ -202,6 +243,7 @@ async fn serve_connection(
     let writer = Writer::new(wr, max, token.clone());
     let active: Arc<Mutex<HashMap<u64, CancellationToken>>> = Arc::default();
     let mut frames = FramedRead::new(rd, wire::codec(max));
+    let mut subscribed = false;
     let closed = loop {
         let next = tokio::select! {
             _ = token.cancelled() => break Closed::Shutdown,
@@ -250,6 +292,10 @@ async fn serve_connection(
                     Some(true) => {}
                 }
                 let mut stream = start(engine.as_ref(), request);
+                // The prefill's cache changes are in the source now.
+                if let Some(hub) = &hub {
+                    hub.poke();
+                }
                 // Poll once here: an engine with its answer ready (a cached or one-token
                 // reply) is served from this task, without spawning one per request.
                 if let Some(item) = next_item(&mut stream).now_or_never() {
@@ -279,7 +325,21 @@ async fn serve_connection(
                     request_token.cancel();
                 }
             }
-            Ok(Frame::Data { .. } | Frame::End { .. } | Frame::Error { .. }) => {
+            Ok(Frame::KvSubscribe) => {
+                // A worker without events has nothing to send; a second subscribe is a no-op.
+                if let Some(hub) = &hub {
+                    if !subscribed {
+                        subscribed = true;
+                        hub.subscribe(writer.clone(), token.clone());
+                    }
+                }
+            }
+            Ok(
+                Frame::Data { .. }
+                | Frame::End { .. }
+                | Frame::Error { .. }
+                | Frame::KvEvents { .. },
+            ) => {
                 break Closed::Frame(FrameError::Unexpected {
                     reason: "client sent a worker frame".into(),
                 })
@@ -358,13 +418,7 @@ async fn run_request(
 /// Send a frame, replacing a response too large to frame by an error; false when the
 /// connection is finished.
 async fn send(writer: &Writer, frame: Frame, max: usize) -> bool {
-    let id = match &frame {
-        Frame::Request { id, .. }
-        | Frame::Cancel { id }
-        | Frame::Data { id, .. }
-        | Frame::End { id }
-        | Frame::Error { id, .. } => *id,
-    };
+    let id = frame.request_id().unwrap_or_default();
     let bytes = match wire::encode_bounded(&frame, max) {
         Some(bytes) => bytes,
         None => {

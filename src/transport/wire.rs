@@ -47,6 +47,31 @@ pub enum Frame {
         /// Why.
         error: RemoteError,
     },
+    /// Client to worker: send this connection the worker's KV cache event batches from now
+    /// on (see [`crate::transport::serve_with_kv_events`]). Sent at most once, first; a worker
+    /// without events ignores it.
+    KvSubscribe,
+    /// Worker to client: one KV event batch, in the v1 encoding of
+    /// [`crate::kv_events::encode_events`] (decoded by the client, not here, so a bad batch
+    /// costs that worker's index entries, not the connection).
+    KvEvents {
+        /// The encoded batch.
+        payload: Vec<u8>,
+    },
+}
+
+impl Frame {
+    /// The request the frame belongs to (`None` for the KV event frames).
+    pub(crate) fn request_id(&self) -> Option<u64> {
+        match self {
+            Frame::Request { id, .. }
+            | Frame::Cancel { id }
+            | Frame::Data { id, .. }
+            | Frame::End { id }
+            | Frame::Error { id, .. } => Some(*id),
+            Frame::KvSubscribe | Frame::KvEvents { .. } => None,
+        }
+    }
 }
 
 /// Decode one frame payload (the bytes after the length prefix).

@@ -71,6 +71,10 @@ pub enum FrameSeed {
         /// The engine's message.
         message: String,
     },
+    /// `Frame::KvSubscribe`.
+    KvSubscribe,
+    /// `Frame::KvEvents`, its payload (any bytes: the frame decoder does not look inside).
+    KvEvents(Vec<u8>),
 }
 
 impl PrefillSeed {
@@ -138,6 +142,10 @@ impl FrameSeed {
                     2 => RemoteError::DeadlineExceeded,
                     _ => RemoteError::ResponseTooLarge,
                 },
+            },
+            FrameSeed::KvSubscribe => Frame::KvSubscribe,
+            FrameSeed::KvEvents(payload) => Frame::KvEvents {
+                payload: payload.clone(),
             },
         }
     }

@@ -9,8 +9,10 @@
 //! - `push_health`: worker breakers: a blipped worker comes back, load never opens a breaker.
 //! - `push_retry`: a failed request retried on another worker, the attempts listed, KV next-best.
 //! - `push_kv_selector`: the KV selector alone (hashing, scoring, ties, bounded memory).
+//! - `kv_events_wire`: KV cache events over the request plane (index, reconnect, bad frames).
 #![cfg(feature = "runtime")]
 
+mod kv_events_wire;
 mod push_admission;
 mod push_health;
 mod push_kv_selector;

@@ -10,7 +10,8 @@ use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
 use prefill_router::discovery::{EndpointId, Instance, InstanceId};
 use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
 use prefill_router::transport::{
-    serve, Engine, EngineError, EngineStream, GenerateRequest, GenerateResponse, ServerConfig,
+    serve, serve_with_kv_events, Engine, EngineError, EngineStream, GenerateRequest,
+    GenerateResponse, KvEventSource, ServerConfig,
 };
 use tokio::net::TcpListener;
 
@@ -42,7 +43,10 @@ options:
   --token-interval-us N  decode time per token, microseconds (default 2000)
   --ttl-ms N             discovery lease TTL in milliseconds (default 10000)
   --etcd-root PREFIX     etcd key root (default prefill-router/v1/instances/)
-  --print-requests       print a `request` event as each request starts";
+  --print-requests       print a `request` event as each request starts
+  --no-kv-events         a prefill worker does not publish its KV cache events (by default
+                         it does, to the routers in KV mode, which then score it by what its
+                         cache really holds: see docs/kv_events.md)";
 
 /// The worker's role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +81,7 @@ pub struct WorkerOptions {
     ttl: Duration,
     etcd_root: String,
     print_requests: bool,
+    kv_events: bool,
 }
 
 impl WorkerOptions {
@@ -98,6 +103,7 @@ impl WorkerOptions {
             ttl: Duration::from_secs(10),
             etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
             print_requests: false,
+            kv_events: true,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -128,6 +134,7 @@ impl WorkerOptions {
                 "--ttl-ms" => options.ttl = Duration::from_millis(flags.parsed(flag)?),
                 "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
                 "--print-requests" => options.print_requests = true,
+                "--no-kv-events" => options.kv_events = false,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown worker option `{other}`"))),
             }
@@ -191,7 +198,18 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
         token_interval: options.token_interval,
         cache_blocks: 8192,
     };
+    // A prefill worker publishes its LRU's events (only routers in KV mode subscribe); the
+    // incarnation is the start time, so a restarted process is recognised as cold.
+    let mut events: Option<Arc<dyn KvEventSource>> = None;
     let engine: Arc<dyn Engine> = match options.role {
+        Role::Prefill if options.kv_events => {
+            let epoch = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+            let prefill = MockPrefill::with_kv_events(id, mock, epoch);
+            events = Some(prefill.clone());
+            prefill
+        }
         Role::Prefill => MockPrefill::new(id, mock),
         Role::Decode => MockDecode::new(id, mock),
     };
@@ -209,8 +227,11 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
     let listener = TcpListener::bind(options.listen)
         .await
         .map_err(|e| format!("listening on {}: {e}", options.listen))?;
-    let server =
-        serve(listener, engine, ServerConfig::default()).map_err(|e| format!("serving: {e}"))?;
+    let server = match events {
+        Some(events) => serve_with_kv_events(listener, engine, ServerConfig::default(), events),
+        None => serve(listener, engine, ServerConfig::default()),
+    }
+    .map_err(|e| format!("serving: {e}"))?;
     let endpoint = EndpointId::new(&options.namespace, options.role.component(), "generate");
     let instance = Instance {
         endpoint: endpoint.clone(),

@@ -1,0 +1,97 @@
+//! A lost connection drops its worker's KV index entries, and the check catches the mutant that
+//! keeps them (stale credit for a cache the router no longer hears about).
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{Dispatcher, PushConfig, PushMode, RoutableView};
+use crate::advert::KvRouterConfig;
+use crate::discovery::{EndpointId, Instance, InstanceEvent};
+use crate::health::BackoffPolicy;
+use crate::mock::{MockConfig, MockPrefill};
+use crate::transport::{serve_with_kv_events, GenerateRequest, ServerConfig};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Index a worker's events over TCP, stop the worker's server, and report whether the router
+/// dropped the worker's entries within two seconds of that.
+async fn entries_dropped_after_disconnect(mutant: bool) -> bool {
+    let engine = MockPrefill::with_kv_events(
+        4,
+        MockConfig {
+            block_size: 4,
+            block_cost: Duration::ZERO,
+            ..MockConfig::default()
+        },
+        1,
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let server = serve_with_kv_events(listener, engine.clone(), ServerConfig::default(), engine)
+        .expect("serve");
+    let (tx, mut rx) = mpsc::channel::<InstanceEvent>(4);
+    let cancel = CancellationToken::new();
+    let view = RoutableView::spawn_with(
+        futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)),
+        None,
+        cancel.clone(),
+        BackoffPolicy::default(),
+    );
+    tx.send(InstanceEvent::Added(Instance {
+        endpoint: EndpointId::new("t", "prefill", "generate"),
+        instance_id: 4,
+        address: server.local_addr(),
+    }))
+    .await
+    .expect("view alive");
+    tokio::time::timeout(WAIT, view.wait_for(|r| r.len() == 1))
+        .await
+        .expect("routable");
+    let mode = PushMode::Kv {
+        block_size: 4,
+        config: KvRouterConfig::default(),
+    };
+    let mut router = Dispatcher::new(view, mode, PushConfig::default());
+    if mutant {
+        router = router.with_keep_kv_on_reconnect_mutant();
+    }
+    let mut s = router
+        .generate_direct(4, GenerateRequest::new((0..16).collect(), 1))
+        .await
+        .expect("sent");
+    assert!(matches!(
+        tokio::time::timeout(WAIT, s.next()).await,
+        Ok(Some(Ok(_)))
+    ));
+    let indexed = tokio::time::timeout(WAIT, async {
+        while !router.kv_indexed(4) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await;
+    assert!(indexed.is_ok(), "the worker's events reached the index");
+    server.stop().await;
+    let dropped = tokio::time::timeout(Duration::from_secs(2), async {
+        while router.kv_indexed(4) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .is_ok();
+    cancel.cancel();
+    dropped
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disconnect_drops_the_workers_kv_entries() {
+    assert!(entries_dropped_after_disconnect(false).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_check_catches_the_mutant_that_keeps_kv_entries_across_a_reconnect() {
+    assert!(!entries_dropped_after_disconnect(true).await);
+}
