@@ -95,3 +95,69 @@ async fn a_disconnect_drops_the_workers_kv_entries() {
 async fn the_check_catches_the_mutant_that_keeps_kv_entries_across_a_reconnect() {
     assert!(!entries_dropped_after_disconnect(true).await);
 }
+
+/// Only the worker's pooled connection applies batches or, by closing, resets it: a replaced
+/// connection's late batches and close change nothing, and adopting a new one drops the old
+/// one's credit.
+#[tokio::test(flavor = "current_thread")]
+async fn only_the_workers_current_connection_feeds_or_resets_its_entries() {
+    use std::sync::Arc;
+
+    use parking_lot::Mutex;
+
+    use super::kv::KvSelector;
+    use super::kv_feed::KvFeed;
+    use crate::hooks::DispatchHooks;
+    use crate::kv_events::{EventBatch, KvEvent};
+
+    let (_tx, mut rx) = mpsc::channel::<InstanceEvent>(1);
+    let cancel = CancellationToken::new();
+    let view = RoutableView::spawn_with(
+        futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)),
+        None,
+        cancel.clone(),
+        BackoffPolicy::default(),
+    );
+    view.apply(InstanceEvent::Added(Instance {
+        endpoint: EndpointId::new("t", "prefill", "generate"),
+        instance_id: 4,
+        address: "127.0.0.1:9".parse().expect("addr"),
+    }));
+    let kv = Arc::new(Mutex::new(KvSelector::new(
+        4,
+        &KvRouterConfig::default(),
+        1024,
+    )));
+    let feed = Arc::new(KvFeed::new(Arc::clone(&kv), view, DispatchHooks::default()));
+    let indexed = || kv.lock().index().publishes(4);
+    let batch = |seq| EventBatch {
+        epoch: 1,
+        seq,
+        events: vec![KvEvent::Stored {
+            parent: None,
+            blocks: vec![11, 12],
+        }],
+    };
+
+    let (old, g1) = feed.sink(4);
+    feed.adopt(4, g1);
+    old.batch(batch(0));
+    assert!(indexed());
+    let (new, g2) = feed.sink(4);
+    new.batch(batch(1));
+    assert_eq!(feed.counts().stale(), 1, "not pooled yet: ignored");
+    feed.adopt(4, g2);
+    assert!(!indexed(), "a replaced connection's credit is dropped");
+    new.batch(batch(0));
+    assert!(indexed());
+    old.batch(batch(1));
+    old.closed();
+    assert!(
+        indexed(),
+        "the old connection's late batch and close change nothing"
+    );
+    assert_eq!(feed.counts().stale(), 2);
+    new.closed();
+    assert!(!indexed());
+    cancel.cancel();
+}

@@ -130,7 +130,8 @@ impl Feed {
                 }
             };
             while let Some(payload) = rx.recv().await {
-                // Drops before this payload are reported first: its batch follows a gap.
+                // Drops are reported no later than the next batch delivered (possibly earlier
+                // than their place in the stream: an early reset is safe, a late one is not).
                 report_lag(sink.as_ref());
                 match decode_kv_payload(&payload) {
                     Ok(batch) => sink.batch(batch),
@@ -277,6 +278,53 @@ mod tests {
         let bytes = encode_events(&batch).unwrap();
         assert!(bytes.len() <= MAX_KV_BATCH_BYTES);
         assert_eq!(decode_kv_payload(&bytes), Ok(batch));
+    }
+
+    /// Records what a feed delivers.
+    #[derive(Default)]
+    struct Recorder(parking_lot::Mutex<Vec<String>>);
+
+    impl KvEventSink for Recorder {
+        fn batch(&self, batch: EventBatch) {
+            self.0.lock().push(format!("batch {}", batch.seq));
+        }
+        fn error(&self, error: KvStreamError) {
+            self.0.lock().push(format!("error {error:?}"));
+        }
+        fn closed(&self) {
+            self.0.lock().push("closed".into());
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_router_that_falls_behind_drops_counted_batches_and_never_blocks_the_reader() {
+        let sink = Arc::new(Recorder::default());
+        let feed = Feed::spawn(sink.clone());
+        // The feed task cannot run before this loop yields: the queue fills, the rest drop.
+        let sent = KV_SINK_BATCHES + 44;
+        for seq in 0..sent as u64 {
+            let batch = EventBatch {
+                epoch: 1,
+                seq,
+                events: vec![KvEvent::Cleared],
+            };
+            feed.offer(encode_events(&batch).unwrap());
+        }
+        drop(feed);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while sink.0.lock().last().map(String::as_str) != Some("closed") {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the feed ends");
+        let seen = sink.0.lock().clone();
+        let lagged: Vec<&String> = seen.iter().filter(|e| e.starts_with("error")).collect();
+        assert_eq!(lagged, vec!["error Lagged { dropped: 44 }"]);
+        let batches = seen.iter().filter(|e| e.starts_with("batch")).count();
+        assert_eq!(batches, KV_SINK_BATCHES);
+        // The lag is reported before any batch that follows it is applied.
+        assert!(seen[0].starts_with("error"), "{:?}", &seen[..2]);
     }
 
     #[test]

@@ -345,6 +345,27 @@ mod tests {
     }
 
     #[test]
+    fn a_prefill_worker_publishes_kv_events_unless_told_not_to() {
+        let base = "--role prefill --discovery file:///tmp/x --namespace ns";
+        let on = WorkerOptions::parse(&args(base));
+        assert!(matches!(
+            on,
+            Ok(WorkerOptions {
+                kv_events: true,
+                ..
+            })
+        ));
+        let off = WorkerOptions::parse(&args(&format!("{base} --no-kv-events")));
+        assert!(matches!(
+            off,
+            Ok(WorkerOptions {
+                kv_events: false,
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn worker_needs_role_discovery_and_namespace() {
         for line in [
             "--discovery file:///tmp/x --namespace ns",
