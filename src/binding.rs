@@ -18,6 +18,7 @@ mod decode;
 mod factory;
 
 pub use decode::DecodePool;
+#[cfg(feature = "sim")]
 pub(crate) use factory::TokenLoad;
 
 /// The former name of [`DecodePool`].
