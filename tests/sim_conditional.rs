@@ -3,33 +3,17 @@
 //! conditional mutant is caught by its oracle.
 #![cfg(feature = "sim")]
 
-use prefill_router::sim::{simulate, Mutant, SimConfig, SimReport};
+mod sim_support;
 
-const STEPS: u32 = 120;
-
-fn run(config: SimConfig) -> SimReport {
-    simulate(&config).expect("tokio runtime")
-}
+use prefill_router::sim::Mutant;
+use sim_support::{assert_caught, sweep};
 
 #[test]
 fn two_hundred_conditional_seeds_hold_every_oracle_and_skip_for_both_reasons() {
-    let (mut short, mut busy, mut prefilled) = (0, 0, 0);
-    let mut failures = Vec::new();
-    for seed in 0..200 {
-        let report = run(SimConfig::new(seed, STEPS).with_conditional());
-        short += report.stats.conditional_short;
-        busy += report.stats.conditional_busy;
-        prefilled += report.stats.prefilled_ok;
-        if !report.passed() {
-            eprintln!("{report}");
-            failures.push(report.repro_command());
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "reproduce with:\n{}",
-        failures.join("\n")
-    );
+    let stats = sweep(0..200, |c| c.with_conditional());
+    let short: u64 = stats.iter().map(|s| s.conditional_short).sum();
+    let busy: u64 = stats.iter().map(|s| s.conditional_busy).sum();
+    let prefilled: u64 = stats.iter().map(|s| s.prefilled_ok).sum();
     // The oracles judged real skips of both kinds, and requests still prefilled.
     assert!(
         short > 0 && busy > 0 && prefilled > 0,
@@ -39,23 +23,9 @@ fn two_hundred_conditional_seeds_hold_every_oracle_and_skip_for_both_reasons() {
 
 #[test]
 fn without_the_policy_nothing_is_skipped() {
-    for seed in 0..30 {
-        let report = run(SimConfig::new(seed, STEPS));
-        assert!(report.passed(), "{report}");
-        assert_eq!(
-            (
-                report.stats.conditional_short,
-                report.stats.conditional_busy
-            ),
-            (0, 0)
-        );
+    for s in sweep(0..30, |c| c) {
+        assert_eq!((s.conditional_short, s.conditional_busy), (0, 0));
     }
-}
-
-fn assert_caught(mutant: Mutant, kind: &str) {
-    let caught =
-        (0..30).any(|seed| run(SimConfig::new(seed, STEPS).with_mutant(mutant)).found(kind));
-    assert!(caught, "mutant {mutant:?} not caught as {kind}");
 }
 
 #[test]
