@@ -27,6 +27,7 @@ mod config;
 mod controller;
 mod discovery;
 mod feed;
+pub mod kv_events;
 mod oracle;
 mod pool;
 mod report;

@@ -312,6 +312,19 @@ impl Dispatcher {
             .map(|p| p.instance)
     }
 
+    /// [`select_excluding`](Self::select_excluding) with the leading blocks the KV pick
+    /// credited the instance with (`None` outside KV mode): the simulator's stale-credit oracle
+    /// compares it with the worker's real cache.
+    #[cfg(feature = "sim")]
+    pub(crate) fn select_excluding_with_overlap(
+        &self,
+        request: &GenerateRequest,
+        excluded: &[InstanceId],
+    ) -> Result<(Arc<Instance>, Option<usize>), PushError> {
+        self.select_with_overlap(request, excluded)
+            .map(|p| (p.instance, p.overlap))
+    }
+
     fn select_with_overlap(
         &self,
         request: &GenerateRequest,

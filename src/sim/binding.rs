@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::conditional;
 use super::config::{timing, Mutant};
+use super::kv_events;
 use super::oracle::Violation;
 use super::sessions;
 use super::world::{InFlight, Probe, World};
@@ -116,7 +117,9 @@ impl BindingFactory for SimFactory {
 /// workers.
 pub struct SimBinding {
     probe: Arc<Probe>,
-    push: Dispatcher,
+    push: Arc<Dispatcher>,
+    /// The KV block size when the run has KV events (the bindings then route in KV mode).
+    kv_block: Option<u32>,
     view: RoutableView,
     target: WorkerSetTarget,
     world: Arc<World>,
@@ -160,7 +163,13 @@ impl SimBinding {
         };
         let config = advert::resolve(std::slice::from_ref(&*target.card), &decode)
             .map_err(|e| BuildError::new(e.to_string()))?;
+        let kv_on = world.with(|s| s.kv.on);
+        let mut config = config;
+        if kv_on {
+            config.router_mode = crate::advert::SelectionMode::KV;
+        }
         let mode = PushMode::from_prefill_config(&config, None);
+        let kv_block = kv_on.then_some(config.block_size);
         let admission = match mutant {
             Some(Mutant::IgnoreAdmission) => None,
             _ => Some(target.admitted.clone()),
@@ -191,15 +200,20 @@ impl SimBinding {
         let probe = world.new_probe(target.id.clone(), cancel);
         let seed = world.keyed(&[STREAM_PUSH, probe.serial]).next_u64();
         let affinity = sessions::table_for_binding(&world, mutant);
-        let push = Dispatcher::new(
-            view.clone(),
-            mode,
-            PushConfig {
-                seed,
-                ..PushConfig::default()
-            },
-        )
-        .with_affinity_table(affinity.clone());
+        let push = Arc::new(
+            Dispatcher::new(
+                view.clone(),
+                mode,
+                PushConfig {
+                    seed,
+                    ..PushConfig::default()
+                },
+            )
+            .with_affinity_table(affinity.clone()),
+        );
+        if kv_on {
+            kv_events::subscribe(&world, &push);
+        }
         world.attach_view(&probe, &view);
         if mutant == Some(Mutant::LeakBindings) {
             world.with(|s| s.leaked.push(Arc::clone(&probe)));
@@ -208,6 +222,7 @@ impl SimBinding {
         Ok(SimBinding {
             probe,
             push,
+            kv_block,
             view,
             target,
             world,
@@ -312,6 +327,33 @@ impl SimBinding {
         Ok((worker, plan))
     }
 
+    /// The block hashes of `request` in KV runs (what the workers' caches are keyed by).
+    fn kv_hashes(&self, request: &GenerateRequest) -> Option<Vec<u64>> {
+        self.kv_block
+            .map(|b| crate::push::block_hashes(&request.token_ids, b))
+    }
+
+    /// The dispatcher's pick, under the stale-credit oracle in KV runs.
+    fn select(
+        &self,
+        id: u64,
+        request: &GenerateRequest,
+        tried: &[InstanceId],
+    ) -> Result<InstanceId, PushError> {
+        let (instance, credited) = self.push.select_excluding_with_overlap(request, tried)?;
+        if let Some(hashes) = self.kv_hashes(request) {
+            kv_events::picked(
+                &self.world,
+                id,
+                &self.push,
+                instance.instance_id,
+                &hashes,
+                credited,
+            );
+        }
+        Ok(instance.instance_id)
+    }
+
     /// The dispatcher's pick, judged by the affinity oracles when the run has sessions.
     fn pick_with_affinity(
         &self,
@@ -320,13 +362,13 @@ impl SimBinding {
         tried: &[InstanceId],
     ) -> Result<InstanceId, PushError> {
         let Some(table) = &self.affinity else {
-            return Ok(self.push.select_excluding(request, tried)?.instance_id);
+            return self.select(id, request, tried);
         };
         // Read in the same poll as the pick: what the dispatcher picks from.
         let routable: Vec<InstanceId> =
             self.view.routable().iter().map(|i| i.instance_id).collect();
         let before = table.counts().snapshot();
-        let mut worker = self.push.select_excluding(request, tried)?.instance_id;
+        let mut worker = self.select(id, request, tried)?;
         let mut outcomes = sessions::outcome_between(before, table.counts().snapshot());
         let session = request.session.as_deref();
         if self.mutant == Some(Mutant::AffinityIgnoresRoutable) {
@@ -411,6 +453,9 @@ impl Prefill for SimBinding {
                     let failure = match plan {
                         WorkerPlan::Answer(d) => {
                             tokio::time::sleep(d).await;
+                            if let Some(hashes) = self.kv_hashes(&request) {
+                                kv_events::prefilled(&self.world, worker, &hashes);
+                            }
                             return Ok(outcome(worker, &request));
                         }
                         WorkerPlan::Reject => {

@@ -21,6 +21,10 @@ pub struct SimConfig {
     /// [`sim::sessions::TTL`](super::sessions::TTL), under the affinity oracles (off by
     /// default; the affinity mutants turn it on).
     pub sessions: bool,
+    /// Run the bindings in KV mode with workers that publish KV cache events, some batches
+    /// lost or delayed, under the stale-credit oracle (off by default; the KV mutant turns it
+    /// on). See [`sim::kv_events`](super::kv_events).
+    pub kv_events: bool,
 }
 
 impl SimConfig {
@@ -32,7 +36,19 @@ impl SimConfig {
             mutant: None,
             conditional: false,
             sessions: false,
+            kv_events: false,
         }
+    }
+
+    /// The same run with KV events (and KV routing) on.
+    pub fn with_kv_events(mut self) -> Self {
+        self.kv_events = true;
+        self
+    }
+
+    /// Whether the run has KV events (asked for, or the KV mutant).
+    pub(crate) fn kv_events_on(&self) -> bool {
+        self.kv_events || self.mutant == Some(Mutant::KvIgnoresRemovals)
     }
 
     /// The same run with sessions and session affinity on.
@@ -119,6 +135,9 @@ pub enum Mutant {
     /// Every binding shares the first binding's affinity table, so a rebuilt binding inherits
     /// the old sessions (oracle: affinity survived a rebuild).
     AffinityInheritedByRebuild,
+    /// Workers publish their KV event batches without the removals, so evicted blocks stay
+    /// credited (oracle: stale credit with no batch lost or late).
+    KvIgnoresRemovals,
 }
 
 /// Time constants of the simulated world (all simulated time: the clock is paused and jumps).

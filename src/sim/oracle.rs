@@ -127,6 +127,18 @@ pub enum Violation {
         /// How many.
         alive: usize,
     },
+    /// A KV pick credited a worker, from its events, with more leading blocks than its cache
+    /// held, with no batch of that worker lost or late (see `sim/kv_events.rs`).
+    KvStaleCredit {
+        /// The request.
+        request: u64,
+        /// The picked worker.
+        worker: InstanceId,
+        /// Leading blocks the pick credited.
+        credited: usize,
+        /// Leading blocks the worker's cache held.
+        held: usize,
+    },
     /// A property of session affinity broke (see `sim/sessions.rs`).
     AffinityBroken {
         /// The request.
@@ -239,6 +251,15 @@ impl fmt::Display for Violation {
             Violation::TasksLeftAfterShutdown { alive } => {
                 write!(f, "{alive} router tasks still running after shutdown")
             }
+            Violation::KvStaleCredit {
+                request,
+                worker,
+                credited,
+                held,
+            } => write!(
+                f,
+                "request {request}: worker {worker} credited with {credited} leading blocks from its events, its cache held {held}, no batch of it lost or late"
+            ),
             Violation::ConditionalBroken {
                 request,
                 property,
@@ -271,6 +292,7 @@ impl Violation {
             Violation::RetiredAliveMiscounted { .. } => "retired_alive_miscounted",
             Violation::CountersDisagree { .. } => "counters_disagree",
             Violation::TasksLeftAfterShutdown { .. } => "tasks_left_after_shutdown",
+            Violation::KvStaleCredit { .. } => "kv_stale_credit",
             Violation::ConditionalBroken { property, .. }
             | Violation::AffinityBroken { property, .. } => property,
         }

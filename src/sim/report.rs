@@ -67,6 +67,13 @@ pub struct SimStats {
     pub affinity_misses: u64,
     /// Picks whose remembered worker was not routable (or failed by the request): moved.
     pub affinity_repicks: u64,
+    /// KV event batches lost (runs with KV events).
+    pub kv_batches_lost: u64,
+    /// KV event batches delivered late.
+    pub kv_batches_delayed: u64,
+    /// KV picks whose credit exceeded the cache while a batch of the worker was lost or late
+    /// (allowed; shows the oracle's window is exercised).
+    pub kv_stale_while_lagging: u64,
 }
 
 /// The outcome of one simulated run.
@@ -131,8 +138,9 @@ pub fn repro_command(config: &SimConfig) -> String {
         ""
     };
     let sessions = if config.sessions { " --sessions" } else { "" };
+    let kv = if config.kv_events { " --kv-events" } else { "" };
     format!(
-        "cargo run --release --features cli -- simulate --seed {} --steps {}{mutant}{conditional}{sessions}",
+        "cargo run --release --features cli -- simulate --seed {} --steps {}{mutant}{conditional}{sessions}{kv}",
         config.seed, config.steps
     )
 }
@@ -150,6 +158,7 @@ pub fn mutant_name(mutant: Mutant) -> &'static str {
         Mutant::ConditionalPrefillOnProbe => "conditional-prefill-on-probe",
         Mutant::AffinityIgnoresRoutable => "affinity-ignores-routable",
         Mutant::AffinityInheritedByRebuild => "affinity-inherited-by-rebuild",
+        Mutant::KvIgnoresRemovals => "kv-ignores-removals",
     }
 }
 
@@ -166,6 +175,7 @@ pub fn parse_mutant(name: &str) -> Option<Mutant> {
         Mutant::ConditionalPrefillOnProbe,
         Mutant::AffinityIgnoresRoutable,
         Mutant::AffinityInheritedByRebuild,
+        Mutant::KvIgnoresRemovals,
     ]
     .into_iter()
     .find(|m| mutant_name(*m) == name)
@@ -231,6 +241,13 @@ impl fmt::Display for SimReport {
                 f,
                 "  session affinity: {} hits, {} misses, {} re-picks",
                 s.affinity_hits, s.affinity_misses, s.affinity_repicks
+            )?;
+        }
+        if s.kv_batches_lost + s.kv_batches_delayed + s.kv_stale_while_lagging > 0 {
+            writeln!(
+                f,
+                "  KV events: {} batches lost, {} late, {} picks over-credited while lagging",
+                s.kv_batches_lost, s.kv_batches_delayed, s.kv_stale_while_lagging
             )?;
         }
         for v in &self.violations {

@@ -102,6 +102,8 @@ pub(crate) struct WorldState {
     pub(crate) conditional: super::conditional::Ledger,
     /// Session affinity's mirror of the bindings' tables.
     pub(crate) sessions: super::sessions::Ledger,
+    /// KV events: the workers' caches, the subscribed dispatchers, the lag windows.
+    pub(crate) kv: super::kv_events::Ledger,
     pub(crate) stats: SimStats,
     pub(crate) violations: Vec<Violation>,
     digest: u64,
@@ -137,6 +139,7 @@ impl World {
                 prefilled: Default::default(),
                 conditional: Default::default(),
                 sessions: Default::default(),
+                kv: Default::default(),
                 stats: SimStats::default(),
                 violations: Vec::new(),
                 digest: 0,

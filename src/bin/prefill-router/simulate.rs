@@ -10,7 +10,7 @@ use crate::args::{CliError, Flags};
 /// Usage of `prefill-router simulate`.
 pub const USAGE: &str = "\
 usage: prefill-router simulate [--seed N] [--steps K] [--seeds M] [--mutant NAME] [--conditional]
-                               [--sessions] [--quiet]
+                               [--sessions] [--kv-events] [--quiet]
 
 Runs the real PrefillRouter against a seeded in-memory world (faulty discovery feed, builds
 that fail/hang/outlive cancellation, workers that crash/reject/hang) on a paused clock, and
@@ -24,11 +24,13 @@ checks the oracles listed in docs/simulation.md.
                 deferred-set-target | breaker-never-closes |
                 retry-reuses-failed-worker | conditional-probe-lies |
                 conditional-prefill-on-probe | affinity-ignores-routable |
-                affinity-inherited-by-rebuild
+                affinity-inherited-by-rebuild | kv-ignores-removals
   --conditional run the router with the conditional disaggregation policy
                 (prefill_router::sim::conditional::POLICY) and its oracles
   --sessions    give requests session keys and the bindings session affinity
                 (prefill_router::sim::sessions::TTL), under the affinity oracles
+  --kv-events   KV routing with workers publishing KV cache events, some batches lost or
+                late, under the stale-credit oracle (prefill_router::sim::kv_events)
   --quiet       print failing runs and the summary only
 (needs the `cli` feature: cargo run --release --features cli -- simulate ...)";
 
@@ -42,6 +44,8 @@ pub struct SimulateOptions {
     conditional: bool,
     /// Run with sessions and session affinity.
     sessions: bool,
+    /// Run with KV events.
+    kv_events: bool,
     quiet: bool,
 }
 
@@ -55,6 +59,7 @@ impl SimulateOptions {
             mutant: None,
             conditional: false,
             sessions: false,
+            kv_events: false,
             quiet: false,
         };
         let mut flags = Flags::new(args);
@@ -66,6 +71,7 @@ impl SimulateOptions {
                 "--mutant" => options.mutant = Some(flags.value(flag)?.to_owned()),
                 "--conditional" => options.conditional = true,
                 "--sessions" => options.sessions = true,
+                "--kv-events" => options.kv_events = true,
                 "--quiet" => options.quiet = true,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
@@ -101,6 +107,7 @@ fn run_blocking(options: &SimulateOptions) -> ExitCode {
         config.mutant = mutant;
         config.conditional = options.conditional;
         config.sessions = options.sessions;
+        config.kv_events = options.kv_events;
         let report = match simulate(&config) {
             Ok(report) => report,
             Err(error) => {

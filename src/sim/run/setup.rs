@@ -29,6 +29,7 @@ impl Run {
         let world = World::new(config.seed, config.mutant, rng.fork(), workers);
         world.with(|s| {
             s.sessions.on = config.sessions_on();
+            s.kv.on = config.kv_events_on();
             s.conditional.policy = config
                 .conditional_on()
                 .then_some(super::super::conditional::POLICY);
