@@ -6,7 +6,7 @@
 //!   on a capped backoff closes it again, see [`failure_class`] and docs/health.md).
 //! - [`Dispatcher`]: modes [`PushMode::RoundRobin`], [`PushMode::Random`],
 //!   [`PushMode::Direct`] and [`PushMode::Kv`] (approximate prefix-aware selection, see
-//!   [`KvSelector`]), each with optional session affinity ([`Dispatcher::with_session_affinity`]:
+//!   [`KvSelector`], costed by [`select`]), each with optional session affinity ([`Dispatcher::with_session_affinity`]:
 //!   a session's requests stay on its worker while it stays routable, for a TTL).
 
 mod affinity;
@@ -22,11 +22,12 @@ mod load_board;
 mod retry_tests;
 #[cfg(test)]
 mod select_on_tests;
+pub mod select;
 mod view;
 
 pub(crate) use affinity::AffinityTable;
 pub use affinity::{AffinityCounts, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
-pub use dispatcher::{Dispatcher, PushConfig, PushMode, RoutedStream, Selection};
+pub use dispatcher::{Dispatcher, OverloadCounts, PushConfig, PushMode, RoutedStream, Selection};
 pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 #[cfg(feature = "sim")]

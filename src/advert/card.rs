@@ -35,8 +35,28 @@ impl std::fmt::Display for SelectionMode {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct KvRouterConfig {
-    /// Weight of the prefix-overlap score against load (upstream default 1.0).
+    /// Weight of a request's uncached blocks on a worker in the KV cost (upstream default
+    /// 1.0): `cost = overlap_score_weight × uncached blocks + prefill_load_scale × booked
+    /// blocks`, lowest wins (docs/router.md, "KV cost").
     pub overlap_score_weight: f64,
+    /// Weight of the prefill work already booked on a worker in the KV cost (default 0.5: a
+    /// cached block is worth two booked ones, because recomputing a prefix elsewhere adds work
+    /// every later request waits behind; 1.0 is the plain expected wait. Chosen by the replay:
+    /// docs/performance.md, "KV cost").
+    pub prefill_load_scale: f64,
+    /// Tokens each routed request books on its worker on top of its uncached prompt tokens:
+    /// the fixed cost of one more concurrent prefill there (default 2048, chosen by the
+    /// replay: docs/performance.md, "KV cost").
+    pub prefill_request_tokens: u64,
+    /// Balance slack: a worker with more than this many tokens booked beyond the least loaded
+    /// routable worker is skipped, however much of the prompt it holds (default `None`: no
+    /// slack rule; the replay found it costs the conversation trace its reuse).
+    pub balance_slack_tokens: Option<u64>,
+    /// Busy threshold: a worker with at least this many uncached prompt tokens booked is
+    /// skipped; when every routable worker is, the request waits for room up to the router's
+    /// overload wait and then fails as overloaded (default `None`: no threshold). Overridable
+    /// at runtime with `Dispatcher::set_busy_threshold`.
+    pub busy_threshold_tokens: Option<u64>,
     /// Softmax temperature for sampling among workers; 0 picks the best (upstream default 0.0).
     pub router_temperature: f64,
     /// Whether workers publish KV cache events (upstream default true).
@@ -50,6 +70,10 @@ impl Default for KvRouterConfig {
     fn default() -> Self {
         KvRouterConfig {
             overlap_score_weight: 1.0,
+            prefill_load_scale: 0.5,
+            prefill_request_tokens: 2048,
+            balance_slack_tokens: None,
+            busy_threshold_tokens: None,
             router_temperature: 0.0,
             use_kv_events: true,
             router_track_active_blocks: true,

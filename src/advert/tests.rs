@@ -129,6 +129,7 @@ fn rule5_advertised_tuning_replaces_decode_tuning_whole() {
         router_temperature: 0.7,
         use_kv_events: false,
         router_track_active_blocks: false,
+        ..KvRouterConfig::default()
     });
     // The card names a mode without restating tuning: it gets the defaults, not a merge.
     let cfg = resolve(&[advertised(SelectionMode::KV)], &decode).unwrap();

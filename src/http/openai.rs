@@ -167,9 +167,27 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The `Retry-After` seconds a client is told: only an overload (every worker over its
+    /// busy threshold) is worth retrying on a timer; pressure passes within a prefill or two.
+    pub fn retry_after(&self) -> Option<u64> {
+        (self.code == OVERLOADED).then_some(1)
+    }
+}
+
+/// `error.code` of an overload answer (503 with `Retry-After`).
+pub const OVERLOADED: &str = "overloaded";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let retry = self.retry_after();
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(seconds) = retry {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, seconds.into());
+        }
+        response
     }
 }
 
@@ -179,6 +197,14 @@ fn push_error(error: &PushError, message: String) -> ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
             kind: "service_unavailable",
             code: "no_routable_instances",
+            message,
+        },
+        // 503, not 429: the client did nothing wrong, and load balancers and the openai client
+        // retry a 503 (with its Retry-After) on another replica or after the pause.
+        PushError::Overloaded { .. } => ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "service_unavailable",
+            code: OVERLOADED,
             message,
         },
         PushError::Timeout { .. } => ApiError {

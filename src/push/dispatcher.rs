@@ -1,5 +1,6 @@
 //! The dispatcher.
 
+mod booking;
 mod sessions;
 
 use std::collections::HashMap;
@@ -18,7 +19,8 @@ use super::error::{Attempt, PushError, RetryCounts};
 use super::health::failure_class;
 use super::kv::{block_hashes, mix, KvSelector};
 use super::kv_feed::{KvEventCounts, KvFeed};
-use super::load_board::LoadBoard;
+use super::select::Choice;
+use booking::{Booking, Bookings};
 use super::view::{InstanceStatus, RoutableView};
 use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
 use crate::discovery::{Instance, InstanceId};
@@ -89,6 +91,13 @@ pub struct PushConfig {
     ///
     /// [`DEFAULT_AFFINITY_CAPACITY`]: super::DEFAULT_AFFINITY_CAPACITY
     pub affinity_capacity: usize,
+    /// How long a request that finds every routable worker over the busy threshold waits for
+    /// room before it fails with [`PushError::Overloaded`] (never past its deadline; default
+    /// 2 s; zero fails at once).
+    pub overload_wait: Duration,
+    /// Most requests waiting for room at once; one more fails with [`PushError::Overloaded`]
+    /// at once (default 1,024).
+    pub overload_queue: usize,
 }
 
 impl Default for PushConfig {
@@ -101,11 +110,26 @@ impl Default for PushConfig {
             health: BackoffPolicy::default(),
             retry_budget: 2,
             affinity_capacity: super::DEFAULT_AFFINITY_CAPACITY,
+            overload_wait: Duration::from_secs(2),
+            overload_queue: 1024,
         }
     }
 }
 
-type Loads = Arc<Mutex<LoadBoard>>;
+/// How often a waiting request re-checks for room even without a release (a worker may join).
+const OVERLOAD_RECHECK: Duration = Duration::from_millis(100);
+
+/// No busy threshold, in [`Dispatcher`]'s atomic.
+const NO_THRESHOLD: u64 = u64::MAX;
+
+/// Overload counters of one dispatcher.
+#[derive(Debug, Default)]
+pub struct OverloadCounts {
+    /// Requests that found every routable worker over the busy threshold and queued.
+    pub queued: AtomicU64,
+    /// Requests that failed with [`PushError::Overloaded`] (queue full, or waited too long).
+    pub shed: AtomicU64,
+}
 
 /// Routes requests to instances of a [`RoutableView`] over the request plane. Share it behind
 /// an `Arc`; all methods take `&self`.
@@ -119,9 +143,12 @@ pub struct Dispatcher {
     kv: Option<Arc<Mutex<KvSelector>>>,
     /// The workers' KV event streams into `kv` (KV mode only).
     kv_feed: Option<Arc<KvFeed>>,
-    /// Requests in flight per instance, ordered by load over the routable set (kept in KV mode
-    /// only, where it is the load term).
-    loads: Loads,
+    /// Prefill work booked per instance, ordered by load over the routable set (kept in KV
+    /// mode only, where it is the load term), and the requests waiting for room.
+    loads: Arc<Bookings>,
+    /// Busy threshold in booked tokens ([`NO_THRESHOLD`]: none).
+    busy_threshold: AtomicU64,
+    overload: Arc<OverloadCounts>,
     retries: Arc<RetryCounts>,
     /// Where the mutant whose retries reuse the failed worker breaks the pick; zero-sized in
     /// normal builds.
@@ -143,6 +170,8 @@ pub(super) struct Pick {
     pub(super) instance: Arc<Instance>,
     pub(super) overlap: Option<usize>,
     pub(super) affinity: Option<AffinityOutcome>,
+    /// The work booked on the instance by this pick (KV mode), released when dropped.
+    pub(super) booking: Option<Booking>,
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -157,6 +186,10 @@ impl std::fmt::Debug for Dispatcher {
 impl Dispatcher {
     /// A router over `view` in `mode`.
     pub fn new(view: RoutableView, mode: PushMode, config: PushConfig) -> Self {
+        let threshold = match &mode {
+            PushMode::Kv { config: kv, .. } => kv.busy_threshold_tokens,
+            _ => None,
+        };
         let kv = match &mode {
             PushMode::Kv {
                 block_size,
@@ -182,6 +215,8 @@ impl Dispatcher {
             kv,
             kv_feed,
             loads: Arc::default(),
+            busy_threshold: AtomicU64::new(threshold.unwrap_or(NO_THRESHOLD)),
+            overload: Arc::default(),
             retries: Arc::default(),
             hooks,
             affinity: None,
@@ -287,6 +322,62 @@ impl Dispatcher {
         &self.mode
     }
 
+    /// The busy threshold in booked prefill tokens (KV mode; `None`: none).
+    pub fn busy_threshold(&self) -> Option<u64> {
+        match self.busy_threshold.load(Ordering::Relaxed) {
+            NO_THRESHOLD => None,
+            t => Some(t),
+        }
+    }
+
+    /// Change the busy threshold at runtime (`None`: none); waiting requests re-check at once.
+    pub fn set_busy_threshold(&self, threshold: Option<u64>) {
+        self.busy_threshold
+            .store(threshold.unwrap_or(NO_THRESHOLD), Ordering::Relaxed);
+        self.loads.wake_all();
+    }
+
+    /// The prefill work (uncached prompt tokens) booked on `worker` now (KV mode; 0 otherwise).
+    pub fn booked_work(&self, worker: InstanceId) -> u64 {
+        self.loads.board().load(worker)
+    }
+
+    /// The prefill work booked over every worker now (0 once every booking was released).
+    pub fn total_booked_work(&self) -> u64 {
+        self.loads.board().total()
+    }
+
+    /// Requests waiting for room now (every routable worker over the busy threshold).
+    pub fn overload_waiting(&self) -> usize {
+        self.loads.waiting()
+    }
+
+    /// The overload counters.
+    pub fn overload_counts(&self) -> &Arc<OverloadCounts> {
+        &self.overload
+    }
+
+    /// A dispatcher whose board runs `board` (the tests' mutant boards).
+    #[cfg(test)]
+    pub(crate) fn with_board(mut self, board: super::LoadBoard) -> Self {
+        self.loads = Arc::new(Bookings::with_board(board));
+        self
+    }
+
+    /// The selector in KV mode, for the tests' mutants.
+    #[cfg(test)]
+    pub(crate) fn map_kv(self, f: impl FnOnce(KvSelector) -> KvSelector) -> Self {
+        if let Some(kv) = &self.kv {
+            let mut guard = kv.lock();
+            let taken = std::mem::replace(
+                &mut *guard,
+                KvSelector::new(1, &KvRouterConfig::default(), 1),
+            );
+            *guard = f(taken);
+        }
+        self
+    }
+
     fn random(&self) -> u64 {
         // splitmix64 over an atomic counter: lock-free and reproducible from the seed.
         mix(self
@@ -325,6 +416,52 @@ impl Dispatcher {
             .map(|p| (p.instance, p.overlap))
     }
 
+    /// A pick as [`select_with_overlap`](Self::select_with_overlap), waiting for room while
+    /// every routable worker is over the busy threshold (earliest deadline first, up to
+    /// [`PushConfig::overload_wait`] and never past `deadline`), then failing with
+    /// [`PushError::Overloaded`].
+    async fn select_or_wait(
+        &self,
+        request: &GenerateRequest,
+        excluded: &[InstanceId],
+        deadline: Option<Instant>,
+    ) -> Result<Pick, PushError> {
+        let first = match self.select_with_overlap(request, excluded) {
+            Err(PushError::Overloaded { .. }) => Instant::now(),
+            other => return other,
+        };
+        let mut until = first + self.config.overload_wait;
+        if let Some(d) = deadline {
+            until = until.min(d);
+        }
+        self.overload.queued.fetch_add(1, Ordering::Relaxed);
+        loop {
+            let now = Instant::now();
+            let Some((seq, woken)) = (now < until)
+                .then(|| self.loads.enqueue(until, self.config.overload_queue))
+                .flatten()
+            else {
+                return Err(self.shed(first));
+            };
+            let _ = tokio::time::timeout_at(until.min(now + OVERLOAD_RECHECK), woken).await;
+            self.loads.dequeue(until, seq);
+            match self.select_with_overlap(request, excluded) {
+                Err(PushError::Overloaded { .. }) => {}
+                other => return other,
+            }
+        }
+    }
+
+    /// Count a request shed after waiting since `since`, and its error.
+    fn shed(&self, since: Instant) -> PushError {
+        self.overload.shed.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(waited = ?since.elapsed(), "request shed: every routable worker is busy");
+        PushError::Overloaded {
+            threshold: self.busy_threshold().unwrap_or(0),
+            waited: since.elapsed(),
+        }
+    }
+
     fn select_with_overlap(
         &self,
         request: &GenerateRequest,
@@ -335,6 +472,7 @@ impl Dispatcher {
                 instance,
                 overlap: None,
                 affinity: None,
+                booking: None,
             });
         }
         let all = self.view.routable();
@@ -354,13 +492,7 @@ impl Dispatcher {
             (Some(table), Some(session)) => {
                 self.pick_for_session(table, session, request, (&all, &routable, excluded))
             }
-            _ => self
-                .pick(request, (&all, &routable, excluded))
-                .map(|(instance, overlap)| Pick {
-                    instance,
-                    overlap,
-                    affinity: None,
-                }),
+            _ => self.pick(request, (&all, &routable, excluded)),
         }
     }
 
@@ -370,16 +502,22 @@ impl Dispatcher {
         &self,
         request: &GenerateRequest,
         (all, routable, excluded): Candidates<'_>,
-    ) -> Result<(Arc<Instance>, Option<usize>), PushError> {
+    ) -> Result<Pick, PushError> {
+        let plain = |instance: &Arc<Instance>| Pick {
+            instance: Arc::clone(instance),
+            overlap: None,
+            affinity: None,
+            booking: None,
+        };
         match &self.mode {
             PushMode::RoundRobin => {
                 let n = self.next.fetch_add(1, Ordering::Relaxed);
-                Ok((Arc::clone(&routable[n % routable.len()]), None))
+                Ok(plain(&routable[n % routable.len()]))
             }
             PushMode::Random => {
                 #[allow(clippy::cast_possible_truncation)] // reduced modulo a usize
                 let n = (self.random() % routable.len() as u64) as usize;
-                Ok((Arc::clone(&routable[n]), None))
+                Ok(plain(&routable[n]))
             }
             PushMode::Kv { block_size, .. } => {
                 let Some(kv) = &self.kv else {
@@ -387,7 +525,7 @@ impl Dispatcher {
                 };
                 let hashes = block_hashes(&request.token_ids, *block_size);
                 let random = self.random();
-                let mut board = self.loads.lock();
+                let mut board = self.loads.board();
                 // The view hands out one shared set until it changes: re-sync the board's
                 // members, and drop indexed workers that left, only then (O(pool) per change,
                 // O(1) per request).
@@ -396,41 +534,62 @@ impl Dispatcher {
                     self.prune_kv_index(&mut kv.lock());
                 }
                 let mut kv = kv.lock();
-                let (id, overlap) = kv
-                    .select_on(&hashes, &board, excluded, random)
-                    .ok_or(PushError::NoRoutableInstances)?;
-                kv.record(&hashes, id);
+                let tokens = request.token_ids.len() as u64;
+                let threshold = self.busy_threshold();
+                let (candidate, uncached) =
+                    match kv.select_on(&hashes, tokens, &board, excluded, threshold, random) {
+                        Choice::Picked {
+                            candidate,
+                            uncached,
+                        } => (candidate, uncached),
+                        Choice::Overloaded => {
+                            return Err(PushError::Overloaded {
+                                threshold: threshold.unwrap_or(0),
+                                waited: Duration::ZERO,
+                            })
+                        }
+                        Choice::Empty => return Err(PushError::NoRoutableInstances),
+                    };
+                kv.record(&hashes, candidate.id);
+                let booked = kv.cost().booking(uncached);
                 drop(kv);
                 let instance = board
-                    .member(id)
+                    .member(candidate.id)
                     .cloned()
                     .ok_or(PushError::NoRoutableInstances)?;
-                Ok((instance, Some(overlap)))
+                // Booked under the lock that chose it: no other pick sees the worker without it.
+                let booking = self.loads.book(&mut *board, candidate.id, booked);
+                Ok(Pick {
+                    instance,
+                    overlap: Some(candidate.overlap),
+                    affinity: None,
+                    booking: Some(booking),
+                })
             }
             PushMode::Direct(_) => Err(PushError::NoRoutableInstances),
         }
     }
 
     /// Pick an instance for `request` as [`generate`](Self::generate) would, for callers that
-    /// deliver the request themselves (in-process engines, the trace replay): the returned
-    /// [`Selection`] counts as one request in flight on the instance (the KV load term) until
-    /// dropped, exactly as a routed stream does.
+    /// deliver the request themselves (in-process engines, the trace replay): in KV mode the
+    /// returned [`Selection`] holds the request's uncached tokens booked on the instance (the
+    /// load term) until dropped, exactly as a routed stream does. It does not wait for room:
+    /// with every worker over the busy threshold it fails with [`PushError::Overloaded`] (use
+    /// [`select_held_waiting`](Self::select_held_waiting) to queue).
     pub fn select_held(&self, request: &GenerateRequest) -> Result<Selection, PushError> {
-        let Pick {
-            instance,
-            overlap,
-            affinity,
-        } = self.select_with_overlap(request, &[])?;
-        let load = self
-            .kv
-            .is_some()
-            .then(|| LoadGuard::new(&self.loads, instance.instance_id));
-        Ok(Selection {
-            instance,
-            overlap,
-            affinity,
-            _load: load,
-        })
+        self.select_with_overlap(request, &[]).map(Selection::from)
+    }
+
+    /// [`select_held`](Self::select_held), waiting for room as [`generate`](Self::generate)
+    /// does while every routable worker is over the busy threshold.
+    pub async fn select_held_waiting(
+        &self,
+        request: &GenerateRequest,
+    ) -> Result<Selection, PushError> {
+        let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
+        self.select_or_wait(request, &[], deadline)
+            .await
+            .map(Selection::from)
     }
 
     fn direct_target(&self, id: InstanceId) -> Result<Arc<Instance>, PushError> {
@@ -462,7 +621,7 @@ impl Dispatcher {
             self.config.retry_budget
         };
         if budget == 0 {
-            let pick = self.select_with_overlap(&request, &[])?;
+            let pick = self.select_or_wait(&request, &[], deadline).await?;
             return self.dispatch(pick, request, deadline).await;
         }
         let mut attempts: Vec<Attempt> = Vec::new();
@@ -473,7 +632,7 @@ impl Dispatcher {
             let Some(current) = request.as_ref() else {
                 return Err(exhausted(attempts, PushError::NoRoutableInstances));
             };
-            let pick = match self.select_with_overlap(current, &excluded) {
+            let pick = match self.select_or_wait(current, &excluded, deadline).await {
                 Ok(pick) => pick,
                 Err(e) => return Err(exhausted(attempts, e)),
             };
@@ -525,6 +684,7 @@ impl Dispatcher {
             instance: target,
             overlap: None,
             affinity: None,
+            booking: None,
         };
         self.dispatch(pick, request, deadline).await
     }
@@ -550,9 +710,9 @@ impl Dispatcher {
             instance,
             overlap,
             affinity,
+            booking,
         } = pick;
         let id = instance.instance_id;
-        let load = self.kv.is_some().then(|| LoadGuard::new(&self.loads, id));
         let send = async {
             let conn = self.connection(&instance).await?;
             conn.generate(request, deadline).await
@@ -571,7 +731,7 @@ impl Dispatcher {
                 inner,
                 view: self.view.clone(),
                 peeked: None,
-                _load: load,
+                _booking: booking,
             }),
             Err(e) => Err(classify(&self.view, id, e)),
         }
@@ -708,34 +868,24 @@ fn classify(
     (error, class)
 }
 
-/// Counts one request in flight on an instance until dropped.
-struct LoadGuard {
-    loads: Loads,
-    id: InstanceId,
-}
-
-impl LoadGuard {
-    fn new(loads: &Loads, id: InstanceId) -> Self {
-        loads.lock().acquire(id);
-        LoadGuard {
-            loads: Arc::clone(loads),
-            id,
-        }
-    }
-}
-
-impl Drop for LoadGuard {
-    fn drop(&mut self) {
-        self.loads.lock().release(self.id);
-    }
-}
-
-/// A pick of [`Dispatcher::select_held`]: the instance, and its share of the load until dropped.
+/// A pick of [`Dispatcher::select_held`]: the instance, and the work booked on it until
+/// dropped.
 pub struct Selection {
     instance: Arc<Instance>,
     overlap: Option<usize>,
     affinity: Option<AffinityOutcome>,
-    _load: Option<LoadGuard>,
+    booking: Option<Booking>,
+}
+
+impl From<Pick> for Selection {
+    fn from(pick: Pick) -> Self {
+        Selection {
+            instance: pick.instance,
+            overlap: pick.overlap,
+            affinity: pick.affinity,
+            booking: pick.booking,
+        }
+    }
 }
 
 impl std::fmt::Debug for Selection {
@@ -762,6 +912,11 @@ impl Selection {
     pub fn affinity(&self) -> Option<AffinityOutcome> {
         self.affinity
     }
+
+    /// The prefill work (uncached prompt tokens) this pick booked on the instance (KV mode).
+    pub fn booked_work(&self) -> Option<u64> {
+        self.booking.as_ref().map(Booking::amount)
+    }
 }
 
 /// The responses of a routed request, and which instance serves it. Dropping it cancels the
@@ -774,7 +929,7 @@ pub struct RoutedStream {
     view: RoutableView,
     /// The first item, read ahead by a retrying `generate` (`Some(None)`: the stream ended).
     peeked: Option<Option<Result<GenerateResponse, PushError>>>,
-    _load: Option<LoadGuard>,
+    _booking: Option<Booking>,
 }
 
 impl std::fmt::Debug for RoutedStream {

@@ -36,6 +36,16 @@ pub enum PushError {
         /// The instance the request went to.
         instance: InstanceId,
     },
+    /// Every routable worker is over the busy threshold (booked prefill work), and no room
+    /// opened within the overload wait (or the overload queue was full). Not a health failure:
+    /// the request is the client's to retry after a moment (HTTP 503 with `Retry-After`).
+    #[error("overloaded: every routable worker has at least {threshold} prefill tokens booked (waited {waited:?})")]
+    Overloaded {
+        /// The busy threshold in booked tokens.
+        threshold: u64,
+        /// How long the request waited for room.
+        waited: std::time::Duration,
+    },
     /// The request was retried on other workers ([`PushConfig::retry_budget`](super::PushConfig))
     /// and every attempt failed, or the last failure may not be retried, or no other worker
     /// was left, or the deadline passed. Returned only when more than one attempt was made; a

@@ -9,6 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::load_board::LoadBoard;
+use super::select::{self, is_busy, Candidate, Choice, KvCost};
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
 use crate::kv_events::{Applied, EventBatch, KvIndex};
@@ -45,17 +46,22 @@ pub fn block_hashes(token_ids: &[u32], block_size: u32) -> Vec<u64> {
 
 pub(crate) use crate::kv_events::MixState;
 
+/// The salt that breaks ties between equal costs: per call, so that equal workers (idle ones
+/// at a low rate, with a prefix all of them hold) share the stream instead of one of them
+/// taking every request (a per-prefix salt did that: work max/mean 2.97 on a shared prompt).
+fn tie_salt(hashes: &[u64], random: u64) -> u64 {
+    mix(random ^ hashes.last().copied().unwrap_or(0))
+}
+
 struct Entry {
     workers: Vec<InstanceId>,
     tick: u64,
 }
 
 /// The KV selector: the index of the publishing workers' real caches, a bounded LRU of
-/// predicted block chains for the others, and the scoring rule.
+/// predicted block chains for the others, and the cost of [`super::select`].
 pub struct KvSelector {
-    block_size: u32,
-    overlap_weight: f64,
-    temperature: f64,
+    cost: KvCost,
     capacity: usize,
     entries: HashMap<u64, Entry, MixState>,
     /// `(tick, block hash)` in the order of use, oldest first. An entry whose tick no longer
@@ -81,9 +87,7 @@ pub const DEEP_HOLDERS_LIMIT: usize = 32;
 impl std::fmt::Debug for KvSelector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvSelector")
-            .field("block_size", &self.block_size)
-            .field("overlap_weight", &self.overlap_weight)
-            .field("temperature", &self.temperature)
+            .field("cost", &self.cost)
             .field("entries", &self.entries.len())
             .field("capacity", &self.capacity)
             .field("indexed_blocks", &self.index.len())
@@ -93,21 +97,18 @@ impl std::fmt::Debug for KvSelector {
 
 impl KvSelector {
     /// A selector hashing blocks of `block_size` tokens, remembering at most `capacity` block
-    /// chains, scoring with `config.overlap_score_weight` and sampling with
-    /// `config.router_temperature` (0 = always the best score).
+    /// chains, costing with `config.overlap_score_weight` and `config.prefill_load_scale` and
+    /// sampling with `config.router_temperature` (0 = always the cheapest).
     pub fn new(block_size: u32, config: &KvRouterConfig, capacity: usize) -> Self {
         KvSelector {
-            block_size,
-            overlap_weight: if config.overlap_score_weight.is_finite() {
-                config.overlap_score_weight
-            } else {
-                1.0
-            },
-            temperature: if config.router_temperature.is_finite() {
-                config.router_temperature.max(0.0)
-            } else {
-                0.0
-            },
+            cost: KvCost::new(
+                block_size,
+                config.overlap_score_weight,
+                config.prefill_load_scale,
+                config.router_temperature,
+            )
+            .with_request_overhead(config.prefill_request_tokens)
+            .with_balance_slack(config.balance_slack_tokens),
             capacity: capacity.max(1),
             entries: HashMap::default(),
             order: VecDeque::new(),
@@ -126,12 +127,24 @@ impl KvSelector {
         self
     }
 
+    /// The mutant of the selection properties: the cost ignores booked work.
+    #[cfg(test)]
+    pub(crate) fn ignoring_load(mut self) -> Self {
+        self.cost = self.cost.ignoring_load();
+        self
+    }
+
     /// The same selector listing holders one by one only for blocks held by at most `limit`
     /// workers (default [`DEEP_HOLDERS_LIMIT`]; the tests vary it to exercise both paths).
     #[must_use]
     pub fn with_deep_limit(mut self, limit: usize) -> Self {
         self.deep_limit = limit;
         self
+    }
+
+    /// The cost terms this selector picks by.
+    pub fn cost(&self) -> &KvCost {
+        &self.cost
     }
 
     /// The index of the publishing workers' caches.
@@ -158,7 +171,7 @@ impl KvSelector {
 
     /// The block size in tokens.
     pub fn block_size(&self) -> u32 {
-        self.block_size
+        self.cost.block_size
     }
 
     /// How many block chains are remembered.
@@ -187,25 +200,21 @@ impl KvSelector {
             .count()
     }
 
-    /// Pick among `candidates` (`(id, load)` with load = requests in flight): the best
-    /// `overlap_weight * overlap - load`, the overlap from the index for a worker that
-    /// publishes events and from prediction for the others. With temperature 0, ties go to
-    /// the candidate with the smallest `mix(first block hash ^ id)`: deterministic for a
-    /// request, yet spreading unrelated requests across workers. With temperature > 0, samples
-    /// with probability proportional to `exp((score - best) / temperature)` using `random`.
-    /// Returns the pick and its overlap in blocks; `None` if there are no candidates.
+    /// Pick among `candidates` (`(id, booked work in tokens)`) for a prompt of `tokens` tokens
+    /// whose block hashes are `hashes`: the cheapest by [`KvCost::cost`] among those not busy
+    /// (see [`select::choose`]), the overlap from the index for a worker that publishes events
+    /// and from prediction for the others.
     ///
     /// Costs O(B + workers holding the request's first block + candidates) for a request of B
     /// blocks: the walks visit holder sets, and each candidate is one hash lookup.
     pub fn select(
         &self,
         hashes: &[u64],
+        tokens: u64,
         candidates: &[(InstanceId, u64)],
+        busy_threshold: Option<u64>,
         random: u64,
-    ) -> Option<(InstanceId, usize)> {
-        if candidates.is_empty() {
-            return None;
-        }
+    ) -> Choice {
         // Sparse overlaps from the index, sorted by worker; predicted ones (at most
         // MAX_WORKERS_PER_BLOCK) for the workers that publish nothing.
         let mut indexed = Vec::new();
@@ -215,7 +224,7 @@ impl KvSelector {
         // Candidates usually come by ascending id (the routable view's order): a cursor over
         // `indexed` then finds each in amortised O(1); out of order, a binary search.
         let mut cursor = 0;
-        let scored = candidates.iter().map(|&(id, load)| {
+        let scored = candidates.iter().map(|&(id, booked)| {
             if cursor > 0 && indexed[cursor - 1].0 >= id {
                 cursor = indexed.partition_point(|o| o.0 < id);
             } else {
@@ -230,36 +239,44 @@ impl KvSelector {
                 }
                 _ => predicted.iter().find(|p| p.0 == id).map_or(0, |p| p.1),
             };
-            (id, load, overlap)
+            Candidate {
+                id,
+                overlap,
+                booked,
+            }
         });
-        self.pick(hashes, scored, random)
+        let least = candidates.iter().map(|c| c.1).min();
+        let limit = self.cost.limit(busy_threshold, least);
+        self.choose(hashes, tokens, scored, limit, random)
     }
 
-    /// [`select`](Self::select) over the members of `board` (their loads its own) minus
+    /// [`select`](Self::select) over the members of `board` (their booked work its own) minus
     /// `excluded`, without a pass over the pool: with a positive overlap weight and
-    /// temperature 0, a worker's score is at most `weight × overlap − load`, so this scores
-    /// (1) the workers holding the request's blocks from its first *narrowly* held block `k`
-    /// on (held by at most the deep limit of workers; [`KvIndex::deep_overlaps`]), exactly,
-    /// (2) the prediction's workers, and (3) the members in ascending load order
-    /// ([`LoadBoard::walk_by_load`]) with overlaps up to `k`, stopping as soon as
-    /// `weight × k − load` cannot beat the best so far. Every unlisted worker holds at most `k`
-    /// leading blocks, so the stop is exact. Without a widely held prefix (`k = 0`) the walk
-    /// stops after one least-loaded member: O(B + holders + |excluded|); a prefix the whole pool
-    /// holds costs O(B + k × (members walked)), typically a handful. Otherwise (a sampling
-    /// temperature, or a weight that does not reward overlap) it scores every member, as
-    /// [`select`](Self::select) does.
+    /// temperature 0, a worker's cost is at least [`KvCost::floor`] of its load and the most
+    /// overlap it can have, so this costs (1) the workers holding the request's blocks from its
+    /// first *narrowly* held block `k` on (held by at most the deep limit of workers;
+    /// [`KvIndex::deep_overlaps`]), exactly, (2) the prediction's workers, and (3) the members
+    /// in ascending load order ([`LoadBoard::walk_by_load`]) with overlaps up to `k`, stopping
+    /// as soon as the floor at `k` blocks cannot beat the best so far, or the load reaches the
+    /// busy threshold. Every unlisted worker holds at most `k` leading blocks, so the stop is
+    /// exact. Without a widely held prefix (`k = 0`) the walk stops after one least-loaded
+    /// member: O(B + holders + |excluded|); a prefix the whole pool holds costs O(B + k ×
+    /// (members walked)), typically a handful. Otherwise (a sampling temperature, or a weight
+    /// that does not reward overlap) it costs every member, as [`select`](Self::select) does.
     ///
-    /// The pick's score equals the best score over the members; among equal scores the
+    /// The pick's cost equals the best cost over the usable members; among equal costs the
     /// candidates differ from [`select`](Self::select)'s (ties between non-holders go to the
     /// board's pick).
     pub fn select_on(
         &self,
         hashes: &[u64],
+        tokens: u64,
         board: &LoadBoard,
         excluded: &[InstanceId],
+        busy_threshold: Option<u64>,
         random: u64,
-    ) -> Option<(InstanceId, usize)> {
-        if self.temperature > 0.0 || self.overlap_weight <= 0.0 {
+    ) -> Choice {
+        if self.cost.temperature > 0.0 || self.cost.overlap_weight <= 0.0 {
             let candidates: Vec<(InstanceId, u64)> = board
                 .members()
                 .iter()
@@ -267,9 +284,11 @@ impl KvSelector {
                 .filter(|id| !excluded.contains(id))
                 .map(|id| (id, board.load(id)))
                 .collect();
-            return self.select(hashes, &candidates, random);
+            return self.select(hashes, tokens, &candidates, busy_threshold, random);
         }
-        let salt = hashes.first().copied().unwrap_or(0);
+        let salt = tie_salt(hashes, random);
+        let least = board.least_loaded(salt, excluded).map(|l| l.1);
+        let busy_threshold = self.cost.limit(busy_threshold, least);
         let mut holders = Vec::new();
         let k = self
             .index
@@ -280,24 +299,33 @@ impl KvSelector {
         holders.extend(predicted);
         let mut scored = Vec::with_capacity(holders.len() + 1);
         board.members_of(&holders, indexed, excluded, &mut scored);
-        #[allow(clippy::cast_precision_loss)] // block and request counts are far below 2^52
-        let score = |overlap: usize, load: u64| self.overlap_weight * overlap as f64 - load as f64;
+        let mut any = !scored.is_empty();
+        let candidate = |(id, booked, overlap): (InstanceId, u64, usize)| Candidate {
+            id,
+            overlap,
+            booked,
+        };
         let mut best = scored
             .iter()
-            .map(|&(_, load, overlap)| score(overlap, load))
-            .reduce(f64::max);
+            .filter(|s| !is_busy(s.1, busy_threshold))
+            .map(|&s| self.cost.cost(tokens, &candidate(s)))
+            .reduce(f64::min);
         // The shallow part: every member's credit up to `k` blocks, least loaded first.
         let shallow = &hashes[..k];
         let mut walked: Option<(InstanceId, u64, usize)> = None;
         board.walk_by_load(salt, excluded, |id, load| {
-            if best.is_some_and(|b| score(k, load) <= b) {
+            any = true;
+            if is_busy(load, busy_threshold)
+                || best.is_some_and(|b| self.cost.floor(tokens, k, load) >= b)
+            {
                 return false;
             }
             let overlap = self.index.overlap(shallow, id);
             #[cfg(test)]
             let overlap = if self.ignore_shallow { 0 } else { overlap };
-            if best.is_none_or(|b| score(overlap, load) > b) {
-                best = Some(score(overlap, load));
+            let c = self.cost.cost(tokens, &candidate((id, load, overlap)));
+            if best.is_none_or(|b| c < b) {
+                best = Some(c);
                 walked = Some((id, load, overlap));
             }
             true
@@ -307,70 +335,46 @@ impl KvSelector {
                 scored.push(w);
             }
         }
-        self.pick(hashes, scored.into_iter(), random)
+        match self.choose(
+            hashes,
+            tokens,
+            scored.into_iter().map(candidate),
+            busy_threshold,
+            random,
+        ) {
+            Choice::Empty if any => Choice::Overloaded,
+            choice => choice,
+        }
     }
 
-    /// The scoring rule of [`select`](Self::select) over overlaps the caller supplies
-    /// (`(id, load, overlap)`): for baselines that read the caches some other way (the trace
+    /// The cost rule of [`select`](Self::select) over overlaps the caller supplies
+    /// (`(id, booked, overlap)`): for baselines that read the caches some other way (the trace
     /// replay's oracle).
     pub fn select_scored(
         &self,
         hashes: &[u64],
+        tokens: u64,
         candidates: &[(InstanceId, u64, usize)],
         random: u64,
-    ) -> Option<(InstanceId, usize)> {
-        self.pick(hashes, candidates.iter().copied(), random)
+    ) -> Choice {
+        let candidates = candidates.iter().map(|&(id, booked, overlap)| Candidate {
+            id,
+            overlap,
+            booked,
+        });
+        self.choose(hashes, tokens, candidates, None, random)
     }
 
-    fn pick(
+    fn choose(
         &self,
         hashes: &[u64],
-        candidates: impl Iterator<Item = (InstanceId, u64, usize)>,
+        tokens: u64,
+        candidates: impl Iterator<Item = Candidate>,
+        busy_threshold: Option<u64>,
         random: u64,
-    ) -> Option<(InstanceId, usize)> {
-        let salt = hashes.first().copied().unwrap_or(0);
-        let scored = candidates.map(|(id, load, overlap)| {
-            #[allow(clippy::cast_precision_loss)] // block and request counts are far below 2^52
-            let score = self.overlap_weight * overlap as f64 - load as f64;
-            (id, overlap, score)
-        });
-        if self.temperature <= 0.0 {
-            // The best score; ties to the smallest `mix(salt ^ id)`, the best's key cached.
-            let mut best: Option<(InstanceId, usize, f64, u64)> = None;
-            for (id, overlap, score) in scored {
-                let better = match &best {
-                    None => true,
-                    Some(b) => match score.total_cmp(&b.2) {
-                        std::cmp::Ordering::Greater => true,
-                        std::cmp::Ordering::Less => false,
-                        std::cmp::Ordering::Equal => mix(salt ^ id) < b.3,
-                    },
-                };
-                if better {
-                    best = Some((id, overlap, score, mix(salt ^ id)));
-                }
-            }
-            return best.map(|(id, overlap, _, _)| (id, overlap));
-        }
-        let scored: Vec<_> = scored.collect();
-        if scored.is_empty() {
-            return None;
-        }
-        let best = scored.iter().map(|s| s.2).fold(f64::NEG_INFINITY, f64::max);
-        let weights: Vec<f64> = scored
-            .iter()
-            .map(|s| ((s.2 - best) / self.temperature).exp())
-            .collect();
-        let total: f64 = weights.iter().sum();
-        #[allow(clippy::cast_precision_loss)] // 53 random bits into [0, 1)
-        let mut target = (random >> 11) as f64 / (1u64 << 53) as f64 * total;
-        for (s, w) in scored.iter().zip(&weights) {
-            if target < *w {
-                return Some((s.0, s.1));
-            }
-            target -= w;
-        }
-        scored.last().map(|s| (s.0, s.1))
+    ) -> Choice {
+        let salt = tie_salt(hashes, random);
+        select::choose(&self.cost, tokens, candidates, busy_threshold, salt, random)
     }
 
     /// Predicted overlaps: walk the chain once, advancing each worker that still matches
@@ -468,6 +472,14 @@ mod tests {
     use crate::push::{Dispatcher, PushConfig, PushMode, RoutableView};
     use crate::transport::GenerateRequest;
 
+    /// The pick's id and overlap, if there was one.
+    pub(crate) fn picked(choice: Choice) -> Option<(InstanceId, usize)> {
+        match choice {
+            Choice::Picked { candidate, .. } => Some((candidate.id, candidate.overlap)),
+            _ => None,
+        }
+    }
+
     fn selector() -> KvSelector {
         KvSelector::new(4, &KvRouterConfig::default(), 1024)
     }
@@ -489,7 +501,7 @@ mod tests {
         let hashes = [11, 12, 13];
         // Prediction alone sends the chain back to worker 1, which it was routed to.
         kv.record(&hashes, 1);
-        assert_eq!(kv.select(&hashes, &[(1, 0), (2, 0)], 0), Some((1, 3)));
+        assert_eq!(picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)), Some((1, 3)));
         // Worker 1 reports that it stored the chain, then evicted it; worker 2 holds it.
         kv.apply_events(1, &stored(0, &hashes));
         let removed = EventBatch {
@@ -506,7 +518,7 @@ mod tests {
             0,
             "prediction ignored for a publisher"
         );
-        assert_eq!(kv.select(&hashes, &[(1, 0), (2, 0)], 0), Some((2, 2)));
+        assert_eq!(picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)), Some((2, 2)));
     }
 
     #[test]
@@ -517,9 +529,10 @@ mod tests {
         // Worker 2 publishes and holds two leading blocks; worker 1 publishes nothing.
         kv.apply_events(2, &stored(0, &hashes[..2]));
         assert!(!kv.index().publishes(1) && kv.index().publishes(2));
-        assert_eq!(kv.select(&hashes, &[(1, 0), (2, 0)], 0), Some((1, 4)));
-        // Its predicted credit is weighed against the index's on one scale (load 3 > 4 - 2).
-        assert_eq!(kv.select(&hashes, &[(1, 3), (2, 0)], 0), Some((2, 2)));
+        assert_eq!(picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)), Some((1, 4)));
+        // Its predicted credit is weighed against the index's on one scale: 3 blocks booked on
+        // worker 1 cost more than the 2 blocks worker 2 lacks.
+        assert_eq!(picked(kv.select(&hashes, 16, &[(1, 12), (2, 0)], None, 0)), Some((2, 2)));
         kv.reset_events(2);
         assert!(!kv.index().publishes(2));
     }
@@ -541,8 +554,12 @@ mod tests {
             let sorted: Vec<(InstanceId, u64)> = (0..40).chain([99]).map(|w| (w, w % 4)).collect();
             let mut shuffled = sorted.clone();
             shuffled.sort_by_key(|c| mix(c.0 ^ probe));
-            let pick = kv.select(&hashes, &sorted, 0);
-            assert_eq!(pick, kv.select(&hashes, &shuffled, 0), "probe {probe}");
+            let pick = picked(kv.select(&hashes, 24, &sorted, None, 0));
+            assert_eq!(
+                pick,
+                picked(kv.select(&hashes, 24, &shuffled, None, 0)),
+                "probe {probe}"
+            );
             let (id, overlap) = pick.unwrap();
             assert_eq!(overlap, kv.overlap(&hashes, id), "probe {probe}");
         }

@@ -1,12 +1,13 @@
-//! Requests in flight per worker, kept ordered by load.
+//! Prefill work booked per worker, kept ordered by load.
 //!
-//! The KV selector's score is `overlap_weight * overlap - load`. Among the workers that hold
-//! none of a request's blocks, the best is simply the least loaded one, so a selection only
-//! needs the holders (from the index) plus one least-loaded worker: O(B + holders) instead of
-//! a pass over every worker. The board makes "one least-loaded worker" O(1): members sit in
-//! buckets by load, and a change of load moves one worker between adjacent buckets.
+//! The KV cost ([`super::select`]) grows with a worker's booked work and falls with its overlap.
+//! Among the workers that hold none of a request's blocks, the best is simply the least loaded
+//! one, so a selection only needs the holders (from the index) plus a walk of the members in
+//! ascending load that stops as soon as no later member can win. The board keeps that order:
+//! members sit in buckets by load (an ordered map of loads, one vector each), and a change of
+//! load moves one worker between two buckets, O(log distinct loads).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use crate::discovery::{Instance, InstanceId};
@@ -16,22 +17,21 @@ use crate::kv_events::{mix, MixState};
 struct Slot {
     load: u64,
     /// Index in `members` and position in `buckets[load]`; `None` for a worker that is not a
-    /// member but still has requests in flight (it left the routable set mid-request).
+    /// member but still has work booked (it left the routable set mid-request).
     member: Option<(usize, usize)>,
 }
 
-/// Requests in flight per worker, and the routable members bucketed by that load.
+/// Prefill work booked per worker (tokens, or requests for callers that book 1 each), and the
+/// routable members bucketed by that load.
 ///
-/// Loads are counted for every worker with a request in flight; only members (the routable set
-/// last given to [`set_members`](Self::set_members)) are candidates for
+/// Loads are kept for every worker with work booked; only members (the routable set last given
+/// to [`set_members`](Self::set_members)) are candidates for
 /// [`least_loaded`](Self::least_loaded).
 #[derive(Default)]
 pub struct LoadBoard {
     slots: HashMap<InstanceId, Slot, MixState>,
-    /// `buckets[l]`: the members with load `l`, in no particular order.
-    buckets: Vec<Vec<InstanceId>>,
-    /// The smallest `l` with `buckets[l]` non-empty; `buckets.len()` when there is none.
-    lowest: usize,
+    /// `buckets[l]`: the members with load `l`, in no particular order; never an empty vector.
+    buckets: BTreeMap<u64, Vec<InstanceId>>,
     members: Option<Arc<[Arc<Instance>]>>,
     /// `member_ids[i]`, `member_loads[i]`: the id and load of `members[i]` (dense copies, so a
     /// merge walk touches no `Instance`).
@@ -39,6 +39,12 @@ pub struct LoadBoard {
     member_loads: Vec<u64>,
     /// Whether `members` is sorted by ascending id (the routable view's order).
     sorted: bool,
+    /// Booked work over every worker, members or not.
+    total: u64,
+    /// The mutant of the booking properties: a release on a worker that is no longer a member
+    /// is lost (its work stays booked forever).
+    #[cfg(test)]
+    leak_non_members: bool,
 }
 
 impl std::fmt::Debug for LoadBoard {
@@ -46,16 +52,21 @@ impl std::fmt::Debug for LoadBoard {
         f.debug_struct("LoadBoard")
             .field("members", &self.members.as_ref().map_or(0, |m| m.len()))
             .field("tracked", &self.slots.len())
-            .field("lowest", &self.lowest)
+            .field("total", &self.total)
             .finish()
     }
 }
 
-fn bucket_of(load: u64) -> usize {
-    usize::try_from(load).unwrap_or(usize::MAX)
-}
-
 impl LoadBoard {
+    /// The board with the mutant whose releases on departed workers are lost.
+    #[cfg(test)]
+    pub(crate) fn leaking_non_members() -> Self {
+        LoadBoard {
+            leak_non_members: true,
+            ..LoadBoard::default()
+        }
+    }
+
     /// Whether `members` is the set the board was last given (the same shared snapshot): the
     /// dispatcher re-syncs only when the routable view published a new one.
     pub fn has_members(&self, members: &Arc<[Arc<Instance>]>) -> bool {
@@ -70,9 +81,7 @@ impl LoadBoard {
             s.member = None;
             s.load > 0
         });
-        for b in &mut self.buckets {
-            b.clear();
-        }
+        self.buckets.clear();
         self.member_loads.clear();
         self.member_loads.resize(members.len(), 0);
         self.member_ids.clear();
@@ -90,19 +99,11 @@ impl LoadBoard {
             if slot.member.is_some() {
                 continue; // a duplicate id: the first entry stands
             }
-            let b = bucket_of(slot.load);
-            if self.buckets.len() <= b {
-                self.buckets.resize_with(b + 1, Vec::new);
-            }
-            slot.member = Some((i, self.buckets[b].len()));
+            let bucket = self.buckets.entry(slot.load).or_default();
+            slot.member = Some((i, bucket.len()));
             self.member_loads[i] = slot.load;
-            self.buckets[b].push(id);
+            bucket.push(id);
         }
-        self.lowest = self
-            .buckets
-            .iter()
-            .position(|b| !b.is_empty())
-            .unwrap_or(self.buckets.len());
         self.members = Some(members);
     }
 
@@ -117,33 +118,44 @@ impl LoadBoard {
         self.members.as_ref()?.get(i)
     }
 
-    /// Requests in flight on `id`.
+    /// Work booked on `id`.
     pub fn load(&self, id: InstanceId) -> u64 {
         self.slots.get(&id).map_or(0, |s| s.load)
     }
 
-    /// One more request in flight on `id`. O(1).
-    pub fn acquire(&mut self, id: InstanceId) {
+    /// Work booked over every worker, members or not (zero once every booking was released).
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Book `amount` more work on `id`. O(log distinct loads).
+    pub fn acquire(&mut self, id: InstanceId, amount: u64) {
         let slot = self.slots.entry(id).or_insert(Slot {
             load: 0,
             member: None,
         });
         let from = slot.load;
-        slot.load = from.saturating_add(1);
+        slot.load = from.saturating_add(amount);
         let (to, member) = (slot.load, slot.member.is_some());
+        self.total = self.total.saturating_add(to - from);
         if member {
             self.shift(id, from, to);
         }
     }
 
-    /// One request fewer in flight on `id` (never below zero). O(1).
-    pub fn release(&mut self, id: InstanceId) {
+    /// Release `amount` of the work booked on `id` (never below zero). O(log distinct loads).
+    pub fn release(&mut self, id: InstanceId, amount: u64) {
         let Some(slot) = self.slots.get_mut(&id) else {
             return;
         };
+        #[cfg(test)]
+        if self.leak_non_members && slot.member.is_none() {
+            return;
+        }
         let from = slot.load;
-        slot.load = from.saturating_sub(1);
+        slot.load = from.saturating_sub(amount);
         let to = slot.load;
+        self.total = self.total.saturating_sub(from - to);
         if slot.member.is_some() {
             self.shift(id, from, to);
         } else if to == 0 {
@@ -151,47 +163,41 @@ impl LoadBoard {
         }
     }
 
-    /// Move member `id` from bucket `from` to bucket `to` (adjacent or equal).
+    /// Move member `id` from bucket `from` to bucket `to`.
     fn shift(&mut self, id: InstanceId, from: u64, to: u64) {
         if from == to {
             return;
         }
-        let (bf, bt) = (bucket_of(from), bucket_of(to));
-        let (index, pos) = match self.slots.get(&id).and_then(|s| s.member) {
-            Some(member) => member,
-            None => return,
+        let Some((index, pos)) = self.slots.get(&id).and_then(|s| s.member) else {
+            return;
         };
         if let Some(l) = self.member_loads.get_mut(index) {
             *l = to;
         }
-        let bucket = &mut self.buckets[bf];
-        bucket.swap_remove(pos);
-        if let Some(&moved) = bucket.get(pos) {
-            if let Some(Slot {
-                member: Some((_, p)),
-                ..
-            }) = self.slots.get_mut(&moved)
-            {
-                *p = pos;
+        if let Some(bucket) = self.buckets.get_mut(&from) {
+            bucket.swap_remove(pos);
+            if let Some(&moved) = bucket.get(pos) {
+                if let Some(Slot {
+                    member: Some((_, p)),
+                    ..
+                }) = self.slots.get_mut(&moved)
+                {
+                    *p = pos;
+                }
+            }
+            if bucket.is_empty() {
+                self.buckets.remove(&from);
             }
         }
-        if self.buckets.len() <= bt {
-            self.buckets.resize_with(bt + 1, Vec::new);
-        }
-        let at = self.buckets[bt].len();
-        self.buckets[bt].push(id);
+        let bucket = self.buckets.entry(to).or_default();
+        let at = bucket.len();
+        bucket.push(id);
         if let Some(Slot {
             member: Some((_, p)),
             ..
         }) = self.slots.get_mut(&id)
         {
             *p = at;
-        }
-        if bt < self.lowest {
-            self.lowest = bt;
-        } else if bf == self.lowest && self.buckets[bf].is_empty() {
-            // Only an increment empties the lowest bucket, and it fills the next one.
-            self.lowest = bt;
         }
     }
 
@@ -245,15 +251,12 @@ impl LoadBoard {
         excluded: &[InstanceId],
         mut visit: impl FnMut(InstanceId, u64) -> bool,
     ) {
-        for (load, bucket) in self.buckets.iter().enumerate().skip(self.lowest) {
-            if bucket.is_empty() {
-                continue;
-            }
+        for (&load, bucket) in &self.buckets {
             #[allow(clippy::cast_possible_truncation)] // reduced modulo a usize
             let start = (mix(salt) % bucket.len() as u64) as usize;
             for k in 0..bucket.len() {
                 let id = bucket[(start + k) % bucket.len()];
-                if !excluded.contains(&id) && !visit(id, load as u64) {
+                if !excluded.contains(&id) && !visit(id, load) {
                     return;
                 }
             }
@@ -310,9 +313,9 @@ mod tests {
             rng = mix(rng);
             let id = rng % 7; // 0 and 6 are not members
             if rng >> 32 & 1 == 0 {
-                board.acquire(id);
+                board.acquire(id, 1 + (rng >> 40) % 700);
             } else {
-                board.release(id);
+                board.release(id, 1 + (rng >> 20) % 700);
             }
             if step % 997 == 0 {
                 let ids: Vec<_> = (1..=5).filter(|i| (rng >> i) & 1 == 1).collect();
@@ -352,19 +355,19 @@ mod tests {
     fn loads_survive_a_change_of_members_and_non_members_are_forgotten_at_zero() {
         let mut board = LoadBoard::default();
         board.set_members(members(&[1, 2]));
-        board.acquire(1);
-        board.acquire(1);
-        board.acquire(9);
+        board.acquire(1, 1);
+        board.acquire(1, 1);
+        board.acquire(9, 1);
         board.set_members(members(&[2]));
         assert_eq!(board.load(1), 2);
         assert!(board.member(1).is_none());
         assert_eq!(board.least_loaded(0, &[]), Some((2, 0)));
         board.set_members(members(&[1]));
         assert_eq!(board.least_loaded(0, &[]), Some((1, 2)));
-        board.release(9);
+        board.release(9, 1);
         assert_eq!(board.load(9), 0);
         assert!(!board.slots.contains_key(&9));
-        board.release(9); // never below zero, never a panic
+        board.release(9, 1); // never below zero, never a panic
         assert_eq!(board.load(9), 0);
     }
 

@@ -24,6 +24,7 @@ use crate::binding::TokenLoad;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::kv_events::EventBatch;
 use crate::mock::BlockCache;
+use crate::push::select::Choice;
 use crate::push::{
     mix, AffinityCounts, Dispatcher, KvSelector, PushConfig, PushError, PushMode, RoutableView,
     Selection,
@@ -73,9 +74,9 @@ pub(crate) struct Worker {
     running: AtomicUsize,
     /// Blocks of the requests queued or running here (the "active blocks" of Dynamo's cost).
     active_blocks: AtomicU64,
-    /// Requests picked for this worker and not yet prefilled (the oracle's load term, as
-    /// the dispatcher's held selections are the KV policies').
-    active: AtomicU64,
+    /// Uncached prompt tokens of the requests picked for this worker and not yet prefilled
+    /// (the oracle's load term, as the dispatcher's bookings are the KV policies').
+    booked: AtomicU64,
     /// Uncached prompt tokens computed here: the prefill work.
     pub(crate) prefill_tokens: AtomicU64,
 }
@@ -92,7 +93,7 @@ impl Worker {
             slots: Semaphore::new(max_batch.max(1)),
             running: AtomicUsize::new(0),
             active_blocks: AtomicU64::new(0),
-            active: AtomicU64::new(0),
+            booked: AtomicU64::new(0),
             prefill_tokens: AtomicU64::new(0),
         }
     }
@@ -351,12 +352,19 @@ impl ReplayBinding {
             .filter_map(|i| {
                 let w = workers.get(&i.instance_id)?;
                 let overlap = w.cache.lock().leading_hits(keys);
-                Some((i.instance_id, w.active.load(Ordering::Relaxed), overlap))
+                Some((i.instance_id, w.booked.load(Ordering::Relaxed), overlap))
             })
             .collect();
-        self.oracle
-            .select_scored(keys, &candidates, mix(self.shared.seed ^ index as u64))
-            .map(|(id, _)| id)
+        let tokens = self.shared.trace.get(index).map_or(0, |r| r.input_length);
+        match self.oracle.select_scored(
+            keys,
+            u64::from(tokens),
+            &candidates,
+            mix(self.shared.seed ^ index as u64),
+        ) {
+            Choice::Picked { candidate, .. } => Some(candidate.id),
+            Choice::Overloaded | Choice::Empty => None,
+        }
     }
 
     /// Dynamo's KV-router cost, from its published description: for each worker,
@@ -401,6 +409,8 @@ fn failed(message: String) -> BoxFuture<'static, Result<PrefillOutcome, PrefillE
 /// (the KV load term) and the request's share of the pool's token load.
 struct ReplayHeld {
     id: InstanceId,
+    /// The uncached tokens the pick expects to compute (booked on the worker until the end).
+    booked: u64,
     _selection: Option<Selection>,
     _load: TokenLoad,
 }
@@ -478,6 +488,7 @@ impl Prefill for ReplayBinding {
         let load = TokenLoad::new(&self.inflight_tokens, u64::from(probe.uncached_tokens()));
         let held = ReplayHeld {
             id,
+            booked: self.oracle.cost().booking(u64::from(probe.uncached_tokens())),
             _selection: selection,
             _load: load,
         };
@@ -508,10 +519,10 @@ impl Prefill for ReplayBinding {
         let Some(keys) = self.shared.keys.get(index) else {
             return failed(format!("no block keys for record {index}"));
         };
-        worker.active.fetch_add(1, Ordering::Relaxed);
+        worker.booked.fetch_add(held.booked, Ordering::Relaxed);
         async move {
             let served = worker.serve(id, record, keys, &self.shared).await;
-            worker.active.fetch_sub(1, Ordering::Relaxed);
+            worker.booked.fetch_sub(held.booked, Ordering::Relaxed);
             drop(held);
             if let Some(slot) = self.shared.served.lock().get_mut(index) {
                 *slot = Some(served);

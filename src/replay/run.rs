@@ -15,7 +15,7 @@ use super::cost::CostModel;
 use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Served, Shared};
 use super::report::{quantiles, AffinityReport, EventReport, Percentiles, ReplayReport, Window};
 use super::trace::{ceiling, ratio, TraceRecord, BLOCK_TOKENS};
-use crate::advert::{ModelCard, RouterConfig, SelectionMode};
+use crate::advert::{KvRouterConfig, ModelCard, RouterConfig, SelectionMode};
 use crate::router::{
     AfterWait, ConditionalPolicy, FallbackPolicy, PrefillRouter, PrefillRouterConfig,
     WorkerSetTarget, WorkerSetTargetId,
@@ -157,6 +157,8 @@ pub struct ReplayConfig {
     /// request's session is its conversation (see [`session_key`]); only the policies the
     /// dispatcher routes (`kv`, `kv-events`, `round-robin`, `random`) honour it.
     pub session_affinity: Option<Duration>,
+    /// The KV cost terms the pool's card advertises (the KV policies and the oracle).
+    pub kv: KvRouterConfig,
 }
 
 impl ReplayConfig {
@@ -175,6 +177,7 @@ impl ReplayConfig {
             event_delay: Duration::ZERO,
             conditional: None,
             session_affinity: None,
+            kv: KvRouterConfig::default(),
         }
     }
 }
@@ -271,6 +274,7 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         kv_cache_block_size: BLOCK_TOKENS,
         router_config: Some(RouterConfig {
             router_mode: config.policy.router_mode(),
+            kv_router_config: config.kv.clone(),
             ..RouterConfig::default()
         }),
         ..ModelCard::default()

@@ -9,7 +9,7 @@ use crate::args::{CliError, Flags};
 
 /// Usage of `prefill-router replay`.
 pub const USAGE: &str = "\
-usage: prefill-router replay --trace FILE [--workers N] [--policy P] [--cache-blocks C]
+usage: prefill-router replay (--trace FILE | --workload SPEC) [--workers N] [--policy P] [--cache-blocks C]
                              [--limit K] [--json OUT] [--svg OUT] [--quiet]
                              [--retarget-at T | --flap-at T | --flap-rebuild-at T]
                              [--event-loss-every K] [--event-delay-ms D]
@@ -20,7 +20,13 @@ hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and
 over in-process prefill workers with an LRU KV block cache (cost model: docs/replay.md), and
 reports prefix hit rate against the trace's ceiling, TTFT, queueing and work balance.
 
-  --trace FILE       the trace (required)
+  --trace FILE       the trace (this or --workload is required)
+  --workload SPEC    a generated trace instead: shared-prefix:rate=R[,requests=N,prefix=B,seed=S]
+                     (every prompt the same B blocks, default 30, plus 2-6 of its own) or
+                     multi-tenant:rate=R[,requests=N,tenants=T,seed=S] (T system prompts,
+                     Zipf popularity, 1-8-turn sessions); docs/replay.md
+  --kv-config JSON   the KV cost terms the pool's card advertises, e.g.
+                     '{\"prefill_load_scale\":1.0,\"busy_threshold_tokens\":20000}'
   --workers N        prefill workers (default 6)
   --policy P         kv | kv-events | kv-oracle | dynamo | round-robin | random | all
                      (default kv; all runs each; a comma-separated list runs those)
@@ -47,6 +53,7 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
 /// Parsed options.
 pub struct ReplayOptions {
     trace: String,
+    kv: prefill_router::advert::KvRouterConfig,
     workers: usize,
     policy: String,
     cache_blocks: Option<usize>,
@@ -123,11 +130,22 @@ impl ReplayOptions {
             event_delay_ms: 0,
             conditional: vec![None],
             affinity: vec![None],
+            kv: prefill_router::advert::KvRouterConfig::default(),
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
             match flag {
                 "--trace" => trace = Some(flags.value(flag)?.to_owned()),
+                "--kv-config" => {
+                    options.kv = serde_json::from_str(flags.value(flag)?)
+                        .map_err(|e| CliError::Usage(format!("--kv-config: {e}")))?;
+                }
+                "--workload" => {
+                    let spec = flags.value(flag)?;
+                    prefill_router::replay::Workload::parse(spec)
+                        .map_err(|e| CliError::Usage(e.to_string()))?;
+                    trace = Some(format!("{WORKLOAD_PREFIX}{spec}"));
+                }
                 "--workers" => options.workers = flags.parsed(flag)?,
                 "--policy" => options.policy = flags.value(flag)?.to_owned(),
                 "--cache-blocks" => options.cache_blocks = Some(flags.parsed(flag)?),
@@ -158,7 +176,8 @@ impl ReplayOptions {
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
             }
         }
-        options.trace = trace.ok_or_else(|| CliError::Usage("--trace FILE is required".into()))?;
+        options.trace = trace
+            .ok_or_else(|| CliError::Usage("--trace FILE or --workload SPEC is required".into()))?;
         if options
             .event
             .is_some_and(|(_, t)| !(t.is_finite() && t >= 0.0))
@@ -181,6 +200,9 @@ impl ReplayOptions {
     }
 }
 
+/// How a generated workload is named where a trace path would be.
+const WORKLOAD_PREFIX: &str = "workload:";
+
 /// Run the replays (each on its own paused runtime, off the CLI's runtime).
 pub async fn run(options: ReplayOptions) -> ExitCode {
     crate::args::off_runtime("replay", move || run_blocking(&options)).await
@@ -189,7 +211,15 @@ pub async fn run(options: ReplayOptions) -> ExitCode {
 fn run_blocking(options: &ReplayOptions) -> ExitCode {
     use prefill_router::replay::{read_trace, run, svg, Policy, PoolEvent, ReplayConfig};
 
-    let trace = match read_trace(std::path::Path::new(&options.trace)) {
+    let generated = options
+        .trace
+        .strip_prefix(WORKLOAD_PREFIX)
+        .and_then(|spec| prefill_router::replay::Workload::parse(spec).ok());
+    let read = match &generated {
+        Some(workload) => Ok(workload.generate()),
+        None => read_trace(std::path::Path::new(&options.trace)),
+    };
+    let trace = match read {
         Ok(trace) => trace,
         Err(error) => {
             eprintln!("error: {}: {error}", options.trace);
@@ -229,6 +259,7 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
             }),
             event_loss_every: options.event_loss_every,
             event_delay: std::time::Duration::from_millis(options.event_delay_ms),
+            kv: options.kv.clone(),
             ..ReplayConfig::new(policy)
         };
         match run(&config, &trace) {

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::{Candidates, Dispatcher, Pick, PushMode};
-use crate::discovery::InstanceId;
+use super::booking::Booking;
+use crate::discovery::Instance;
+use crate::push::select::is_busy;
 use crate::push::affinity::{session_key, AffinityOutcome, AffinityTable};
 use crate::push::kv::block_hashes;
 use crate::transport::GenerateRequest;
@@ -36,21 +38,25 @@ impl Dispatcher {
                 } else {
                     Some(remembered)
                 };
-                if let Some(instance) = found {
-                    let overlap = self.kv_attribute(request, instance.instance_id);
+                // A remembered worker over the busy threshold is re-picked like one that left.
+                if let Some((instance, (overlap, booking))) = found
+                    .and_then(|i| Some((Arc::clone(&i), self.kv_attribute(request, &i)?)))
+                {
                     table.remember(key, Arc::clone(&instance), now);
                     table.counts().record(AffinityOutcome::Hit);
                     return Ok(Pick {
                         instance,
                         overlap,
                         affinity: Some(AffinityOutcome::Hit),
+                        booking,
                     });
                 }
                 AffinityOutcome::Repick
             }
             None => AffinityOutcome::Miss,
         };
-        let (instance, overlap) = self.pick(request, candidates)?;
+        let mut pick = self.pick(request, candidates)?;
+        let instance = Arc::clone(&pick.instance);
         table.remember(key, Arc::clone(&instance), now);
         table.counts().record(outcome);
         tracing::trace!(
@@ -59,24 +65,34 @@ impl Dispatcher {
             ?outcome,
             "session affinity"
         );
-        Ok(Pick {
-            instance,
-            overlap,
-            affinity: Some(outcome),
-        })
+        pick.affinity = Some(outcome);
+        Ok(pick)
     }
 
-    /// In KV mode, what the selector expects `worker` to hold of the request, and attribute
-    /// the request's blocks to it (as a KV pick does); `None` in other modes.
-    fn kv_attribute(&self, request: &GenerateRequest, worker: InstanceId) -> Option<usize> {
-        let PushMode::Kv { block_size, .. } = &self.mode else {
-            return None;
+    /// In KV mode, what the selector expects `worker` to hold of the request, with its
+    /// uncached tokens booked on it, and attribute the request's blocks to it (as a KV pick
+    /// does); `(None, None)` in other modes; `None` when the worker is over the busy threshold.
+    fn kv_attribute(
+        &self,
+        request: &GenerateRequest,
+        worker: &Instance,
+    ) -> Option<(Option<usize>, Option<Booking>)> {
+        let (PushMode::Kv { block_size, .. }, Some(kv)) = (&self.mode, self.kv.as_ref()) else {
+            return Some((None, None));
         };
-        let kv = self.kv.as_ref()?;
+        let id = worker.instance_id;
         let hashes = block_hashes(&request.token_ids, *block_size);
+        let mut board = self.loads.board();
+        if is_busy(board.load(id), self.busy_threshold()) {
+            return None;
+        }
         let mut kv = kv.lock();
-        let overlap = kv.overlap(&hashes, worker);
-        kv.record(&hashes, worker);
-        Some(overlap)
+        let overlap = kv.overlap(&hashes, id);
+        let uncached = kv.cost().uncached(request.token_ids.len() as u64, overlap);
+        kv.record(&hashes, id);
+        let booked = kv.cost().booking(uncached);
+        drop(kv);
+        let booking = self.loads.book(&mut board, id, booked);
+        Some((Some(overlap), Some(booking)))
     }
 }

@@ -281,6 +281,7 @@ impl KvSeed {
                 router_temperature: t,
                 use_kv_events: e,
                 router_track_active_blocks: a,
+                ..KvRouterConfig::default()
             });
         (Value::Object(o), kv)
     }
@@ -417,6 +418,7 @@ impl DecodeSeed {
                 router_temperature: eighths(t),
                 use_kv_events: e,
                 router_track_active_blocks: a,
+                ..KvRouterConfig::default()
             }),
             block_size: self.block_size,
             session_affinity_ttl: self.ttl_secs.map(|s| Duration::from_secs(s.into())),

@@ -1,0 +1,125 @@
+//! Booked prefill work and the overload queue.
+//!
+//! A KV pick books the request's uncached tokens on the chosen worker under the same lock
+//! that chose it (no selection-to-booking race); the [`Booking`] releases them when dropped:
+//! when the prefill's stream ends, fails or is cancelled, when a retry moves the request
+//! elsewhere, or when a held selection is dropped. Requests that find every worker over the
+//! busy threshold wait here, earliest deadline first, and each release wakes the first waiter.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::discovery::InstanceId;
+use crate::push::LoadBoard;
+
+/// The dispatcher's booked work per worker, and the requests waiting for room.
+#[derive(Debug, Default)]
+pub(crate) struct Bookings {
+    board: Mutex<LoadBoard>,
+    /// Waiters by (deadline, arrival): the earliest deadline is woken first.
+    waiters: Mutex<BTreeMap<(Instant, u64), oneshot::Sender<()>>>,
+    arrivals: AtomicU64,
+}
+
+impl Bookings {
+    /// Bookings over `board` (the tests' mutant boards).
+    #[cfg(test)]
+    pub(crate) fn with_board(board: LoadBoard) -> Self {
+        Bookings {
+            board: Mutex::new(board),
+            ..Bookings::default()
+        }
+    }
+
+    /// The board, locked.
+    pub(crate) fn board(&self) -> MutexGuard<'_, LoadBoard> {
+        self.board.lock()
+    }
+
+    /// Book `amount` on `id` in the locked `board` (the pick's own lock), released when the
+    /// returned booking drops.
+    pub(crate) fn book(
+        self: &Arc<Self>,
+        board: &mut LoadBoard,
+        id: InstanceId,
+        amount: u64,
+    ) -> Booking {
+        board.acquire(id, amount);
+        Booking {
+            bookings: Arc::clone(self),
+            id,
+            amount,
+        }
+    }
+
+    /// Requests waiting for room now.
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiters.lock().len()
+    }
+
+    /// Queue a waiter with `deadline`, unless `capacity` are already waiting (`None`: full).
+    pub(crate) fn enqueue(
+        &self,
+        deadline: Instant,
+        capacity: usize,
+    ) -> Option<(u64, oneshot::Receiver<()>)> {
+        let mut waiters = self.waiters.lock();
+        if waiters.len() >= capacity {
+            return None;
+        }
+        let seq = self.arrivals.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        waiters.insert((deadline, seq), tx);
+        Some((seq, rx))
+    }
+
+    /// Take a waiter out of the queue (it gave up or was admitted).
+    pub(crate) fn dequeue(&self, deadline: Instant, seq: u64) {
+        self.waiters.lock().remove(&(deadline, seq));
+    }
+
+    /// Wake the waiter with the earliest deadline that is still listening.
+    pub(crate) fn wake_one(&self) {
+        let mut waiters = self.waiters.lock();
+        while let Some((_, tx)) = waiters.pop_first() {
+            if tx.send(()).is_ok() {
+                return;
+            }
+        }
+    }
+
+    /// Wake every waiter (the busy threshold changed: each re-checks).
+    pub(crate) fn wake_all(&self) {
+        let waiters = std::mem::take(&mut *self.waiters.lock());
+        for (_, tx) in waiters {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Work booked on one worker until dropped.
+#[derive(Debug)]
+pub(crate) struct Booking {
+    bookings: Arc<Bookings>,
+    id: InstanceId,
+    amount: u64,
+}
+
+impl Booking {
+    /// The booked tokens.
+    pub(crate) fn amount(&self) -> u64 {
+        self.amount
+    }
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        self.bookings.board.lock().release(self.id, self.amount);
+        self.bookings.wake_one();
+    }
+}

@@ -1,0 +1,446 @@
+//! The KV cost and the pick: pure (no tokio, no I/O, no clock), so the dispatcher, the replay's
+//! oracle and the property tests choose by the same rule.
+//!
+//! A worker's cost for a request is the work, in blocks, that stands between the request and
+//! its first token on that worker:
+//!
+//! ```text
+//! cost(w) = overlap_score_weight × uncached_blocks(w) + prefill_load_scale × booked_blocks(w)
+//! ```
+//!
+//! - `uncached_blocks(w)`: the request's prompt blocks that `w` does not hold (its overlap is
+//!   the credit: each cached block is one block less to compute);
+//! - `booked_blocks(w)`: the uncached prompt work of the requests already selected for `w` and
+//!   not yet prefilled (booked at the pick, released when that prefill ends or fails).
+//!
+//! With both weights 1 this is the expected wait: the prefill work queued on `w` plus this
+//! request's own. Overlap and load are in one unit, so a long shared prefix no longer outweighs
+//! any queue (the old `overlap − requests in flight` score did: docs/router.md).
+//!
+//! A busy threshold (tokens of booked work) removes a worker from the candidates; when every
+//! candidate is over it the pick is [`Choice::Overloaded`], never a health failure.
+
+use crate::discovery::InstanceId;
+use crate::kv_events::mix;
+
+/// The terms of the KV cost (see the module docs), in blocks of `block_size` tokens.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvCost {
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Weight of the request's uncached blocks on a worker (finite, ≥ 0; default 1).
+    pub overlap_weight: f64,
+    /// Weight of the work already booked on a worker (finite, ≥ 0; default 1).
+    pub load_scale: f64,
+    /// Softmax temperature over the negated costs (0: always the cheapest).
+    pub temperature: f64,
+    /// Tokens every pick books on top of its uncached ones: the fixed cost of one more prefill
+    /// on a worker (scheduling, and the slowdown of the prefills it runs beside).
+    pub request_overhead: u64,
+    /// Balance slack: a worker with more than this many tokens booked beyond the least loaded
+    /// candidate is not a candidate (`None`: no slack rule). It bounds how far a cached prefix
+    /// can pull a stream onto one worker, whatever the overlap weight.
+    pub balance_slack: Option<u64>,
+    /// The mutant of the selection properties: the cost ignores booked work (as the old
+    /// score's load term did whenever requests rarely overlap in time).
+    #[cfg(test)]
+    pub(crate) ignore_load: bool,
+}
+
+/// One candidate worker: its id, the leading blocks of the request it is credited with, and
+/// the prefill work booked on it (tokens).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    /// The worker.
+    pub id: InstanceId,
+    /// Leading blocks of the request it holds (or is predicted to hold).
+    pub overlap: usize,
+    /// Uncached prompt tokens booked on it and not yet prefilled.
+    pub booked: u64,
+}
+
+/// The outcome of a pick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    /// The chosen worker, with the tokens it must compute for this request (what to book).
+    Picked {
+        /// The candidate chosen.
+        candidate: Candidate,
+        /// The request's tokens it does not hold: the work to book on it.
+        uncached: u64,
+    },
+    /// Every candidate is at or over the busy threshold.
+    Overloaded,
+    /// There were no candidates.
+    Empty,
+}
+
+fn finite_or(value: f64, default: f64) -> f64 {
+    if value.is_finite() && value >= 0.0 {
+        value
+    } else {
+        default
+    }
+}
+
+impl KvCost {
+    /// The cost terms for blocks of `block_size` tokens; non-finite or negative weights fall
+    /// back to 1 and a bad temperature to 0.
+    pub fn new(block_size: u32, overlap_weight: f64, load_scale: f64, temperature: f64) -> Self {
+        KvCost {
+            block_size: block_size.max(1),
+            overlap_weight: finite_or(overlap_weight, 1.0),
+            load_scale: finite_or(load_scale, 1.0),
+            temperature: finite_or(temperature, 0.0),
+            request_overhead: 0,
+            balance_slack: None,
+            #[cfg(test)]
+            ignore_load: false,
+        }
+    }
+
+    /// The same terms with `tokens` booked per pick on top of its uncached tokens.
+    #[must_use]
+    pub fn with_request_overhead(mut self, tokens: u64) -> Self {
+        self.request_overhead = tokens;
+        self
+    }
+
+    /// The same terms with the balance slack `tokens` (`None`: none).
+    #[must_use]
+    pub fn with_balance_slack(mut self, tokens: Option<u64>) -> Self {
+        self.balance_slack = tokens;
+        self
+    }
+
+    /// The booked work at which a candidate is skipped, given the busy threshold and the least
+    /// booked work among the candidates: the threshold or the balance slack above the least
+    /// loaded, whichever is lower (`None`: no limit). The least loaded candidate passes the
+    /// slack rule by construction, so only the busy threshold can make a pick
+    /// [`Choice::Overloaded`].
+    pub fn limit(&self, busy_threshold: Option<u64>, least_booked: Option<u64>) -> Option<u64> {
+        let slack = self
+            .balance_slack
+            .zip(least_booked)
+            .map(|(s, least)| least.saturating_add(s).saturating_add(1));
+        match (busy_threshold, slack) {
+            (Some(t), Some(s)) => Some(t.min(s.max(1))),
+            (t, s) => t.or(s),
+        }
+    }
+
+    /// What a pick books on its worker: its uncached tokens plus the per-request overhead.
+    pub fn booking(&self, uncached: u64) -> u64 {
+        uncached.saturating_add(self.request_overhead)
+    }
+
+    /// The tokens of a `request_tokens`-token prompt that a worker holding `overlap` leading
+    /// blocks must compute.
+    pub fn uncached(&self, request_tokens: u64, overlap: usize) -> u64 {
+        let cached = u64::try_from(overlap)
+            .unwrap_or(u64::MAX)
+            .saturating_mul(u64::from(self.block_size));
+        request_tokens.saturating_sub(cached)
+    }
+
+    /// The cost of `candidate` for a `request_tokens`-token prompt, in blocks.
+    #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
+    pub fn cost(&self, request_tokens: u64, candidate: &Candidate) -> f64 {
+        let block = f64::from(self.block_size);
+        let uncached = self.uncached(request_tokens, candidate.overlap) as f64 / block;
+        let booked = candidate.booked as f64 / block;
+        #[cfg(test)]
+        let booked = if self.ignore_load { 0.0 } else { booked };
+        self.overlap_weight * uncached + self.load_scale * booked
+    }
+
+    /// A lower bound of the cost of any worker with `booked` tokens booked and at most
+    /// `max_overlap` leading blocks: what lets the dispatcher stop its walk over the pool early.
+    pub fn floor(&self, request_tokens: u64, max_overlap: usize, booked: u64) -> f64 {
+        self.cost(
+            request_tokens,
+            &Candidate {
+                id: 0,
+                overlap: max_overlap,
+                booked,
+            },
+        )
+    }
+
+    /// The same cost with the mutant that ignores booked work.
+    #[cfg(test)]
+    pub(crate) fn ignoring_load(mut self) -> Self {
+        self.ignore_load = true;
+        self
+    }
+}
+
+/// Whether a worker with `booked` tokens is at or over `threshold` (none: never busy). A
+/// worker with nothing booked is never busy, so a prompt larger than the threshold still runs.
+pub fn is_busy(booked: u64, threshold: Option<u64>) -> bool {
+    threshold.is_some_and(|t| booked > 0 && booked >= t)
+}
+
+/// Pick among `candidates` for a prompt of `request_tokens` tokens: skip the busy ones, then
+/// the cheapest by [`KvCost::cost`]. With temperature 0 ties go to the smallest
+/// `mix(salt ^ id)` (deterministic for a request, spread across requests); with a temperature,
+/// sample with probability ∝ `exp(−(cost − best) / temperature)` from `random`.
+pub fn choose(
+    cost: &KvCost,
+    request_tokens: u64,
+    candidates: impl IntoIterator<Item = Candidate>,
+    busy_threshold: Option<u64>,
+    salt: u64,
+    random: u64,
+) -> Choice {
+    let mut any = false;
+    let usable = candidates.into_iter().filter(|c| {
+        any = true;
+        !is_busy(c.booked, busy_threshold)
+    });
+    let picked = if cost.temperature <= 0.0 {
+        cheapest(cost, request_tokens, usable, salt)
+    } else {
+        sample(cost, request_tokens, usable, random)
+    };
+    match picked {
+        Some(candidate) => Choice::Picked {
+            candidate,
+            uncached: cost.uncached(request_tokens, candidate.overlap),
+        },
+        None if any => Choice::Overloaded,
+        None => Choice::Empty,
+    }
+}
+
+fn cheapest(
+    cost: &KvCost,
+    request_tokens: u64,
+    candidates: impl Iterator<Item = Candidate>,
+    salt: u64,
+) -> Option<Candidate> {
+    let mut best: Option<(Candidate, f64, u64)> = None;
+    for c in candidates {
+        let (score, key) = (cost.cost(request_tokens, &c), mix(salt ^ c.id));
+        let better = match &best {
+            None => true,
+            Some((_, s, k)) => match score.total_cmp(s) {
+                std::cmp::Ordering::Less => true,
+                std::cmp::Ordering::Greater => false,
+                std::cmp::Ordering::Equal => key < *k,
+            },
+        };
+        if better {
+            best = Some((c, score, key));
+        }
+    }
+    best.map(|b| b.0)
+}
+
+fn sample(
+    cost: &KvCost,
+    request_tokens: u64,
+    candidates: impl Iterator<Item = Candidate>,
+    random: u64,
+) -> Option<Candidate> {
+    let scored: Vec<(Candidate, f64)> = candidates
+        .map(|c| (c, cost.cost(request_tokens, &c)))
+        .collect();
+    let best = scored.iter().map(|s| s.1).fold(f64::INFINITY, f64::min);
+    let weights: Vec<f64> = scored
+        .iter()
+        .map(|s| (-(s.1 - best) / cost.temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    #[allow(clippy::cast_precision_loss)] // 53 random bits into [0, 1)
+    let mut target = (random >> 11) as f64 / (1u64 << 53) as f64 * total;
+    for (s, w) in scored.iter().zip(&weights) {
+        if target < *w {
+            return Some(s.0);
+        }
+        target -= w;
+    }
+    scored.last().map(|s| s.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn unit() -> KvCost {
+        KvCost::new(16, 1.0, 1.0, 0.0)
+    }
+
+    fn candidates() -> impl Strategy<Value = Vec<Candidate>> {
+        proptest::collection::vec((0..6usize, 0..5_000u64), 1..10).prop_map(|v| {
+            v.into_iter()
+                .enumerate()
+                .map(|(i, (overlap, booked))| Candidate {
+                    id: i as u64,
+                    overlap,
+                    booked,
+                })
+                .collect()
+        })
+    }
+
+    fn picked(choice: Choice) -> Option<Candidate> {
+        match choice {
+            Choice::Picked { candidate, .. } => Some(candidate),
+            _ => None,
+        }
+    }
+
+    /// Equal overlaps, temperature 0: the pick never has strictly more booked work than
+    /// another candidate. Returns the first violation.
+    fn equal_overlaps_violation(cost: &KvCost, booked: &[u64], overlap: usize) -> Option<String> {
+        let cs: Vec<Candidate> = booked
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| Candidate {
+                id: i as u64,
+                overlap,
+                booked: b,
+            })
+            .collect();
+        let pick = picked(choose(cost, 96, cs.iter().copied(), None, 7, 0))?;
+        let least = cs.iter().map(|c| c.booked).min()?;
+        (pick.booked > least).then(|| format!("picked {pick:?}, least booked {least}"))
+    }
+
+    proptest! {
+        #[test]
+        fn equal_overlaps_never_pick_a_worker_with_strictly_more_booked_work(
+            booked in proptest::collection::vec(0..10_000u64, 1..12),
+            overlap in 0..6usize,
+        ) {
+            prop_assert_eq!(equal_overlaps_violation(&unit(), &booked, overlap), None);
+        }
+
+        #[test]
+        fn a_prefix_every_worker_holds_is_decided_by_load(
+            booked in proptest::collection::vec(0..10_000u64, 2..12),
+            salt in any::<u64>(),
+        ) {
+            // Every worker holds the same 5-block prefix of a 6-block prompt.
+            let cs = booked.iter().enumerate().map(|(i, &b)| Candidate { id: i as u64, overlap: 5, booked: b });
+            let pick = picked(choose(&unit(), 96, cs, None, salt, 0)).unwrap();
+            prop_assert_eq!(pick.booked, *booked.iter().min().unwrap());
+        }
+
+        #[test]
+        fn the_pick_is_a_cheapest_candidate_that_is_not_busy(
+            cs in candidates(),
+            threshold in proptest::option::of(1..6_000u64),
+            salt in any::<u64>(),
+        ) {
+            let cost = unit();
+            let usable: Vec<&Candidate> = cs.iter().filter(|c| !is_busy(c.booked, threshold)).collect();
+            match choose(&cost, 96, cs.iter().copied(), threshold, salt, 0) {
+                Choice::Picked { candidate, uncached } => {
+                    prop_assert!(!is_busy(candidate.booked, threshold));
+                    prop_assert_eq!(uncached, cost.uncached(96, candidate.overlap));
+                    let best = usable.iter().map(|c| cost.cost(96, c)).fold(f64::INFINITY, f64::min);
+                    prop_assert_eq!(cost.cost(96, &candidate), best);
+                }
+                Choice::Overloaded => prop_assert!(usable.is_empty()),
+                Choice::Empty => prop_assert!(false, "candidates were given"),
+            }
+        }
+
+        #[test]
+        fn the_floor_bounds_every_worker_with_less_overlap_and_more_load(
+            request in 0..200u64, k in 0..8usize, load in 0..1_000u64,
+            overlap in 0..8usize, extra in 0..1_000u64,
+        ) {
+            let cost = unit();
+            let c = Candidate { id: 1, overlap: overlap.min(k), booked: load + extra };
+            prop_assert!(cost.cost(request, &c) >= cost.floor(request, k, load));
+        }
+    }
+
+    /// The properties bite: with the mutant that ignores booked work, equal overlaps pick a
+    /// busier worker.
+    #[test]
+    fn the_mutant_that_ignores_load_is_caught() {
+        let mutant = unit().ignoring_load();
+        let caught = (0..64u64).any(|salt| {
+            let booked = [salt * 100, 0, 5_000, 300];
+            equal_overlaps_violation(&mutant, &booked, 3).is_some()
+        });
+        assert!(caught, "the mutant was not caught");
+        assert_eq!(equal_overlaps_violation(&unit(), &[0, 100, 5_000], 3), None);
+    }
+
+    #[test]
+    fn overlap_and_load_are_weighed_in_one_unit() {
+        let cost = unit();
+        // A 30-block shared prefix: the holder with 2 blocks' work booked beats an idle
+        // worker that must compute all 32 blocks; with 40 blocks booked it no longer does.
+        let holder = |booked| Candidate {
+            id: 1,
+            overlap: 30,
+            booked,
+        };
+        let idle = Candidate {
+            id: 2,
+            overlap: 0,
+            booked: 0,
+        };
+        let pick = |h| picked(choose(&cost, 32 * 16, [h, idle], None, 0, 0)).map(|c| c.id);
+        assert_eq!(pick(holder(2 * 16)), Some(1));
+        assert_eq!(pick(holder(40 * 16)), Some(2));
+    }
+
+    #[test]
+    fn every_candidate_busy_is_overloaded_and_an_idle_worker_never_is() {
+        let cost = unit();
+        let cs = [
+            Candidate {
+                id: 1,
+                overlap: 0,
+                booked: 500,
+            },
+            Candidate {
+                id: 2,
+                overlap: 0,
+                booked: 800,
+            },
+        ];
+        assert_eq!(choose(&cost, 10, cs, Some(500), 0, 0), Choice::Overloaded);
+        assert_eq!(choose(&cost, 10, [], Some(500), 0, 0), Choice::Empty);
+        assert!(!is_busy(0, Some(0)));
+        assert!(matches!(
+            choose(&cost, 10, cs, Some(501), 0, 0),
+            Choice::Picked { .. }
+        ));
+    }
+
+    #[test]
+    fn a_temperature_samples_every_candidate_and_prefers_the_cheap_one() {
+        let cost = KvCost::new(16, 1.0, 1.0, 4.0);
+        let cs = [
+            Candidate {
+                id: 1,
+                overlap: 0,
+                booked: 0,
+            },
+            Candidate {
+                id: 2,
+                overlap: 0,
+                booked: 64,
+            },
+        ];
+        let mut counts = [0u32; 3];
+        let mut r = 1u64;
+        for _ in 0..2_000 {
+            r = mix(r);
+            if let Some(c) = picked(choose(&cost, 16, cs, None, 0, r)) {
+                counts[c.id as usize] += 1;
+            }
+        }
+        assert!(counts[1] > counts[2] && counts[2] > 0, "{counts:?}");
+    }
+}
