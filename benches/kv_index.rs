@@ -87,6 +87,12 @@ fn pool(n: u64, events: bool) -> KvSelector {
     kv
 }
 
+/// Tokens one request in flight books (a 4-block request plus the default overhead).
+const BOOKING: u64 = 4 * 16 + 2048;
+
+/// Prompt tokens of a benchmark request (32 blocks of 16).
+const TOKENS: u64 = 32 * 16;
+
 /// The load board the dispatcher keeps: workers `0..n`, worker `w` with `w % 3` requests in
 /// flight (the same loads as the candidate slice).
 fn board(n: u64) -> LoadBoard {
@@ -103,7 +109,7 @@ fn board(n: u64) -> LoadBoard {
     board.set_members(members);
     for w in 0..n {
         for _ in 0..w % 3 {
-            board.acquire(w);
+            board.acquire(w, BOOKING);
         }
     }
     board
@@ -112,7 +118,7 @@ fn board(n: u64) -> LoadBoard {
 fn select(c: &mut Criterion) {
     let mut group = c.benchmark_group("select");
     for n in POOLS {
-        let candidates: Vec<(InstanceId, u64)> = (0..n).map(|w| (w, w % 3)).collect();
+        let candidates: Vec<(InstanceId, u64)> = (0..n).map(|w| (w, w % 3 * BOOKING)).collect();
         let board = board(n);
         for (name, events) in [("events", true), ("prediction", false)] {
             let kv = pool(n, events);
@@ -127,7 +133,7 @@ fn select(c: &mut Criterion) {
                 group.bench_function(BenchmarkId::new(format!("{name}/{shape}/scan"), n), |b| {
                     b.iter(|| {
                         r = r.wrapping_add(1);
-                        black_box(kv.select(black_box(hashes), &candidates, r))
+                        black_box(kv.select(black_box(hashes), TOKENS, &candidates, None, r))
                     })
                 });
                 if let Some(listing) = &listing {
@@ -135,7 +141,14 @@ fn select(c: &mut Criterion) {
                     group.bench_function(id, |b| {
                         b.iter(|| {
                             r = r.wrapping_add(1);
-                            black_box(listing.select_on(black_box(hashes), &board, &[], r))
+                            black_box(listing.select_on(
+                                black_box(hashes),
+                                TOKENS,
+                                &board,
+                                &[],
+                                None,
+                                r,
+                            ))
                         })
                     });
                 }
@@ -143,7 +156,7 @@ fn select(c: &mut Criterion) {
                 group.bench_function(BenchmarkId::new(format!("{name}/{shape}/board"), n), |b| {
                     b.iter(|| {
                         r = r.wrapping_add(1);
-                        black_box(kv.select_on(black_box(hashes), &board, &[], r))
+                        black_box(kv.select_on(black_box(hashes), TOKENS, &board, &[], None, r))
                     })
                 });
             }

@@ -18,6 +18,7 @@ use criterion::Criterion;
 use futures_util::{stream, SinkExt, StreamExt};
 use prefill_router::advert::KvRouterConfig;
 use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
+use prefill_router::push::select::Choice;
 use prefill_router::push::{
     block_hashes, Dispatcher, KvSelector, PushConfig, PushMode, RoutableView,
 };
@@ -348,9 +349,20 @@ fn simulate(
             Policy::Random => rng.next() % workers,
             Policy::Kv => {
                 let cands: Vec<(InstanceId, u64)> = (0..workers)
-                    .map(|w| (w, in_flight.iter().filter(|&&x| x == w).count() as u64))
+                    .map(|w| {
+                        (
+                            w,
+                            in_flight.iter().filter(|&&x| x == w).count() as u64 * 2048,
+                        )
+                    })
                     .collect();
-                let (w, _) = kv.select(&hashes, &cands, rng.next()).expect("candidates");
+                let tokens = prompt.len() as u64;
+                let Choice::Picked { candidate, .. } =
+                    kv.select(&hashes, tokens, &cands, None, rng.next())
+                else {
+                    panic!("candidates");
+                };
+                let w = candidate.id;
                 kv.record(&hashes, w);
                 w
             }
@@ -446,7 +458,7 @@ fn selection(c: &mut Criterion) {
     for (n, p) in prompts.iter().enumerate() {
         selector.record(&block_hashes(p, 16), n as u64 % 64);
     }
-    let cands: Vec<(InstanceId, u64)> = (0..64).map(|w| (w, w % 3)).collect();
+    let cands: Vec<(InstanceId, u64)> = (0..64).map(|w| (w, w % 3 * 2048)).collect();
     let hashed: Vec<Vec<u64>> = requests
         .iter()
         .map(|r| block_hashes(&r.token_ids, 16))
@@ -454,7 +466,7 @@ fn selection(c: &mut Criterion) {
     group.bench_function("kv_selector_score_only", |b| {
         b.iter(|| {
             i = (i + 1) % hashed.len();
-            black_box(selector.select(&hashed[i], &cands, 0))
+            black_box(selector.select(&hashed[i], 512, &cands, None, 0))
         })
     });
     group.finish();

@@ -10,6 +10,8 @@
 //!   a session's requests stay on its worker while it stays routable, for a TTL).
 
 mod affinity;
+#[cfg(test)]
+mod booking_tests;
 mod dispatcher;
 mod error;
 mod health;
@@ -20,9 +22,9 @@ mod kv_feed_tests;
 mod load_board;
 #[cfg(test)]
 mod retry_tests;
+pub mod select;
 #[cfg(test)]
 mod select_on_tests;
-pub mod select;
 mod view;
 
 pub(crate) use affinity::AffinityTable;

@@ -39,13 +39,11 @@ pub struct KvRouterConfig {
     /// 1.0): `cost = overlap_score_weight × uncached blocks + prefill_load_scale × booked
     /// blocks`, lowest wins (docs/router.md, "KV cost").
     pub overlap_score_weight: f64,
-    /// Weight of the prefill work already booked on a worker in the KV cost (default 0.5: a
-    /// cached block is worth two booked ones, because recomputing a prefix elsewhere adds work
-    /// every later request waits behind; 1.0 is the plain expected wait. Chosen by the replay:
-    /// docs/performance.md, "KV cost").
+    /// Weight of the prefill work already booked on a worker in the KV cost (default 1.0: the
+    /// cost is then the expected prefill work ahead of the request's first token).
     pub prefill_load_scale: f64,
     /// Tokens each routed request books on its worker on top of its uncached prompt tokens:
-    /// the fixed cost of one more concurrent prefill there (default 2048, chosen by the
+    /// the fixed cost of one more concurrent prefill there (default 4096, chosen by the
     /// replay: docs/performance.md, "KV cost").
     pub prefill_request_tokens: u64,
     /// Balance slack: a worker with more than this many tokens booked beyond the least loaded
@@ -70,8 +68,8 @@ impl Default for KvRouterConfig {
     fn default() -> Self {
         KvRouterConfig {
             overlap_score_weight: 1.0,
-            prefill_load_scale: 0.5,
-            prefill_request_tokens: 2048,
+            prefill_load_scale: 1.0,
+            prefill_request_tokens: 4096,
             balance_slack_tokens: None,
             busy_threshold_tokens: None,
             router_temperature: 0.0,

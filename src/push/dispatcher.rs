@@ -20,7 +20,6 @@ use super::health::failure_class;
 use super::kv::{block_hashes, mix, KvSelector};
 use super::kv_feed::{KvEventCounts, KvFeed};
 use super::select::Choice;
-use booking::{Booking, Bookings};
 use super::view::{InstanceStatus, RoutableView};
 use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
 use crate::discovery::{Instance, InstanceId};
@@ -30,6 +29,7 @@ use crate::kv_events::{Applied, EventBatch};
 use crate::transport::{
     ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
 };
+use booking::{Booking, Bookings};
 
 /// How the router picks an instance.
 #[derive(Clone, Debug, PartialEq)]
@@ -578,6 +578,17 @@ impl Dispatcher {
     /// [`select_held_waiting`](Self::select_held_waiting) to queue).
     pub fn select_held(&self, request: &GenerateRequest) -> Result<Selection, PushError> {
         self.select_with_overlap(request, &[]).map(Selection::from)
+    }
+
+    /// [`select_held`](Self::select_held) never picking an instance in `excluded` (a retry
+    /// elsewhere by a caller that delivers the request itself).
+    pub fn select_held_excluding(
+        &self,
+        request: &GenerateRequest,
+        excluded: &[InstanceId],
+    ) -> Result<Selection, PushError> {
+        self.select_with_overlap(request, excluded)
+            .map(Selection::from)
     }
 
     /// [`select_held`](Self::select_held), waiting for room as [`generate`](Self::generate)

@@ -501,7 +501,10 @@ mod tests {
         let hashes = [11, 12, 13];
         // Prediction alone sends the chain back to worker 1, which it was routed to.
         kv.record(&hashes, 1);
-        assert_eq!(picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)), Some((1, 3)));
+        assert_eq!(
+            picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)),
+            Some((1, 3))
+        );
         // Worker 1 reports that it stored the chain, then evicted it; worker 2 holds it.
         kv.apply_events(1, &stored(0, &hashes));
         let removed = EventBatch {
@@ -518,7 +521,10 @@ mod tests {
             0,
             "prediction ignored for a publisher"
         );
-        assert_eq!(picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)), Some((2, 2)));
+        assert_eq!(
+            picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)),
+            Some((2, 2))
+        );
     }
 
     #[test]
@@ -529,10 +535,16 @@ mod tests {
         // Worker 2 publishes and holds two leading blocks; worker 1 publishes nothing.
         kv.apply_events(2, &stored(0, &hashes[..2]));
         assert!(!kv.index().publishes(1) && kv.index().publishes(2));
-        assert_eq!(picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)), Some((1, 4)));
-        // Its predicted credit is weighed against the index's on one scale: 3 blocks booked on
-        // worker 1 cost more than the 2 blocks worker 2 lacks.
-        assert_eq!(picked(kv.select(&hashes, 16, &[(1, 12), (2, 0)], None, 0)), Some((2, 2)));
+        assert_eq!(
+            picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)),
+            Some((1, 4))
+        );
+        // Its predicted credit is weighed against the index's on one scale: 6 blocks booked on
+        // worker 1 (3 at the default load scale 0.5) cost more than the 2 blocks worker 2 lacks.
+        assert_eq!(
+            picked(kv.select(&hashes, 16, &[(1, 24), (2, 0)], None, 0)),
+            Some((2, 2))
+        );
         kv.reset_events(2);
         assert!(!kv.index().publishes(2));
     }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 
+use super::select::{is_busy, Candidate, Choice};
 use super::{KvSelector, LoadBoard};
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceId};
@@ -77,6 +78,22 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
+/// Tokens one `Acquire` books (one block of 4 tokens).
+const BOOKING: u64 = 4;
+
+/// The prompt length of a request of `hashes` (blocks of 4 tokens, plus a partial block).
+fn tokens(hashes: &[u64]) -> u64 {
+    4 * hashes.len() as u64 + 2
+}
+
+/// The pick's id and overlap, if there was one.
+fn picked(choice: Choice) -> Option<(InstanceId, usize)> {
+    match choice {
+        Choice::Picked { candidate, .. } => Some((candidate.id, candidate.overlap)),
+        _ => None,
+    }
+}
+
 /// Workers 0..6 publish events; 6..12 are scored by prediction.
 fn publishes(worker: u64) -> bool {
     worker < 6
@@ -146,8 +163,8 @@ fn build_with(steps: &[Step], deep_limit: usize, mutant: bool) -> (KvSelector, L
             } if !publishes(*worker) => {
                 kv.record(&chain(*c, *len), *worker);
             }
-            Step::Acquire(w) => board.acquire(*w),
-            Step::Release(w) => board.release(*w),
+            Step::Acquire(w) => board.acquire(*w, BOOKING),
+            Step::Release(w) => board.release(*w, BOOKING),
             Step::Members(ids) => {
                 let mut ids = ids.clone();
                 ids.sort_unstable();
@@ -160,19 +177,26 @@ fn build_with(steps: &[Step], deep_limit: usize, mutant: bool) -> (KvSelector, L
     (kv, board)
 }
 
-/// What a correct pick satisfies: a usable member (none only when there is none), its overlap
-/// as the selector credits it, and the best score over every usable member.
+/// What a correct pick satisfies: a usable member that is not busy (none only when there is
+/// none; overloaded only when every usable member is busy), its overlap as the selector credits
+/// it, and the least cost over every usable member that is not busy.
 fn check(
     kv: &KvSelector,
     board: &LoadBoard,
     excluded: &[InstanceId],
     hashes: &[u64],
-    pick: Option<(InstanceId, usize)>,
+    threshold: Option<u64>,
+    choice: Choice,
 ) -> Result<(), String> {
-    let score = |id: InstanceId| {
-        #[allow(clippy::cast_precision_loss)]
-        let s = kv.overlap(hashes, id) as f64 - board.load(id) as f64;
-        s
+    let cost = |id: InstanceId| {
+        kv.cost().cost(
+            tokens(hashes),
+            &Candidate {
+                id,
+                overlap: kv.overlap(hashes, id),
+                booked: board.load(id),
+            },
+        )
     };
     let usable: Vec<InstanceId> = board
         .members()
@@ -180,22 +204,31 @@ fn check(
         .map(|i| i.instance_id)
         .filter(|id| !excluded.contains(id))
         .collect();
-    let best = usable.iter().map(|&id| score(id)).reduce(f64::max);
-    match (pick, best) {
-        (None, None) => Ok(()),
-        (Some((id, overlap)), Some(best)) => {
-            if !usable.contains(&id) {
-                return Err(format!("picked {id}, not a usable member"));
+    let free: Vec<InstanceId> = usable
+        .iter()
+        .copied()
+        .filter(|&id| !is_busy(board.load(id), threshold))
+        .collect();
+    let best = free.iter().map(|&id| cost(id)).reduce(f64::min);
+    match (choice, best) {
+        (Choice::Empty, None) if usable.is_empty() => Ok(()),
+        (Choice::Overloaded, None) if !usable.is_empty() => Ok(()),
+        (Choice::Picked { candidate, .. }, Some(best)) => {
+            let (id, overlap) = (candidate.id, candidate.overlap);
+            if !free.contains(&id) {
+                return Err(format!(
+                    "picked {id}, not a usable member under the threshold"
+                ));
             }
             if overlap != kv.overlap(hashes, id) {
                 return Err(format!("overlap {overlap} reported for {id}"));
             }
-            if score(id) != best {
-                return Err(format!("picked {id} scoring {}, best is {best}", score(id)));
+            if cost(id) != best {
+                return Err(format!("picked {id} costing {}, best is {best}", cost(id)));
             }
             Ok(())
         }
-        (pick, best) => Err(format!("pick {pick:?} with best {best:?}")),
+        (choice, best) => Err(format!("choice {choice:?} with best {best:?}")),
     }
 }
 
@@ -209,12 +242,13 @@ proptest! {
         excluded in proptest::collection::vec(0..12u64, 0..3),
         random in any::<u64>(),
         deep_limit in prop_oneof![0..4usize, Just(crate::push::DEEP_HOLDERS_LIMIT)],
+        threshold in proptest::option::of(1..24u64),
     ) {
         // Small limits make the shared prefix (chains 0..4) "widely held": the walk's path.
         let (kv, board) = build_with(&steps, deep_limit, false);
         let hashes = chain(request.0, request.1);
-        let pick = kv.select_on(&hashes, &board, &excluded, random);
-        prop_assert_eq!(check(&kv, &board, &excluded, &hashes, pick), Ok(()));
+        let pick = kv.select_on(&hashes, tokens(&hashes), &board, &excluded, threshold, random);
+        prop_assert_eq!(check(&kv, &board, &excluded, &hashes, threshold, pick), Ok(()));
     }
 }
 
@@ -235,11 +269,11 @@ fn the_check_catches_a_pick_that_ignores_the_least_loaded_worker() {
     ];
     let (kv, board) = build(&steps);
     let hashes = chain(5, 1);
-    let holders_only = kv.select(&hashes, &[(1, board.load(1))], 0);
-    assert!(check(&kv, &board, &[], &hashes, holders_only).is_err());
-    let pick = kv.select_on(&hashes, &board, &[], 0);
-    assert_eq!(check(&kv, &board, &[], &hashes, pick), Ok(()));
-    assert_eq!(pick, Some((2, 0)));
+    let holders_only = kv.select(&hashes, tokens(&hashes), &[(1, board.load(1))], None, 0);
+    assert!(check(&kv, &board, &[], &hashes, None, holders_only).is_err());
+    let pick = kv.select_on(&hashes, tokens(&hashes), &board, &[], None, 0);
+    assert_eq!(check(&kv, &board, &[], &hashes, None, pick), Ok(()));
+    assert_eq!(picked(pick), Some((2, 0)));
 }
 
 /// The check bites on the walk too: a selector whose load-order walk credits nobody with the
@@ -274,17 +308,17 @@ fn the_check_catches_a_walk_that_ignores_the_widely_held_prefix() {
     ];
     let hashes = chain(0, 3);
     // Limit 1: blocks 1000 and 1001 (3 holders) are shallow, block 2 (1 holder) is deep, so
-    // k = 2; worker 2 (load 0, 2 blocks) scores 2, worker 1 (load 5, 3 blocks) -2, idle
-    // non-holders 0.
+    // k = 2; worker 2 (nothing booked, 2 blocks held) costs 1.5 blocks, worker 1 (5 blocks
+    // booked at scale 0.5, 3 held) 2.5, idle non-holders 3.5.
     let (kv, board) = build_with(&steps, 1, false);
     assert_eq!(kv.index().deep_overlaps(&hashes, 1, &mut Vec::new()), 2);
-    let pick = kv.select_on(&hashes, &board, &[], 0);
-    assert_eq!(check(&kv, &board, &[], &hashes, pick), Ok(()));
-    assert_eq!(pick, Some((2, 2)));
+    let pick = kv.select_on(&hashes, tokens(&hashes), &board, &[], None, 0);
+    assert_eq!(check(&kv, &board, &[], &hashes, None, pick), Ok(()));
+    assert_eq!(picked(pick), Some((2, 2)));
     let (mutant, board) = build_with(&steps, 1, true);
-    let pick = mutant.select_on(&hashes, &board, &[], 0);
+    let pick = mutant.select_on(&hashes, tokens(&hashes), &board, &[], None, 0);
     assert!(
-        check(&mutant, &board, &[], &hashes, pick).is_err(),
+        check(&mutant, &board, &[], &hashes, None, pick).is_err(),
         "{pick:?}"
     );
 }

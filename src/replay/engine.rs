@@ -488,7 +488,10 @@ impl Prefill for ReplayBinding {
         let load = TokenLoad::new(&self.inflight_tokens, u64::from(probe.uncached_tokens()));
         let held = ReplayHeld {
             id,
-            booked: self.oracle.cost().booking(u64::from(probe.uncached_tokens())),
+            booked: self
+                .oracle
+                .cost()
+                .booking(u64::from(probe.uncached_tokens())),
             _selection: selection,
             _load: load,
         };

@@ -59,11 +59,17 @@ impl Workload {
         let (kind, rest) = spec.split_once(':').unwrap_or((spec, ""));
         let (mut rate, mut requests, mut extra, mut seed) = (None, 3_000usize, None, 1u64);
         for pair in rest.split(',').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').ok_or_else(|| bad("expected key=value"))?;
+            let (key, value) = pair
+                .split_once('=')
+                .ok_or_else(|| bad("expected key=value"))?;
             let number = || value.parse::<u64>().map_err(|_| bad("not a whole number"));
             match key {
                 "rate" => {
-                    rate = Some(value.parse::<f64>().map_err(|_| bad("rate is not a number"))?);
+                    rate = Some(
+                        value
+                            .parse::<f64>()
+                            .map_err(|_| bad("rate is not a number"))?,
+                    );
                 }
                 "requests" => requests = usize::try_from(number()?).map_err(|_| bad("too many"))?,
                 "seed" => seed = number()?,

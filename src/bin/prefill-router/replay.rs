@@ -26,7 +26,7 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
                      multi-tenant:rate=R[,requests=N,tenants=T,seed=S] (T system prompts,
                      Zipf popularity, 1-8-turn sessions); docs/replay.md
   --kv-config JSON   the KV cost terms the pool's card advertises, e.g.
-                     '{\"prefill_load_scale\":1.0,\"busy_threshold_tokens\":20000}'
+                     '{\"prefill_load_scale\":0.5,\"busy_threshold_tokens\":20000}'
   --workers N        prefill workers (default 6)
   --policy P         kv | kv-events | kv-oracle | dynamo | round-robin | random | all
                      (default kv; all runs each; a comma-separated list runs those)

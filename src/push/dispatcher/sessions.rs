@@ -4,12 +4,12 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
-use super::{Candidates, Dispatcher, Pick, PushMode};
 use super::booking::Booking;
+use super::{Candidates, Dispatcher, Pick, PushMode};
 use crate::discovery::Instance;
-use crate::push::select::is_busy;
 use crate::push::affinity::{session_key, AffinityOutcome, AffinityTable};
 use crate::push::kv::block_hashes;
+use crate::push::select::is_busy;
 use crate::transport::GenerateRequest;
 
 impl Dispatcher {
@@ -39,8 +39,8 @@ impl Dispatcher {
                     Some(remembered)
                 };
                 // A remembered worker over the busy threshold is re-picked like one that left.
-                if let Some((instance, (overlap, booking))) = found
-                    .and_then(|i| Some((Arc::clone(&i), self.kv_attribute(request, &i)?)))
+                if let Some((instance, (overlap, booking))) =
+                    found.and_then(|i| Some((Arc::clone(&i), self.kv_attribute(request, &i)?)))
                 {
                     table.remember(key, Arc::clone(&instance), now);
                     table.counts().record(AffinityOutcome::Hit);
