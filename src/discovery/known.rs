@@ -44,6 +44,7 @@ impl Scope {
 
 /// What a watcher learns from one raw event.
 #[derive(Clone, Debug, PartialEq)]
+#[allow(clippy::large_enum_variant)] // one short-lived value per discovery change, not stored
 pub(crate) enum Change {
     /// A record appeared or changed; `previous` is the instance known before, if any.
     Upserted {

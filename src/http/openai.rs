@@ -258,3 +258,31 @@ impl From<&DecodeError> for ApiError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_overload_is_a_503_with_retry_after_and_an_openai_body() {
+        let error = PushError::Overloaded {
+            threshold: 4096,
+            waited: std::time::Duration::from_secs(2),
+        };
+        let api = ApiError::from(&DecodeError::Push(error));
+        assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(api.code, OVERLOADED);
+        assert_eq!(api.retry_after(), Some(1));
+        assert_eq!(api.body()["error"]["code"], "overloaded");
+        let response = api.into_response();
+        assert_eq!(response.headers()[axum::http::header::RETRY_AFTER], "1");
+        // Other failures carry no Retry-After.
+        let other = ApiError::from(&DecodeError::Push(PushError::NoRoutableInstances));
+        assert_eq!(other.retry_after(), None);
+        assert!(other
+            .into_response()
+            .headers()
+            .get(axum::http::header::RETRY_AFTER)
+            .is_none());
+    }
+}

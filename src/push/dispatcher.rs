@@ -558,7 +558,7 @@ impl Dispatcher {
                     .cloned()
                     .ok_or(PushError::NoRoutableInstances)?;
                 // Booked under the lock that chose it: no other pick sees the worker without it.
-                let booking = self.loads.book(&mut *board, candidate.id, booked);
+                let booking = self.loads.book(&mut board, candidate.id, booked);
                 Ok(Pick {
                     instance,
                     overlap: Some(candidate.overlap),
