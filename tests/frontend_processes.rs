@@ -410,3 +410,52 @@ fn sessions_stay_on_their_prefill_worker_until_it_leaves() {
     );
     assert!(value("repick") >= 1, "alice's move is a re-pick: {metrics}");
 }
+
+/// Overload end to end: one prefill worker whose card asks for KV routing with a busy
+/// threshold of one token, and a slow prefill (1 s per block). While a long prompt is
+/// prefilling, a second request finds every worker busy, waits the dispatcher's overload wait
+/// (2 s) and gets 503 with `Retry-After` and an OpenAI error body; once the first prefill
+/// ended, the next request is served (no overload state outlives the pressure).
+#[test]
+fn an_overloaded_prefill_pool_answers_503_with_retry_after_and_recovers() {
+    let cluster = Cluster::new();
+    let card = cluster.dir.path().join("prefill-card.json");
+    std::fs::write(
+        &card,
+        json!({
+            "name": "mock-llm",
+            "kv_cache_block_size": 16,
+            "router_config": {
+                "router_mode": "kv",
+                "kv_router_config": {"busy_threshold_tokens": 1},
+            },
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let card = card.to_str().unwrap().to_owned();
+    let _p = cluster.worker(
+        "prefill",
+        1,
+        &["--card", &card, "--block-cost-us", "1000000"],
+    );
+    let _d = cluster.worker("decode", DECODE, &[]);
+    let (_serve, addr) = cluster.serve(&[]);
+    until("ready", || get(addr, "/ready").status == 200);
+    let long = "a long prompt that fills several blocks of sixteen tokens each ".repeat(4);
+    let first = std::thread::spawn(move || post(addr, "/v1/chat/completions", &chat(&long, 1, false)));
+    // Let the first request reach its (slow) prefill.
+    std::thread::sleep(Duration::from_millis(500));
+    let started = Instant::now();
+    let shed = post(addr, "/v1/chat/completions", &chat("a second request", 1, false));
+    assert_eq!(shed.status, 503, "{shed:?}");
+    assert_eq!(shed.header("retry-after"), Some("1"), "{shed:?}");
+    let body = shed.json();
+    assert_eq!(body["error"]["code"], "overloaded", "{body}");
+    assert_eq!(body["error"]["type"], "service_unavailable");
+    assert!(started.elapsed() >= Duration::from_millis(1_500), "it waited for room first");
+    let first = first.join().expect("first request");
+    assert_eq!(first.status, 200, "the long request was served: {first:?}");
+    let after = post(addr, "/v1/chat/completions", &chat("after the pressure", 1, false));
+    assert_eq!(after.status, 200, "served once the pool has room: {after:?}");
+}
