@@ -29,7 +29,9 @@ mod view;
 
 pub(crate) use affinity::AffinityTable;
 pub use affinity::{AffinityCounts, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
-pub use dispatcher::{Dispatcher, OverloadCounts, PushConfig, PushMode, RoutedStream, Selection};
+pub use dispatcher::{
+    Dispatcher, OverloadCounts, OverloadStats, PushConfig, PushMode, RoutedStream, Selection,
+};
 pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 #[cfg(feature = "sim")]

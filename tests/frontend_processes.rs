@@ -443,19 +443,63 @@ fn an_overloaded_prefill_pool_answers_503_with_retry_after_and_recovers() {
     let (_serve, addr) = cluster.serve(&[]);
     until("ready", || get(addr, "/ready").status == 200);
     let long = "a long prompt that fills several blocks of sixteen tokens each ".repeat(4);
-    let first = std::thread::spawn(move || post(addr, "/v1/chat/completions", &chat(&long, 1, false)));
+    let first =
+        std::thread::spawn(move || post(addr, "/v1/chat/completions", &chat(&long, 1, false)));
     // Let the first request reach its (slow) prefill.
     std::thread::sleep(Duration::from_millis(500));
     let started = Instant::now();
-    let shed = post(addr, "/v1/chat/completions", &chat("a second request", 1, false));
+    let shed = post(
+        addr,
+        "/v1/chat/completions",
+        &chat("a second request", 1, false),
+    );
     assert_eq!(shed.status, 503, "{shed:?}");
     assert_eq!(shed.header("retry-after"), Some("1"), "{shed:?}");
     let body = shed.json();
     assert_eq!(body["error"]["code"], "overloaded", "{body}");
     assert_eq!(body["error"]["type"], "service_unavailable");
-    assert!(started.elapsed() >= Duration::from_millis(1_500), "it waited for room first");
+    assert!(
+        started.elapsed() >= Duration::from_millis(1_500),
+        "it waited for room first"
+    );
     let first = first.join().expect("first request");
     assert_eq!(first.status, 200, "the long request was served: {first:?}");
-    let after = post(addr, "/v1/chat/completions", &chat("after the pressure", 1, false));
-    assert_eq!(after.status, 200, "served once the pool has room: {after:?}");
+    let after = post(
+        addr,
+        "/v1/chat/completions",
+        &chat("after the pressure", 1, false),
+    );
+    assert_eq!(
+        after.status, 200,
+        "served once the pool has room: {after:?}"
+    );
+    // The frontend's metrics count the overload, and nothing stays booked.
+    let metrics = get(addr, "/metrics").body;
+    let value = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        value("prefill_router_overload_shed_total").as_deref(),
+        Some("1"),
+        "{metrics}"
+    );
+    assert_eq!(
+        value("prefill_router_overload_queued_total").as_deref(),
+        Some("1"),
+        "{metrics}"
+    );
+    assert_eq!(
+        value("prefill_router_prefill_booked_tokens").as_deref(),
+        Some("0"),
+        "{metrics}"
+    );
+    assert_eq!(
+        value("prefill_router_overload_waiting").as_deref(),
+        Some("0"),
+        "{metrics}"
+    );
 }

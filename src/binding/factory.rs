@@ -51,6 +51,9 @@ pub struct BindingStats {
     /// Session-affinity hits, misses, re-picks and evictions (every binding's dispatcher
     /// counts here; each binding keeps its own table).
     pub affinity: Arc<crate::push::AffinityCounts>,
+    /// Requests queued and shed because every worker was over the busy threshold (every
+    /// binding's dispatcher counts here).
+    pub overload: Arc<crate::push::OverloadCounts>,
 }
 
 /// Builds [`PrefillBinding`]s over a discovery backend and dispatchers.
@@ -123,6 +126,7 @@ impl DefaultBindingFactory {
         let mode = PushMode::from_prefill_config(resolved, None);
         let dispatcher = Dispatcher::new(view, mode, self.config.push.clone())
             .with_retry_counts(Arc::clone(&self.stats.retries))
+            .with_overload_counts(Arc::clone(&self.stats.overload))
             .with_session_affinity(
                 resolved.session_affinity_ttl,
                 Arc::clone(&self.stats.affinity),
@@ -378,6 +382,7 @@ impl Prefill for PrefillBinding {
             self.router.retry_counts().snapshot(),
         )
         .with_affinity(self.stats.affinity.snapshot())
+        .with_overload(self.router.overload_stats())
     }
 }
 

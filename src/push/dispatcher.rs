@@ -131,6 +131,19 @@ pub struct OverloadCounts {
     pub shed: AtomicU64,
 }
 
+/// A snapshot of a dispatcher's booked work and overload counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OverloadStats {
+    /// Prefill work (tokens) booked over every worker now.
+    pub booked_tokens: u64,
+    /// Requests waiting for room now.
+    pub waiting: u64,
+    /// Requests that queued because every routable worker was busy (shared count).
+    pub queued: u64,
+    /// Requests shed with [`PushError::Overloaded`] (shared count).
+    pub shed: u64,
+}
+
 /// Routes requests to instances of a [`RoutableView`] over the request plane. Share it behind
 /// an `Arc`; all methods take `&self`.
 pub struct Dispatcher {
@@ -355,6 +368,24 @@ impl Dispatcher {
     /// The overload counters.
     pub fn overload_counts(&self) -> &Arc<OverloadCounts> {
         &self.overload
+    }
+
+    /// Count this dispatcher's overloads in `counts` (shared, e.g. by every binding of one
+    /// factory) instead of its own.
+    #[must_use]
+    pub fn with_overload_counts(mut self, counts: Arc<OverloadCounts>) -> Self {
+        self.overload = counts;
+        self
+    }
+
+    /// Booked work, waiters and the overload counters, now.
+    pub fn overload_stats(&self) -> OverloadStats {
+        OverloadStats {
+            booked_tokens: self.total_booked_work(),
+            waiting: self.overload_waiting() as u64,
+            queued: self.overload.queued.load(Ordering::Relaxed),
+            shed: self.overload.shed.load(Ordering::Relaxed),
+        }
     }
 
     /// A dispatcher whose board runs `board` (the tests' mutant boards).

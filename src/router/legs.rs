@@ -230,6 +230,8 @@ pub struct BindingHealth {
     /// Session-affinity counters of the binding's dispatcher (the default factory's bindings
     /// share one count, so it does not restart with a rebuild).
     pub affinity: crate::push::AffinityStats,
+    /// Booked prefill work and overload counters of the binding's dispatcher (KV mode).
+    pub overload: crate::push::OverloadStats,
 }
 
 impl BindingHealth {
@@ -239,7 +241,15 @@ impl BindingHealth {
             open_breakers,
             retries,
             affinity: crate::push::AffinityStats::default(),
+            overload: crate::push::OverloadStats::default(),
         }
+    }
+
+    /// This report with these booked-work and overload figures.
+    #[must_use]
+    pub fn with_overload(mut self, overload: crate::push::OverloadStats) -> Self {
+        self.overload = overload;
+        self
     }
 
     /// This report with these session-affinity counters.

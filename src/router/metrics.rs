@@ -28,6 +28,10 @@
 //! | `affinity_total{outcome}` | counter | prefills of requests with a session key, by how session affinity decided them: `hit` (remembered worker), `miss` (no live entry), `repick` (remembered worker not routable; the entry moved) |
 //! | `affinity_evictions_total` | counter | affinity entries evicted to keep a binding's table within its cap |
 //! | `affinity_expired_total` | counter | affinity entries dropped after their TTL |
+//! | `prefill_booked_tokens` | gauge | prefill work (uncached tokens plus the per-request booking) booked on the serving binding's workers now (KV mode) |
+//! | `overload_waiting` | gauge | requests waiting for room: every routable worker over the busy threshold |
+//! | `overload_queued_total` | counter | requests that found every routable worker busy and queued |
+//! | `overload_shed_total` | counter | requests failed as overloaded (503 with `Retry-After` in `serve`) |
 
 use std::fmt;
 use std::sync::Weak;
@@ -264,6 +268,26 @@ impl Collector for RouterCollector {
             "Session-affinity entries dropped after their TTL",
             a.expired,
         )?;
+        let o = s.health.overload;
+        gauge(
+            e,
+            "prefill_booked_tokens",
+            "Prefill work booked on the serving binding's workers now (tokens)",
+            i64::try_from(o.booked_tokens).unwrap_or(i64::MAX),
+        )?;
+        gauge(
+            e,
+            "overload_waiting",
+            "Requests waiting for room: every routable worker over the busy threshold",
+            i64::try_from(o.waiting).unwrap_or(i64::MAX),
+        )?;
+        counter(
+            e,
+            "overload_queued",
+            "Requests that found every routable worker busy and queued",
+            o.queued,
+        )?;
+        counter(e, "overload_shed", "Requests failed as overloaded", o.shed)?;
         Ok(())
     }
 }
