@@ -325,3 +325,55 @@ fn real_trace_affinity_lifts_round_robins_hit_rate() {
     assert_eq!(stats.hits + stats.misses + stats.repicks, 3_000, "{on}");
     assert!(on.prefix_hit_rate > off.prefix_hit_rate, "{on}\n{off}");
 }
+
+/// The KV cost on a shared system prompt: never behind round robin on TTFT p99, balanced
+/// work, nothing lost (the old `overlap − requests` score sent every request to one worker).
+#[test]
+fn a_shared_prompt_is_spread_by_booked_work_and_never_loses_to_round_robin() {
+    use prefill_router::replay::Workload;
+    for rate in [5.0, 25.0] {
+        let trace = Workload::SharedPrefix {
+            rate,
+            requests: 800,
+            prefix: 30,
+            seed: 3,
+        }
+        .generate();
+        let kv = run(&ReplayConfig::new(Policy::Kv), &trace).expect("runtime");
+        let rr = run(&ReplayConfig::new(Policy::RoundRobin), &trace).expect("runtime");
+        assert_eq!((kv.lost, kv.shed), (0, 0));
+        assert!(
+            kv.ttft_ms.p99 <= rr.ttft_ms.p99,
+            "{rate}: kv {kv} vs rr {rr}"
+        );
+        assert!(kv.work_imbalance < 1.2, "{rate}: {kv}");
+        assert!(
+            kv.prefix_hit_rate >= rr.prefix_hit_rate,
+            "{rate}: {kv} vs {rr}"
+        );
+    }
+}
+
+/// Overload (arrivals at about twice the pool's capacity): with a busy threshold every request
+/// is either served with a TTFT near the unloaded one or refused with the typed error; without
+/// one, everything queues and TTFT grows with the run.
+#[test]
+fn under_overload_a_busy_threshold_sheds_typed_and_keeps_admitted_ttft_low() {
+    use prefill_router::replay::Workload;
+    let trace = Workload::SharedPrefix {
+        rate: 60.0,
+        requests: 1_200,
+        prefix: 30,
+        seed: 5,
+    }
+    .generate();
+    let mut config = ReplayConfig::new(Policy::KvEvents);
+    config.kv.busy_threshold_tokens = Some(8192);
+    config.overload_wait = std::time::Duration::from_millis(250);
+    let on = run(&config, &trace).expect("runtime");
+    let off = run(&ReplayConfig::new(Policy::KvEvents), &trace).expect("runtime");
+    assert_eq!(on.lost, 0, "{on}");
+    assert!(on.shed > 0, "{on}");
+    assert_eq!((off.lost, off.shed), (0, 0), "{off}");
+    assert!(on.ttft_ms.p99 * 3.0 < off.ttft_ms.p99, "on {on} off {off}");
+}

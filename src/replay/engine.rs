@@ -170,6 +170,8 @@ pub(crate) struct Shared {
     pub(crate) builds: AtomicU64,
     /// The session-affinity TTL each binding's dispatcher gets (`None`: off).
     pub(crate) affinity_ttl: Option<Duration>,
+    /// How long a request waits for room when every worker is over the busy threshold.
+    pub(crate) overload_wait: Duration,
     /// Affinity outcomes over every binding.
     pub(crate) affinity: Arc<AffinityCounts>,
 }
@@ -301,6 +303,7 @@ impl ReplayBinding {
                 mode,
                 PushConfig {
                     seed: shared.seed,
+                    overload_wait: shared.overload_wait,
                     ..PushConfig::default()
                 },
             )
@@ -425,6 +428,7 @@ impl ReplayBinding {
         index: usize,
         record: &TraceRecord,
         request: &GenerateRequest,
+        ready: Option<Selection>,
     ) -> Result<(InstanceId, Option<Selection>, usize), PrefillError> {
         // Dynamo's baseline scores the workers itself; every other policy is the real push
         // router, whose selection counts as load until the prefill ends.
@@ -441,7 +445,10 @@ impl ReplayBinding {
             };
             return Ok((id, None, held));
         }
-        let selection = self.push.select_held(request)?;
+        let selection = match ready {
+            Some(selection) => selection,
+            None => self.push.select_held(request)?,
+        };
         let id = selection.instance().instance_id;
         if self.shared.policy == Policy::KvEvents {
             self.check_credit(index, id, selection.expected_overlap_blocks());
@@ -451,21 +458,14 @@ impl ReplayBinding {
     }
 }
 
-impl Prefill for ReplayBinding {
-    fn prefill(
+impl ReplayBinding {
+    /// [`Prefill::pick`] on `ready`, a selection the dispatcher already made (after a wait for
+    /// room), or on a fresh one.
+    fn pick_with(
         &self,
-        request: GenerateRequest,
-    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
-        match self.pick(&request) {
-            Ok(pick) => self.prefill_picked(pick, request),
-            Err(error) => future::ready(Err(error)).boxed(),
-        }
-    }
-
-    /// The policy's pick, probed from the trace record (the replay's prompts carry no tokens
-    /// under the non-KV policies): its prompt length, the pick's expected cached tokens, and
-    /// this binding's in-flight uncached tokens per routable worker.
-    fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
+        request: &GenerateRequest,
+        ready: Option<Selection>,
+    ) -> Result<PrefillPick, PrefillError> {
         let missing = |what: String| PrefillError::Failed { message: what };
         let index = request_index(request)
             .ok_or_else(|| missing("request without a trace index".to_owned()))?;
@@ -474,7 +474,7 @@ impl Prefill for ReplayBinding {
             .trace
             .get(index)
             .ok_or_else(|| missing(format!("no trace record {index}")))?;
-        let (id, selection, cached_blocks) = self.choose(index, record, request)?;
+        let (id, selection, cached_blocks) = self.choose(index, record, request, ready)?;
         let cached = u32::try_from(cached_blocks)
             .unwrap_or(u32::MAX)
             .saturating_mul(BLOCK_TOKENS)
@@ -496,6 +496,33 @@ impl Prefill for ReplayBinding {
             _load: load,
         };
         Ok(PrefillPick::new(probe, Some(Box::new(held))))
+    }
+}
+
+impl Prefill for ReplayBinding {
+    fn prefill(
+        &self,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        match self.pick(&request) {
+            Ok(pick) => self.prefill_picked(pick, request),
+            // Every worker over the busy threshold: wait for room as `generate` does, then
+            // prefill on that selection (or fail as overloaded).
+            Err(PrefillError::Push(PushError::Overloaded { .. })) => async move {
+                let selection = self.push.select_held_waiting(&request).await?;
+                let pick = self.pick_with(&request, Some(selection))?;
+                self.prefill_picked(pick, request).await
+            }
+            .boxed(),
+            Err(error) => future::ready(Err(error)).boxed(),
+        }
+    }
+
+    /// The policy's pick, probed from the trace record (the replay's prompts carry no tokens
+    /// under the non-KV policies): its prompt length, the pick's expected cached tokens, and
+    /// this binding's in-flight uncached tokens per routable worker.
+    fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
+        self.pick_with(request, None)
     }
 
     fn prefill_picked(

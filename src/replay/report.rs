@@ -96,8 +96,12 @@ pub struct ReplayReport {
     pub cache_blocks: Option<usize>,
     /// Requests replayed.
     pub requests: u64,
-    /// Requests that did not complete (prefill or decode failed, or the hop rejected them).
+    /// Requests that did not complete (prefill or decode failed, or the hop rejected them),
+    /// shed requests not included.
     pub lost: u64,
+    /// Requests that failed with the typed overload error (every worker over the busy
+    /// threshold for the whole overload wait): refused with a reason, not lost.
+    pub shed: u64,
     /// Prompt blocks (`hash_ids`) of the prefilled requests.
     pub prompt_blocks: u64,
     /// Of those, blocks found in the serving worker's cache (leading hits).
@@ -169,12 +173,13 @@ impl fmt::Display for ReplayReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:<11} requests {:>6} lost {} | hit rate {:.2}% (ceiling {:.2}%, {:.1}% of it) | \
+            "{:<11} requests {:>6} lost {} shed {} | hit rate {:.2}% (ceiling {:.2}%, {:.1}% of it) | \
              TTFT ms p50 {:.0} p90 {:.0} p99 {:.0} | queue ms p50 {:.0} p99 {:.0} | \
              imbalance {:.3} | {:.2} s wall, {:.0} req/s",
             self.policy,
             self.requests,
             self.lost,
+            self.shed,
             self.prefix_hit_rate * 100.0,
             self.ceiling * 100.0,
             self.of_ceiling * 100.0,

@@ -16,10 +16,12 @@ use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Served, Share
 use super::report::{quantiles, AffinityReport, EventReport, Percentiles, ReplayReport, Window};
 use super::trace::{ceiling, ratio, TraceRecord, BLOCK_TOKENS};
 use crate::advert::{KvRouterConfig, ModelCard, RouterConfig, SelectionMode};
+use crate::push::PushError;
 use crate::router::{
     AfterWait, ConditionalPolicy, FallbackPolicy, PrefillRouter, PrefillRouterConfig,
     WorkerSetTarget, WorkerSetTargetId,
 };
+use crate::router::{GenerateError, PrefillError};
 use crate::transport::GenerateRequest;
 
 /// How the prefill hop picks a worker.
@@ -159,6 +161,9 @@ pub struct ReplayConfig {
     pub session_affinity: Option<Duration>,
     /// The KV cost terms the pool's card advertises (the KV policies and the oracle).
     pub kv: KvRouterConfig,
+    /// How long a request waits for room when every worker is over the busy threshold
+    /// (`kv.busy_threshold_tokens`) before it is shed (default 2 s, as `PushConfig`).
+    pub overload_wait: Duration,
 }
 
 impl ReplayConfig {
@@ -178,6 +183,7 @@ impl ReplayConfig {
             conditional: None,
             session_affinity: None,
             kv: KvRouterConfig::default(),
+            overload_wait: crate::push::PushConfig::default().overload_wait,
         }
     }
 }
@@ -249,6 +255,7 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         served: Mutex::new(vec![None; records.len()]),
         builds: AtomicU64::new(0),
         affinity_ttl: config.session_affinity,
+        overload_wait: config.overload_wait,
         affinity: Arc::default(),
     });
     shared.add_workers(ids.iter().copied());
@@ -297,6 +304,8 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         local: Arc::default(),
     });
     let ttft: Arc<Mutex<Vec<Option<Duration>>>> = Arc::new(Mutex::new(vec![None; records.len()]));
+    // Requests refused with the typed overload error.
+    let shed: Arc<Mutex<Vec<bool>>> = Arc::new(Mutex::new(vec![false; records.len()]));
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(records.len());
     if let Some(event) = config.event {
@@ -355,10 +364,18 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         let router = Arc::clone(&router);
         let decode = Arc::clone(&decode);
         let ttft = Arc::clone(&ttft);
+        let shed = Arc::clone(&shed);
         tasks.push(tokio::spawn(async move {
             let arrived = Instant::now();
-            let Ok(mut stream) = router.generate(request, &*decode).await else {
-                return;
+            let mut stream = match router.generate(request, &*decode).await {
+                Ok(stream) => stream,
+                Err(GenerateError::Prefill(PrefillError::Push(PushError::Overloaded {
+                    ..
+                }))) => {
+                    shed.lock()[index] = true;
+                    return;
+                }
+                Err(_) => return,
             };
             let mut first = None;
             while let Some(item) = stream.next().await {
@@ -380,7 +397,8 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     let virtual_s = start.elapsed().as_secs_f64();
     router.shutdown();
     let ttft = ttft.lock().clone();
-    summarize(config, &records, &shared, &ttft, virtual_s)
+    let shed = shed.lock().clone();
+    summarize(config, &records, &shared, &ttft, &shed, virtual_s)
 }
 
 /// The session of `record`: its conversation. Every prompt of the Mooncake conversation trace
@@ -422,6 +440,7 @@ fn summarize(
     records: &[TraceRecord],
     shared: &Shared,
     ttft: &[Option<Duration>],
+    shed: &[bool],
     virtual_s: f64,
 ) -> ReplayReport {
     let served = shared.served.lock();
@@ -435,8 +454,8 @@ fn summarize(
         hits += h;
         deciles.push(ratio(h, b));
     }
-    // Lost: no first token, or no prefill on record.
-    let is_lost = |i: usize| ttft[i].is_none() || served[i].is_none();
+    // Lost: no first token, or no prefill on record, and not refused as overloaded.
+    let is_lost = |i: usize| (ttft[i].is_none() || served[i].is_none()) && !shed[i];
     let lost = (0..records.len()).filter(|&i| is_lost(i)).count() as u64;
     let skipped = served.iter().flatten().filter(|s| s.local).count() as u64;
     let prefill_tokens: Vec<u64> = shared
@@ -490,6 +509,7 @@ fn summarize(
         cache_blocks: config.cache_blocks,
         requests: records.len() as u64,
         lost,
+        shed: shed.iter().filter(|&&s| s).count() as u64,
         prompt_blocks: blocks,
         cached_blocks: hits,
         prefix_hit_rate,

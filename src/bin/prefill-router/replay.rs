@@ -27,6 +27,8 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
                      Zipf popularity, 1-8-turn sessions); docs/replay.md
   --kv-config JSON   the KV cost terms the pool's card advertises, e.g.
                      '{\"prefill_load_scale\":0.5,\"busy_threshold_tokens\":20000}'
+  --overload-wait-ms W  how long a request waits for room when every worker is over the
+                     busy threshold before it is shed (default 2000)
   --workers N        prefill workers (default 6)
   --policy P         kv | kv-events | kv-oracle | dynamo | round-robin | random | all
                      (default kv; all runs each; a comma-separated list runs those)
@@ -54,6 +56,7 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
 pub struct ReplayOptions {
     trace: String,
     kv: prefill_router::advert::KvRouterConfig,
+    overload_wait: Duration,
     workers: usize,
     policy: String,
     cache_blocks: Option<usize>,
@@ -131,11 +134,15 @@ impl ReplayOptions {
             conditional: vec![None],
             affinity: vec![None],
             kv: prefill_router::advert::KvRouterConfig::default(),
+            overload_wait: prefill_router::push::PushConfig::default().overload_wait,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
             match flag {
                 "--trace" => trace = Some(flags.value(flag)?.to_owned()),
+                "--overload-wait-ms" => {
+                    options.overload_wait = Duration::from_millis(flags.parsed(flag)?);
+                }
                 "--kv-config" => {
                     options.kv = serde_json::from_str(flags.value(flag)?)
                         .map_err(|e| CliError::Usage(format!("--kv-config: {e}")))?;
@@ -260,6 +267,7 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
             event_loss_every: options.event_loss_every,
             event_delay: std::time::Duration::from_millis(options.event_delay_ms),
             kv: options.kv.clone(),
+            overload_wait: options.overload_wait,
             ..ReplayConfig::new(policy)
         };
         match run(&config, &trace) {
