@@ -31,7 +31,9 @@ mod workload;
 
 pub use cost::CostModel;
 pub use report::{AffinityReport, EventReport, Percentiles, ReplayReport, Window};
-pub use run::{run, Policy, PoolEvent, ReplayConfig, EVENT_WINDOW, FLAP_DOWN, WAIT_FOR_HOP};
+pub use run::{
+    run, ClosedLoop, Policy, PoolEvent, ReplayConfig, EVENT_WINDOW, FLAP_DOWN, WAIT_FOR_HOP,
+};
 pub use svg::svg;
 pub use trace::{ceiling, parse_trace, read_trace, TraceError, TraceRecord, BLOCK_TOKENS};
 pub use workload::{Workload, WorkloadError};

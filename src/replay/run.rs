@@ -1,7 +1,7 @@
 //! The replay driver: one paused current-thread runtime per run, requests spawned at their
 //! trace arrival times, results folded into a [`ReplayReport`].
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -164,6 +164,8 @@ pub struct ReplayConfig {
     /// How long a request waits for room when every worker is over the busy threshold
     /// (`kv.busy_threshold_tokens`) before it is shed (default 2 s, as `PushConfig`).
     pub overload_wait: Duration,
+    /// Closed-loop arrivals instead of the trace's timestamps (`None`, the default: open loop).
+    pub closed_loop: Option<ClosedLoop>,
 }
 
 impl ReplayConfig {
@@ -184,6 +186,7 @@ impl ReplayConfig {
             session_affinity: None,
             kv: KvRouterConfig::default(),
             overload_wait: crate::push::PushConfig::default().overload_wait,
+            closed_loop: None,
         }
     }
 }
@@ -343,7 +346,41 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         }));
     }
     let tenth = records.len().div_ceil(10).max(1);
-    for (index, record) in records.iter().enumerate() {
+    let outcome = Outcome {
+        ttft: Arc::clone(&ttft),
+        shed: Arc::clone(&shed),
+    };
+    if let Some(closed) = config.closed_loop {
+        let queue = Arc::new(Mutex::new(
+            sessions(&records).into_iter().collect::<VecDeque<_>>(),
+        ));
+        for _ in 0..closed.users.max(1) {
+            let (queue, router, decode) =
+                (Arc::clone(&queue), Arc::clone(&router), Arc::clone(&decode));
+            let (records, outcome) = (Arc::clone(&records), outcome.clone());
+            let (policy, affinity) = (config.policy, config.session_affinity);
+            tasks.push(tokio::spawn(async move {
+                // Each user: the next session's turns in order, each after the previous one
+                // completed and a think time.
+                loop {
+                    let Some(turns) = queue.lock().pop_front() else {
+                        return;
+                    };
+                    for index in turns {
+                        let request = replay_request(&records[index], index, policy, affinity);
+                        outcome.serve(&router, &decode, index, request).await;
+                        tokio::time::sleep(closed.think).await;
+                    }
+                }
+            }));
+        }
+    }
+    let open_loop = if config.closed_loop.is_some() {
+        &records[..0]
+    } else {
+        &records[..]
+    };
+    for (index, record) in open_loop.iter().enumerate() {
         tokio::time::sleep_until(start + Duration::from_millis(record.timestamp)).await;
         if config.progress && index > 0 && index % tenth == 0 {
             eprintln!(
@@ -354,37 +391,10 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
                 start.elapsed().as_secs_f64()
             );
         }
-        let request = GenerateRequest {
-            token_ids: prompt(record, config.policy),
-            max_tokens: record.output_length.max(1),
-            request_id: Some(index as u64),
-            session: config.session_affinity.map(|_| session_key(record)),
-            ..GenerateRequest::default()
-        };
-        let router = Arc::clone(&router);
-        let decode = Arc::clone(&decode);
-        let ttft = Arc::clone(&ttft);
-        let shed = Arc::clone(&shed);
+        let request = replay_request(record, index, config.policy, config.session_affinity);
+        let (router, decode, outcome) = (Arc::clone(&router), Arc::clone(&decode), outcome.clone());
         tasks.push(tokio::spawn(async move {
-            let arrived = Instant::now();
-            let mut stream = match router.generate(request, &*decode).await {
-                Ok(stream) => stream,
-                Err(GenerateError::Prefill(PrefillError::Push(PushError::Overloaded {
-                    ..
-                }))) => {
-                    shed.lock()[index] = true;
-                    return;
-                }
-                Err(_) => return,
-            };
-            let mut first = None;
-            while let Some(item) = stream.next().await {
-                if item.is_err() {
-                    return;
-                }
-                first.get_or_insert_with(|| arrived.elapsed());
-            }
-            ttft.lock()[index] = first;
+            outcome.serve(&router, &decode, index, request).await;
         }));
     }
     let controller = config.event.map(|_| tasks.remove(0));
@@ -399,6 +409,103 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     let ttft = ttft.lock().clone();
     let shed = shed.lock().clone();
     summarize(config, &records, &shared, &ttft, &shed, virtual_s)
+}
+
+/// The request of trace record `index`.
+fn replay_request(
+    record: &TraceRecord,
+    index: usize,
+    policy: Policy,
+    affinity: Option<Duration>,
+) -> GenerateRequest {
+    GenerateRequest {
+        token_ids: prompt(record, policy),
+        max_tokens: record.output_length.max(1),
+        request_id: Some(index as u64),
+        session: affinity.map(|_| session_key(record)),
+        ..GenerateRequest::default()
+    }
+}
+
+/// Where the requests' outcomes go: first-token times, and which were shed as overloaded.
+#[derive(Clone)]
+struct Outcome {
+    ttft: Arc<Mutex<Vec<Option<Duration>>>>,
+    shed: Arc<Mutex<Vec<bool>>>,
+}
+
+impl Outcome {
+    /// Send request `index` through the router and record how it fared; returns when its
+    /// stream ended (or it failed).
+    async fn serve(
+        &self,
+        router: &PrefillRouter<ReplayFactory>,
+        decode: &ReplayDecode,
+        index: usize,
+        request: GenerateRequest,
+    ) {
+        let arrived = Instant::now();
+        let mut stream = match router.generate(request, decode).await {
+            Ok(stream) => stream,
+            Err(GenerateError::Prefill(PrefillError::Push(PushError::Overloaded { .. }))) => {
+                self.shed.lock()[index] = true;
+                return;
+            }
+            Err(_) => return,
+        };
+        let mut first = None;
+        while let Some(item) = stream.next().await {
+            if item.is_err() {
+                return;
+            }
+            first.get_or_insert_with(|| arrived.elapsed());
+        }
+        self.ttft.lock()[index] = first;
+    }
+}
+
+/// The trace's sessions for the closed loop, by first arrival: a request continues the
+/// session one of whose earlier prompts is the longest prefix of its own (a later turn carries
+/// its history), else it opens a session of its own.
+pub(crate) fn sessions(records: &[TraceRecord]) -> Vec<Vec<usize>> {
+    use std::collections::HashMap;
+    let mut by_prompt: HashMap<u64, usize> = HashMap::new();
+    let mut sessions: Vec<Vec<usize>> = Vec::new();
+    for (index, record) in records.iter().enumerate() {
+        // Chained hashes of every prefix of the prompt's ids.
+        let mut h = 0x9e37_79b9_7f4a_7c15_u64;
+        let prefixes: Vec<u64> = record
+            .hash_ids
+            .iter()
+            .map(|&id| {
+                h = crate::kv_events::mix(h ^ id);
+                h
+            })
+            .collect();
+        let continued = prefixes
+            .iter()
+            .rev()
+            .find_map(|p| by_prompt.get(p).copied());
+        let session = continued.unwrap_or_else(|| {
+            sessions.push(Vec::new());
+            sessions.len() - 1
+        });
+        sessions[session].push(index);
+        if let Some(&full) = prefixes.last() {
+            by_prompt.insert(full, session);
+        }
+    }
+    sessions
+}
+
+/// Closed-loop arrivals: `users` users, each running one session's turns in order, the next
+/// turn `think` after the previous one completed, then the next session from the queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClosedLoop {
+    /// Concurrent users.
+    pub users: usize,
+    /// Pause between a turn's completion and the next turn.
+    pub think: Duration,
 }
 
 /// The session of `record`: its conversation. Every prompt of the Mooncake conversation trace
@@ -551,5 +658,48 @@ fn summarize(
         virtual_s,
         wall_s: 0.0,
         requests_per_s: 0.0,
+    }
+}
+
+#[cfg(test)]
+mod closed_loop_tests {
+    use super::*;
+
+    fn record(ids: &[u64]) -> TraceRecord {
+        TraceRecord {
+            timestamp: 0,
+            input_length: ids.len() as u32 * BLOCK_TOKENS,
+            output_length: 1,
+            hash_ids: ids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_turn_continues_the_session_whose_latest_prompt_prefixes_it() {
+        let trace = [
+            record(&[0, 1]),       // session A
+            record(&[0, 2]),       // session B (shares only the system block)
+            record(&[0, 1, 5]),    // A, turn 2
+            record(&[0, 1, 5, 6]), // A, turn 3
+            record(&[0, 1, 7]),    // A's first prompt again, then its own: continues A
+            record(&[9]),          // C
+        ];
+        assert_eq!(sessions(&trace), vec![vec![0, 2, 3, 4], vec![1], vec![5]]);
+    }
+
+    #[test]
+    fn a_closed_loop_replay_serves_every_turn_in_order_without_loss() {
+        let trace = crate::replay::Workload::parse("multi-tenant:rate=8,requests=400,seed=4")
+            .unwrap()
+            .generate();
+        let mut config = ReplayConfig::new(Policy::Kv);
+        config.closed_loop = Some(ClosedLoop {
+            users: 8,
+            think: Duration::from_millis(500),
+        });
+        let report = run(&config, &trace).unwrap();
+        assert_eq!((report.requests, report.lost, report.shed), (400, 0, 0));
+        // Eight users one turn at a time: the run takes longer than the open loop's arrivals.
+        assert!(report.virtual_s > 10.0, "{report}");
     }
 }

@@ -27,6 +27,9 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
                      Zipf popularity, 1-8-turn sessions); docs/replay.md
   --kv-config JSON   the KV cost terms the pool's card advertises, e.g.
                      '{\"prefill_load_scale\":0.5,\"busy_threshold_tokens\":20000}'
+  --closed-loop U[:T] closed-loop arrivals: U users, each running a session's turns (a
+                     turn continues the session whose last prompt prefixes it) one after
+                     another, T ms (default 1000) after the previous turn completed
   --overload-wait-ms W  how long a request waits for room when every worker is over the
                      busy threshold before it is shed (default 2000)
   --workers N        prefill workers (default 6)
@@ -57,6 +60,7 @@ pub struct ReplayOptions {
     trace: String,
     kv: prefill_router::advert::KvRouterConfig,
     overload_wait: Duration,
+    closed_loop: Option<prefill_router::replay::ClosedLoop>,
     workers: usize,
     policy: String,
     cache_blocks: Option<usize>,
@@ -135,11 +139,27 @@ impl ReplayOptions {
             affinity: vec![None],
             kv: prefill_router::advert::KvRouterConfig::default(),
             overload_wait: prefill_router::push::PushConfig::default().overload_wait,
+            closed_loop: None,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
             match flag {
                 "--trace" => trace = Some(flags.value(flag)?.to_owned()),
+                "--closed-loop" => {
+                    let spec = flags.value(flag)?;
+                    let bad =
+                        || CliError::Usage(format!("--closed-loop USERS[:THINK_MS], not `{spec}`"));
+                    let (users, think) = spec.split_once(':').unwrap_or((spec, "1000"));
+                    let users: usize = users.parse().map_err(|_| bad())?;
+                    let think: u64 = think.parse().map_err(|_| bad())?;
+                    if users == 0 {
+                        return Err(bad());
+                    }
+                    options.closed_loop = Some(prefill_router::replay::ClosedLoop {
+                        users,
+                        think: Duration::from_millis(think),
+                    });
+                }
                 "--overload-wait-ms" => {
                     options.overload_wait = Duration::from_millis(flags.parsed(flag)?);
                 }
@@ -268,6 +288,7 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
             event_delay: std::time::Duration::from_millis(options.event_delay_ms),
             kv: options.kv.clone(),
             overload_wait: options.overload_wait,
+            closed_loop: options.closed_loop,
             ..ReplayConfig::new(policy)
         };
         match run(&config, &trace) {
