@@ -77,6 +77,9 @@ pub(crate) struct Worker {
     /// Uncached prompt tokens of the requests picked for this worker and not yet prefilled
     /// (the oracle's load term, as the dispatcher's bookings are the KV policies').
     booked: AtomicU64,
+    /// Uncached prompt tokens of the requests picked for this worker and not yet prefilled,
+    /// without any per-request booking (the active prefill work of Dynamo's cost).
+    pending_prefill_tokens: AtomicU64,
     /// Uncached prompt tokens computed here: the prefill work.
     pub(crate) prefill_tokens: AtomicU64,
 }
@@ -94,6 +97,7 @@ impl Worker {
             running: AtomicUsize::new(0),
             active_blocks: AtomicU64::new(0),
             booked: AtomicU64::new(0),
+            pending_prefill_tokens: AtomicU64::new(0),
             prefill_tokens: AtomicU64::new(0),
         }
     }
@@ -370,12 +374,19 @@ impl ReplayBinding {
         }
     }
 
-    /// Dynamo's KV-router cost, from its published description: for each worker,
-    /// `overlap_score_weight * blocks it would have to prefill + blocks it has active`,
-    /// lowest wins (temperature 0). The overlap comes from the worker's real cache (Dynamo's
+    /// Dynamo's KV-router cost as its routing-concepts docs give it today, at their default
+    /// weights: `prefill_load_scale × adjusted prefill blocks + potential decode blocks +
+    /// decode_active_request_weight × active requests`, where the adjusted prefill blocks are
+    /// the request's blocks not credited by the overlap plus the worker's queued and running
+    /// prefill work, and the potential decode blocks the blocks of the requests resident on the
+    /// worker; the default request weight and credit decay are 0, so those terms vanish.
+    /// Lowest wins (temperature 0). The overlap comes from the worker's real cache (Dynamo's
     /// router is fed by the workers' KV events); ties go to a hash of request and worker.
-    fn dynamo_pick(&self, index: usize, record: &TraceRecord) -> Option<InstanceId> {
-        const OVERLAP_SCORE_WEIGHT: f64 = 1.0;
+    ///
+    /// Without `pending` (policy `dynamo-blocks`), the earlier reading: no pending prefill term.
+    fn dynamo_pick(&self, index: usize, record: &TraceRecord, pending: bool) -> Option<InstanceId> {
+        const OVERLAP_SCORE_CREDIT: f64 = 1.0;
+        const PREFILL_LOAD_SCALE: f64 = 1.0;
         let keys = self.shared.keys.get(index)?;
         let workers = self.shared.workers.lock();
         let blocks = record.hash_ids.len();
@@ -386,8 +397,17 @@ impl ReplayBinding {
                 let w = workers.get(&i.instance_id)?;
                 let overlap = w.cache.lock().leading_hits(keys);
                 #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
-                let cost = OVERLAP_SCORE_WEIGHT * (blocks - overlap) as f64
-                    + w.active_blocks.load(Ordering::Relaxed) as f64;
+                let cost = {
+                    let new = blocks as f64 - OVERLAP_SCORE_CREDIT * overlap as f64;
+                    let pending = if pending {
+                        w.pending_prefill_tokens.load(Ordering::Relaxed) as f64
+                            / f64::from(BLOCK_TOKENS)
+                    } else {
+                        0.0
+                    };
+                    PREFILL_LOAD_SCALE * (new + pending)
+                        + w.active_blocks.load(Ordering::Relaxed) as f64
+                };
                 Some((i.instance_id, cost))
             })
             .min_by(|a, b| {
@@ -414,6 +434,8 @@ struct ReplayHeld {
     id: InstanceId,
     /// The uncached tokens the pick expects to compute (booked on the worker until the end).
     booked: u64,
+    /// The uncached tokens alone.
+    uncached: u64,
     _selection: Option<Selection>,
     _load: TokenLoad,
 }
@@ -433,7 +455,8 @@ impl ReplayBinding {
         // Dynamo's baseline scores the workers itself; every other policy is the real push
         // router, whose selection counts as load until the prefill ends.
         let pick = match self.shared.policy {
-            Policy::Dynamo => Some(self.dynamo_pick(index, record)),
+            Policy::Dynamo => Some(self.dynamo_pick(index, record, true)),
+            Policy::DynamoBlocks => Some(self.dynamo_pick(index, record, false)),
             Policy::KvOracle => Some(self.oracle_pick(index)),
             _ => None,
         };
@@ -492,6 +515,7 @@ impl ReplayBinding {
                 .oracle
                 .cost()
                 .booking(u64::from(probe.uncached_tokens())),
+            uncached: u64::from(probe.uncached_tokens()),
             _selection: selection,
             _load: load,
         };
@@ -550,9 +574,15 @@ impl Prefill for ReplayBinding {
             return failed(format!("no block keys for record {index}"));
         };
         worker.booked.fetch_add(held.booked, Ordering::Relaxed);
+        worker
+            .pending_prefill_tokens
+            .fetch_add(held.uncached, Ordering::Relaxed);
         async move {
             let served = worker.serve(id, record, keys, &self.shared).await;
             worker.booked.fetch_sub(held.booked, Ordering::Relaxed);
+            worker
+                .pending_prefill_tokens
+                .fetch_sub(held.uncached, Ordering::Relaxed);
             drop(held);
             if let Some(slot) = self.shared.served.lock().get_mut(index) {
                 *slot = Some(served);

@@ -40,17 +40,24 @@ pub enum Policy {
     RoundRobin,
     /// The random dispatcher.
     Random,
-    /// Dynamo's published KV-router cost (prefill blocks plus active blocks), as a baseline.
+    /// Dynamo's KV-router cost as its docs give it today (prefill load scale × the request's
+    /// uncredited blocks and the worker's pending prefill blocks, plus active blocks), as a
+    /// baseline.
     Dynamo,
+    /// The earlier reading of Dynamo's cost (the request's uncredited blocks plus active
+    /// blocks, no pending prefill term), kept as a second baseline: it is the stronger of the
+    /// two on every workload measured.
+    DynamoBlocks,
 }
 
 impl Policy {
     /// Every policy, in report order.
-    pub const ALL: [Policy; 6] = [
+    pub const ALL: [Policy; 7] = [
         Policy::Kv,
         Policy::KvEvents,
         Policy::KvOracle,
         Policy::Dynamo,
+        Policy::DynamoBlocks,
         Policy::RoundRobin,
         Policy::Random,
     ];
@@ -64,6 +71,7 @@ impl Policy {
             Policy::RoundRobin => "round-robin",
             Policy::Random => "random",
             Policy::Dynamo => "dynamo",
+            Policy::DynamoBlocks => "dynamo-blocks",
         }
     }
 
@@ -84,7 +92,7 @@ impl Policy {
     fn router_mode(self) -> SelectionMode {
         match self {
             Policy::Kv | Policy::KvEvents | Policy::KvOracle => SelectionMode::KV,
-            Policy::RoundRobin | Policy::Dynamo => SelectionMode::RoundRobin,
+            Policy::RoundRobin | Policy::Dynamo | Policy::DynamoBlocks => SelectionMode::RoundRobin,
             Policy::Random => SelectionMode::Random,
         }
     }

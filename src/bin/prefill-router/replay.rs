@@ -33,7 +33,7 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
   --overload-wait-ms W  how long a request waits for room when every worker is over the
                      busy threshold before it is shed (default 2000)
   --workers N        prefill workers (default 6)
-  --policy P         kv | kv-events | kv-oracle | dynamo | round-robin | random | all
+  --policy P         kv | kv-events | kv-oracle | dynamo | dynamo-blocks | round-robin | random | all
                      (default kv; all runs each; a comma-separated list runs those)
   --cache-blocks C   KV blocks per worker, LRU (default unbounded)
   --limit K          replay only the first K requests
@@ -220,7 +220,7 @@ impl ReplayOptions {
             .find(|p| *p != "all" && prefill_router::replay::Policy::parse(p).is_none())
         {
             return Err(CliError::Usage(format!(
-                "unknown policy `{bad}` (kv | kv-events | kv-oracle | dynamo | round-robin | random | all)"
+                "unknown policy `{bad}` (kv | kv-events | kv-oracle | dynamo | dynamo-blocks | round-robin | random | all)"
             )));
         }
         Ok(options)
