@@ -130,6 +130,9 @@ pub struct ReplayReport {
     pub prefill_tokens: Vec<u64>,
     /// Max over mean of `prefill_tokens` (1 = perfectly balanced).
     pub work_imbalance: f64,
+    /// Each worker's share of the prefill work (`prefill_tokens` over their sum, 0..1; all 0
+    /// when nothing was prefilled), in worker order.
+    pub work_share: Vec<f64>,
     /// The TTFT distribution: entry *i* is the `(i + 1)`% quantile in ms (100 entries; empty
     /// when nothing completed). What the SVG's CDF is drawn from.
     pub ttft_cdf_ms: Vec<f64>,

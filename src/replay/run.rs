@@ -657,6 +657,7 @@ fn summarize(
         }),
         skipped,
         skipped_share: ratio(skipped, records.len() as u64),
+        work_share: prefill_tokens.iter().map(|&t| ratio(t, total)).collect(),
         prefill_tokens,
         work_imbalance,
         hit_rate_by_decile: deciles,
