@@ -317,14 +317,20 @@ impl Prefill for PrefillBinding {
 
     /// The dispatcher's held selection; the probe's cached tokens are its expected overlap
     /// (KV mode; 0 otherwise) times the block size, its load the binding's in-flight
-    /// uncached tokens over the routable workers. A pick that finds nothing routable holds
-    /// nothing: its dispatch then takes [`prefill`](Prefill::prefill)'s path (which waits for
-    /// the view to catch up, or fails).
+    /// uncached tokens over the routable workers. A pick that finds nothing routable, or every
+    /// worker over the busy threshold, holds nothing: its dispatch then takes
+    /// [`prefill`](Prefill::prefill)'s path (which waits for the view to catch up or for room
+    /// in the overload queue, or fails typed).
     fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
         let mut probe = PrefillProbe::prompt_only(request.token_ids.len());
         let selection = match self.router.select_held(request) {
             Ok(selection) => selection,
-            Err(PushError::NoRoutableInstances) => return Ok(PrefillPick::new(probe, None)),
+            // Nothing routable, or every worker over the busy threshold: hold nothing; the
+            // dispatch takes `prefill`'s path, which waits (for the view, or for room in the
+            // overload queue) or fails typed.
+            Err(PushError::NoRoutableInstances | PushError::Overloaded { .. }) => {
+                return Ok(PrefillPick::new(probe, None))
+            }
             Err(error) => return Err(error.into()),
         };
         let overlap = selection.expected_overlap_blocks().unwrap_or(0);
