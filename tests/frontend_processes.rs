@@ -20,6 +20,16 @@ fn chat(content: &str, max_tokens: u32, stream: bool) -> serde_json::Value {
     })
 }
 
+/// Write a prefill card (`mock-llm`, 16-token blocks) with `router_config` into the cluster's
+/// directory; its path, for `worker --card`.
+fn prefill_card(cluster: &Cluster, router_config: serde_json::Value) -> String {
+    let card = cluster.dir.path().join("prefill-card.json");
+    let body =
+        json!({"name": "mock-llm", "kv_cache_block_size": 16, "router_config": router_config});
+    std::fs::write(&card, body.to_string()).unwrap();
+    card.to_str().unwrap().to_owned()
+}
+
 fn prefill_worker(response: &Response) -> u64 {
     response
         .header("x-prefill-worker")
@@ -314,18 +324,10 @@ fn etcd_two_serves_share_a_generation_and_one_survives_the_others_kill() {
 #[test]
 fn sessions_stay_on_their_prefill_worker_until_it_leaves() {
     let cluster = Cluster::new();
-    let card = cluster.dir.path().join("prefill-card.json");
-    std::fs::write(
-        &card,
-        json!({
-            "name": "mock-llm",
-            "kv_cache_block_size": 16,
-            "router_config": {"router_mode": "round-robin", "session_affinity_ttl_secs": 600},
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let card = card.to_str().unwrap().to_owned();
+    let card = prefill_card(
+        &cluster,
+        json!({"router_mode": "round-robin", "session_affinity_ttl_secs": 600}),
+    );
     let mut prefill: Vec<(u64, Proc)> = (1..=3)
         .map(|id| (id, cluster.worker("prefill", id, &["--card", &card])))
         .collect();
@@ -419,21 +421,10 @@ fn sessions_stay_on_their_prefill_worker_until_it_leaves() {
 #[test]
 fn an_overloaded_prefill_pool_answers_503_with_retry_after_and_recovers() {
     let cluster = Cluster::new();
-    let card = cluster.dir.path().join("prefill-card.json");
-    std::fs::write(
-        &card,
-        json!({
-            "name": "mock-llm",
-            "kv_cache_block_size": 16,
-            "router_config": {
-                "router_mode": "kv",
-                "kv_router_config": {"busy_threshold_tokens": 1},
-            },
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let card = card.to_str().unwrap().to_owned();
+    let card = prefill_card(
+        &cluster,
+        json!({"router_mode": "kv", "kv_router_config": {"busy_threshold_tokens": 1}}),
+    );
     let _p = cluster.worker(
         "prefill",
         1,

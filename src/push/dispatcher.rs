@@ -30,6 +30,7 @@ use crate::transport::{
     ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
 };
 use booking::{Booking, Bookings};
+pub use booking::{OverloadCounts, OverloadStats};
 
 /// How the router picks an instance.
 #[derive(Clone, Debug, PartialEq)]
@@ -116,33 +117,8 @@ impl Default for PushConfig {
     }
 }
 
-/// How often a waiting request re-checks for room even without a release (a worker may join).
-const OVERLOAD_RECHECK: Duration = Duration::from_millis(100);
-
 /// No busy threshold, in [`Dispatcher`]'s atomic.
 const NO_THRESHOLD: u64 = u64::MAX;
-
-/// Overload counters of one dispatcher.
-#[derive(Debug, Default)]
-pub struct OverloadCounts {
-    /// Requests that found every routable worker over the busy threshold and queued.
-    pub queued: AtomicU64,
-    /// Requests that failed with [`PushError::Overloaded`] (queue full, or waited too long).
-    pub shed: AtomicU64,
-}
-
-/// A snapshot of a dispatcher's booked work and overload counters.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct OverloadStats {
-    /// Prefill work (tokens) booked over every worker now.
-    pub booked_tokens: u64,
-    /// Requests waiting for room now.
-    pub waiting: u64,
-    /// Requests that queued because every routable worker was busy (shared count).
-    pub queued: u64,
-    /// Requests shed with [`PushError::Overloaded`] (shared count).
-    pub shed: u64,
-}
 
 /// Routes requests to instances of a [`RoutableView`] over the request plane. Share it behind
 /// an `Arc`; all methods take `&self`.
@@ -447,53 +423,7 @@ impl Dispatcher {
             .map(|p| (p.instance, p.overlap))
     }
 
-    /// A pick as [`select_with_overlap`](Self::select_with_overlap), waiting for room while
-    /// every routable worker is over the busy threshold (earliest deadline first, up to
-    /// [`PushConfig::overload_wait`] and never past `deadline`), then failing with
-    /// [`PushError::Overloaded`].
-    async fn select_or_wait(
-        &self,
-        request: &GenerateRequest,
-        excluded: &[InstanceId],
-        deadline: Option<Instant>,
-    ) -> Result<Pick, PushError> {
-        let first = match self.select_with_overlap(request, excluded) {
-            Err(PushError::Overloaded { .. }) => Instant::now(),
-            other => return other,
-        };
-        let mut until = first + self.config.overload_wait;
-        if let Some(d) = deadline {
-            until = until.min(d);
-        }
-        self.overload.queued.fetch_add(1, Ordering::Relaxed);
-        loop {
-            let now = Instant::now();
-            let Some((seq, woken)) = (now < until)
-                .then(|| self.loads.enqueue(until, self.config.overload_queue))
-                .flatten()
-            else {
-                return Err(self.shed(first));
-            };
-            let _ = tokio::time::timeout_at(until.min(now + OVERLOAD_RECHECK), woken).await;
-            self.loads.dequeue(until, seq);
-            match self.select_with_overlap(request, excluded) {
-                Err(PushError::Overloaded { .. }) => {}
-                other => return other,
-            }
-        }
-    }
-
-    /// Count a request shed after waiting since `since`, and its error.
-    fn shed(&self, since: Instant) -> PushError {
-        self.overload.shed.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(waited = ?since.elapsed(), "request shed: every routable worker is busy");
-        PushError::Overloaded {
-            threshold: self.busy_threshold().unwrap_or(0),
-            waited: since.elapsed(),
-        }
-    }
-
-    fn select_with_overlap(
+    pub(super) fn select_with_overlap(
         &self,
         request: &GenerateRequest,
         excluded: &[InstanceId],

@@ -245,7 +245,11 @@ impl KvSelector {
                 booked,
             }
         });
-        let least = candidates.iter().map(|c| c.1).min();
+        // The least booked work matters only to the balance slack.
+        let least = self
+            .cost
+            .balance_slack
+            .and_then(|_| candidates.iter().map(|c| c.1).min());
         let limit = self.cost.limit(busy_threshold, least);
         self.choose(hashes, tokens, scored, limit, random)
     }
@@ -287,7 +291,12 @@ impl KvSelector {
             return self.select(hashes, tokens, &candidates, busy_threshold, random);
         }
         let salt = tie_salt(hashes, random);
-        let least = board.least_loaded(salt, excluded).map(|l| l.1);
+        // The least booked work matters only to the balance slack: no lookup without it.
+        let least = self
+            .cost
+            .balance_slack
+            .and_then(|_| board.least_loaded(salt, excluded))
+            .map(|l| l.1);
         let busy_threshold = self.cost.limit(busy_threshold, least);
         let mut holders = Vec::new();
         let k = self

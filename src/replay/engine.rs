@@ -432,9 +432,8 @@ fn failed(message: String) -> BoxFuture<'static, Result<PrefillOutcome, PrefillE
 /// (the KV load term) and the request's share of the pool's token load.
 struct ReplayHeld {
     id: InstanceId,
-    /// The uncached tokens the pick expects to compute (booked on the worker until the end).
-    booked: u64,
-    /// The uncached tokens alone.
+    /// The uncached tokens the pick expects to compute (with the per-request booking, what it
+    /// books on the worker until the end).
     uncached: u64,
     _selection: Option<Selection>,
     _load: TokenLoad,
@@ -511,10 +510,6 @@ impl ReplayBinding {
         let load = TokenLoad::new(&self.inflight_tokens, u64::from(probe.uncached_tokens()));
         let held = ReplayHeld {
             id,
-            booked: self
-                .oracle
-                .cost()
-                .booking(u64::from(probe.uncached_tokens())),
             uncached: u64::from(probe.uncached_tokens()),
             _selection: selection,
             _load: load,
@@ -573,13 +568,14 @@ impl Prefill for ReplayBinding {
         let Some(keys) = self.shared.keys.get(index) else {
             return failed(format!("no block keys for record {index}"));
         };
-        worker.booked.fetch_add(held.booked, Ordering::Relaxed);
+        let booked = self.oracle.cost().booking(held.uncached);
+        worker.booked.fetch_add(booked, Ordering::Relaxed);
         worker
             .pending_prefill_tokens
             .fetch_add(held.uncached, Ordering::Relaxed);
         async move {
             let served = worker.serve(id, record, keys, &self.shared).await;
-            worker.booked.fetch_sub(held.booked, Ordering::Relaxed);
+            worker.booked.fetch_sub(booked, Ordering::Relaxed);
             worker
                 .pending_prefill_tokens
                 .fetch_sub(held.uncached, Ordering::Relaxed);
