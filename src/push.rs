@@ -15,6 +15,7 @@ mod booking_tests;
 mod dispatcher;
 mod error;
 mod health;
+pub mod heat;
 mod kv;
 mod kv_feed;
 #[cfg(test)]

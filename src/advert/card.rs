@@ -50,6 +50,14 @@ pub struct KvRouterConfig {
     /// routable worker is skipped, however much of the prompt it holds (default `None`: no
     /// slack rule; the replay found it costs the conversation trace its reuse).
     pub balance_slack_tokens: Option<u64>,
+    /// Keep credit: extra credit, in blocks, per cached block of a *cold* prefix (one few
+    /// recent picks were credited with), fading by half with each recent pick credited with
+    /// the same prefix. It keeps a conversation on the worker holding its history and lets a
+    /// hot system prompt spread by load (docs/router.md, "KV cost"; 0: off).
+    pub prefill_keep_credit: f64,
+    /// Half-life of a prefix's heat, in picks (the selection has no clock): how soon a prefix
+    /// no pick is credited with counts as cold again.
+    pub prefill_heat_half_life: u32,
     /// Busy threshold: a worker with at least this many uncached prompt tokens booked is
     /// skipped; when every routable worker is, the request waits for room up to the router's
     /// overload wait and then fails as overloaded (default `None`: no threshold). Overridable
@@ -71,6 +79,8 @@ impl Default for KvRouterConfig {
             prefill_load_scale: 1.0,
             prefill_request_tokens: 4096,
             balance_slack_tokens: None,
+            prefill_keep_credit: 0.0,
+            prefill_heat_half_life: 32,
             busy_threshold_tokens: None,
             router_temperature: 0.0,
             use_kv_events: true,

@@ -512,6 +512,7 @@ impl Dispatcher {
                         Choice::Empty => return Err(PushError::NoRoutableInstances),
                     };
                 kv.record(&hashes, candidate.id);
+                kv.record_credit(&hashes, candidate.overlap);
                 let booked = kv.cost().booking(uncached);
                 drop(kv);
                 let instance = board

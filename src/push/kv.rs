@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use super::heat::PrefixHeat;
 use super::load_board::LoadBoard;
 use super::select::{self, is_busy, Candidate, Choice, KvCost};
 use crate::advert::KvRouterConfig;
@@ -71,6 +72,8 @@ pub struct KvSelector {
     tick: u64,
     /// The real caches of the workers that publish events.
     index: KvIndex,
+    /// How many recent picks were credited with each prefix: scales the keep credit.
+    heat: PrefixHeat,
     /// [`select_on`](Self::select_on) lists the holders of a request's blocks from the first
     /// block held by at most this many workers (see [`KvIndex::deep_overlaps`]).
     deep_limit: usize,
@@ -108,12 +111,14 @@ impl KvSelector {
                 config.router_temperature,
             )
             .with_request_overhead(config.prefill_request_tokens)
-            .with_balance_slack(config.balance_slack_tokens),
+            .with_balance_slack(config.balance_slack_tokens)
+            .with_keep_credit(config.prefill_keep_credit),
             capacity: capacity.max(1),
             entries: HashMap::default(),
             order: VecDeque::new(),
             tick: 0,
             index: KvIndex::default(),
+            heat: PrefixHeat::new(config.prefill_heat_half_life),
             deep_limit: DEEP_HOLDERS_LIMIT,
             #[cfg(test)]
             ignore_shallow: false,
@@ -150,6 +155,54 @@ impl KvSelector {
     /// The index of the publishing workers' caches.
     pub fn index(&self) -> &KvIndex {
         &self.index
+    }
+
+    /// The heat of the prefixes recent picks were credited with.
+    pub fn heat(&self) -> &PrefixHeat {
+        &self.heat
+    }
+
+    /// The coldness of the deepest of the `overlap` leading blocks of `hashes` (1 for none).
+    fn coldness(&self, hashes: &[u64], overlap: usize) -> f64 {
+        match overlap.checked_sub(1).and_then(|i| hashes.get(i)) {
+            Some(&deepest) if self.cost.keep_credit > 0.0 => self.heat.coldness(deepest),
+            _ => 1.0,
+        }
+    }
+
+    /// `worker` as a candidate for the request `hashes` with `booked` tokens booked: its
+    /// overlap as [`overlap`](Self::overlap) credits it and the coldness of that prefix.
+    pub fn candidate(&self, hashes: &[u64], worker: InstanceId, booked: u64) -> Candidate {
+        let overlap = self.overlap(hashes, worker);
+        Candidate::new(worker, overlap, booked).with_coldness(self.coldness(hashes, overlap))
+    }
+
+    /// The most keep credit (coldness × overlap) any worker holding at most the first `k`
+    /// blocks of `hashes` can get: the bound behind the load-order walk's early stop. Walks
+    /// from block `k` down and stops once no shallower block can beat the best (a cold deepest
+    /// block ends it at once), so it costs a lookup or two in the usual shapes.
+    #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
+    fn max_kept(&self, hashes: &[u64], k: usize) -> f64 {
+        if self.cost.keep_credit <= 0.0 {
+            return 0.0;
+        }
+        let mut best = 0.0f64;
+        for overlap in (1..=k.min(hashes.len())).rev() {
+            if overlap as f64 <= best {
+                break;
+            }
+            best = best.max(self.coldness(hashes, overlap) * overlap as f64);
+        }
+        best
+    }
+
+    /// Count a pick credited with the first `overlap` blocks of `hashes`: those blocks get
+    /// hotter (see [`super::heat`]); a pick credited with nothing only ages the table. Without
+    /// a keep credit there is nothing to weigh, so nothing is counted.
+    pub fn record_credit(&mut self, hashes: &[u64], overlap: usize) {
+        if self.cost.keep_credit > 0.0 {
+            self.heat.record(&hashes[..overlap.min(hashes.len())]);
+        }
     }
 
     /// Apply one batch of `worker`'s KV events to the index (see [`KvIndex::apply`]); from
@@ -239,11 +292,7 @@ impl KvSelector {
                 }
                 _ => predicted.iter().find(|p| p.0 == id).map_or(0, |p| p.1),
             };
-            Candidate {
-                id,
-                overlap,
-                booked,
-            }
+            Candidate::new(id, overlap, booked).with_coldness(self.coldness(hashes, overlap))
         });
         // The least booked work matters only to the balance slack.
         let least = self
@@ -309,11 +358,10 @@ impl KvSelector {
         let mut scored = Vec::with_capacity(holders.len() + 1);
         board.members_of(&holders, indexed, excluded, &mut scored);
         let mut any = !scored.is_empty();
-        let candidate = |(id, booked, overlap): (InstanceId, u64, usize)| Candidate {
-            id,
-            overlap,
-            booked,
+        let candidate = |(id, booked, overlap): (InstanceId, u64, usize)| {
+            Candidate::new(id, overlap, booked).with_coldness(self.coldness(hashes, overlap))
         };
+        let max_kept = self.max_kept(hashes, k);
         let mut best = scored
             .iter()
             .filter(|s| !is_busy(s.1, busy_threshold))
@@ -325,7 +373,7 @@ impl KvSelector {
         board.walk_by_load(salt, excluded, |id, load| {
             any = true;
             if is_busy(load, busy_threshold)
-                || best.is_some_and(|b| self.cost.floor(tokens, k, load) >= b)
+                || best.is_some_and(|b| self.cost.floor(tokens, k, max_kept, load) >= b)
             {
                 return false;
             }
@@ -366,10 +414,8 @@ impl KvSelector {
         candidates: &[(InstanceId, u64, usize)],
         random: u64,
     ) -> Choice {
-        let candidates = candidates.iter().map(|&(id, booked, overlap)| Candidate {
-            id,
-            overlap,
-            booked,
+        let candidates = candidates.iter().map(|&(id, booked, overlap)| {
+            Candidate::new(id, overlap, booked).with_coldness(self.coldness(hashes, overlap))
         });
         self.choose(hashes, tokens, candidates, None, random)
     }

@@ -6,16 +6,23 @@
 //!
 //! ```text
 //! cost(w) = overlap_score_weight × uncached_blocks(w) + prefill_load_scale × booked_blocks(w)
+//!         − prefill_keep_credit × coldness(w) × cached_blocks(w)
 //! ```
 //!
 //! - `uncached_blocks(w)`: the request's prompt blocks that `w` does not hold (its overlap is
 //!   the credit: each cached block is one block less to compute);
 //! - `booked_blocks(w)`: the uncached prompt work of the requests already selected for `w` and
-//!   not yet prefilled (booked at the pick, released when that prefill ends or fails).
+//!   not yet prefilled (booked at the pick, released when that prefill ends or fails);
+//! - `cached_blocks(w)`: its overlap, credited once more (the keep credit) in proportion to how
+//!   *cold* the deepest of those blocks is ([`super::heat`]): moving a conversation's next turn
+//!   away from the worker that holds its history recomputes work nobody else will reuse, while
+//!   a hot prefix (a system prompt every request carries) is worth replicating, so its stream
+//!   spreads by load.
 //!
-//! With both weights 1 this is the expected wait: the prefill work queued on `w` plus this
-//! request's own. Overlap and load are in one unit, so a long shared prefix no longer outweighs
-//! any queue (the old `overlap − requests in flight` score did: docs/router.md).
+//! With both weights 1 and no keep credit this is the expected wait: the prefill work queued
+//! on `w` plus this request's own. Overlap and load are in one unit, so a long shared prefix no
+//! longer outweighs any queue (the old `overlap − requests in flight` score did:
+//! docs/router.md).
 //!
 //! A busy threshold (tokens of booked work) removes a worker from the candidates; when every
 //! candidate is over it the pick is [`Choice::Overloaded`], never a health failure.
@@ -41,15 +48,18 @@ pub struct KvCost {
     /// candidate is not a candidate (`None`: no slack rule). It bounds how far a cached prefix
     /// can pull a stream onto one worker, whatever the overlap weight.
     pub balance_slack: Option<u64>,
+    /// Extra credit per cached block of a *cold* prefix (finite, ≥ 0; 0: none), scaled by the
+    /// candidate's [`Candidate::coldness`].
+    pub keep_credit: f64,
     /// The mutant of the selection properties: the cost ignores booked work (as the old
     /// score's load term did whenever requests rarely overlap in time).
     #[cfg(test)]
     pub(crate) ignore_load: bool,
 }
 
-/// One candidate worker: its id, the leading blocks of the request it is credited with, and
-/// the prefill work booked on it (tokens).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One candidate worker: its id, the leading blocks of the request it is credited with, the
+/// prefill work booked on it (tokens) and how cold the deepest of those blocks is.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Candidate {
     /// The worker.
     pub id: InstanceId,
@@ -57,10 +67,36 @@ pub struct Candidate {
     pub overlap: usize,
     /// Uncached prompt tokens booked on it and not yet prefilled.
     pub booked: u64,
+    /// The coldness of its deepest credited block, in `[0, 1]` ([`super::heat::PrefixHeat`]:
+    /// 1 when no recent pick was credited with it); it scales the keep credit.
+    pub coldness: f64,
+}
+
+impl Candidate {
+    /// A candidate whose credited prefix counts as fully cold (no heat known).
+    pub fn new(id: InstanceId, overlap: usize, booked: u64) -> Self {
+        Candidate {
+            id,
+            overlap,
+            booked,
+            coldness: 1.0,
+        }
+    }
+
+    /// The same candidate with coldness `coldness` (clamped to `[0, 1]`; NaN counts as 0).
+    #[must_use]
+    pub fn with_coldness(mut self, coldness: f64) -> Self {
+        self.coldness = if coldness.is_nan() {
+            0.0
+        } else {
+            coldness.clamp(0.0, 1.0)
+        };
+        self
+    }
 }
 
 /// The outcome of a pick.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Choice {
     /// The chosen worker, with the tokens it must compute for this request (what to book).
     Picked {
@@ -94,6 +130,7 @@ impl KvCost {
             temperature: finite_or(temperature, 0.0),
             request_overhead: 0,
             balance_slack: None,
+            keep_credit: 0.0,
             #[cfg(test)]
             ignore_load: false,
         }
@@ -103,6 +140,14 @@ impl KvCost {
     #[must_use]
     pub fn with_request_overhead(mut self, tokens: u64) -> Self {
         self.request_overhead = tokens;
+        self
+    }
+
+    /// The same terms with a keep credit of `blocks` per cached block of a cold prefix
+    /// (non-finite or negative: none).
+    #[must_use]
+    pub fn with_keep_credit(mut self, blocks: f64) -> Self {
+        self.keep_credit = finite_or(blocks, 0.0);
         self
     }
 
@@ -152,19 +197,17 @@ impl KvCost {
         #[cfg(test)]
         let booked = if self.ignore_load { 0.0 } else { booked };
         self.overlap_weight * uncached + self.load_scale * booked
+            - self.keep_credit * candidate.coldness * candidate.overlap as f64
     }
 
     /// A lower bound of the cost of any worker with `booked` tokens booked and at most
-    /// `max_overlap` leading blocks: what lets the dispatcher stop its walk over the pool early.
-    pub fn floor(&self, request_tokens: u64, max_overlap: usize, booked: u64) -> f64 {
-        self.cost(
-            request_tokens,
-            &Candidate {
-                id: 0,
-                overlap: max_overlap,
-                booked,
-            },
-        )
+    /// `max_overlap` leading blocks, whose coldness × overlap is at most `max_kept`: what lets
+    /// the dispatcher stop its walk over the pool early.
+    #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
+    pub fn floor(&self, request_tokens: u64, max_overlap: usize, max_kept: f64, booked: u64) -> f64 {
+        let kept = max_kept.min(max_overlap as f64);
+        let bare = Candidate::new(0, max_overlap, booked).with_coldness(0.0);
+        self.cost(request_tokens, &bare) - self.keep_credit * kept
     }
 
     /// The same cost with the mutant that ignores booked work.
@@ -325,7 +368,7 @@ mod tests {
             salt in any::<u64>(),
         ) {
             // Every worker holds the same 5-block prefix of a 6-block prompt.
-            let cs = booked.iter().enumerate().map(|(i, &b)| Candidate { id: i as u64, overlap: 5, booked: b });
+            let cs = booked.iter().enumerate().map(|(i, &b)| Candidate::new(i as u64, 5, b));
             let pick = picked(choose(&unit(), 96, cs, None, salt, 0)).unwrap();
             prop_assert_eq!(pick.booked, *booked.iter().min().unwrap());
         }
@@ -351,13 +394,15 @@ mod tests {
         }
 
         #[test]
-        fn the_floor_bounds_every_worker_with_less_overlap_and_more_load(
+        fn the_floor_bounds_every_worker_with_less_overlap_more_load_and_less_kept_credit(
             request in 0..200u64, k in 0..8usize, load in 0..1_000u64,
             overlap in 0..8usize, extra in 0..1_000u64,
+            keep in 0.0..8.0f64, coldness in 0.0..=1.0f64, slack in 0.0..4.0f64,
         ) {
-            let cost = unit();
-            let c = Candidate { id: 1, overlap: overlap.min(k), booked: load + extra };
-            prop_assert!(cost.cost(request, &c) >= cost.floor(request, k, load));
+            let cost = unit().with_keep_credit(keep);
+            let c = Candidate::new(1, overlap.min(k), load + extra).with_coldness(coldness);
+            let kept = coldness * overlap.min(k) as f64 + slack;
+            prop_assert!(cost.cost(request, &c) >= cost.floor(request, k, kept, load));
         }
     }
 
@@ -384,11 +429,7 @@ mod tests {
             overlap: 30,
             booked,
         };
-        let idle = Candidate {
-            id: 2,
-            overlap: 0,
-            booked: 0,
-        };
+        let idle = Candidate::new(2, 0, 0);
         let pick = |h| picked(choose(&cost, 32 * 16, [h, idle], None, 0, 0)).map(|c| c.id);
         assert_eq!(pick(holder(2 * 16)), Some(1));
         assert_eq!(pick(holder(40 * 16)), Some(2));
@@ -398,16 +439,8 @@ mod tests {
     fn every_candidate_busy_is_overloaded_and_an_idle_worker_never_is() {
         let cost = unit();
         let cs = [
-            Candidate {
-                id: 1,
-                overlap: 0,
-                booked: 500,
-            },
-            Candidate {
-                id: 2,
-                overlap: 0,
-                booked: 800,
-            },
+            Candidate::new(1, 0, 500),
+            Candidate::new(2, 0, 800),
         ];
         assert_eq!(choose(&cost, 10, cs, Some(500), 0, 0), Choice::Overloaded);
         assert_eq!(choose(&cost, 10, [], Some(500), 0, 0), Choice::Empty);
@@ -422,16 +455,8 @@ mod tests {
     fn a_temperature_samples_every_candidate_and_prefers_the_cheap_one() {
         let cost = KvCost::new(16, 1.0, 1.0, 4.0);
         let cs = [
-            Candidate {
-                id: 1,
-                overlap: 0,
-                booked: 0,
-            },
-            Candidate {
-                id: 2,
-                overlap: 0,
-                booked: 64,
-            },
+            Candidate::new(1, 0, 0),
+            Candidate::new(2, 0, 64),
         ];
         let mut counts = [0u32; 3];
         let mut r = 1u64;

@@ -262,7 +262,7 @@ pub(crate) struct ReplayBinding {
     view: RoutableView,
     push: Arc<Dispatcher>,
     /// The scoring rule of the oracle policy (the binding's resolved KV tuning).
-    oracle: KvSelector,
+    oracle: parking_lot::Mutex<KvSelector>,
     /// Ends the view's task when the binding drops.
     view_cancel: CancellationToken,
     /// Uncached prompt tokens picked on this binding and not yet prefilled (the conditional
@@ -322,7 +322,7 @@ impl ReplayBinding {
             shared,
             view,
             push,
-            oracle,
+            oracle: parking_lot::Mutex::new(oracle),
             view_cancel,
             inflight_tokens: Arc::default(),
         })
@@ -363,13 +363,17 @@ impl ReplayBinding {
             })
             .collect();
         let tokens = self.shared.trace.get(index).map_or(0, |r| r.input_length);
-        match self.oracle.select_scored(
+        let mut oracle = self.oracle.lock();
+        match oracle.select_scored(
             keys,
             u64::from(tokens),
             &candidates,
             mix(self.shared.seed ^ index as u64),
         ) {
-            Choice::Picked { candidate, .. } => Some(candidate.id),
+            Choice::Picked { candidate, .. } => {
+                oracle.record_credit(keys, candidate.overlap);
+                Some(candidate.id)
+            }
             Choice::Overloaded | Choice::Empty => None,
         }
     }
@@ -568,7 +572,7 @@ impl Prefill for ReplayBinding {
         let Some(keys) = self.shared.keys.get(index) else {
             return failed(format!("no block keys for record {index}"));
         };
-        let booked = self.oracle.cost().booking(held.uncached);
+        let booked = self.oracle.lock().cost().booking(held.uncached);
         worker.booked.fetch_add(booked, Ordering::Relaxed);
         worker
             .pending_prefill_tokens

@@ -90,6 +90,7 @@ impl Dispatcher {
         let overlap = kv.overlap(&hashes, id);
         let uncached = kv.cost().uncached(request.token_ids.len() as u64, overlap);
         kv.record(&hashes, id);
+        kv.record_credit(&hashes, overlap);
         let booked = kv.cost().booking(uncached);
         drop(kv);
         let booking = self.loads.book(&mut board, id, booked);
