@@ -39,7 +39,7 @@ pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 pub(crate) use kv::mix;
 pub use kv::{block_hashes, KvSelector, DEEP_HOLDERS_LIMIT};
 pub use kv_feed::KvEventCounts;
-pub use load_board::LoadBoard;
+pub use load_board::{LoadBoard, Walk, RECENT_WORK_HALF_LIFE};
 
 /// The former name of [`Dispatcher`] ("router" now names only the prefill router).
 #[deprecated(since = "0.2.0", note = "renamed to `Dispatcher`")]

@@ -58,6 +58,10 @@ pub struct KvRouterConfig {
     /// Half-life of a prefix's heat, in picks (the selection has no clock): how soon a prefix
     /// no pick is credited with counts as cold again.
     pub prefill_heat_half_life: u32,
+    /// Weight of a worker's recent work (the work placed on it, decaying by half every 256
+    /// picks) next to its booked work: at a low request rate bookings are nearly always empty,
+    /// and this is what still spreads new sessions over the pool (0: off).
+    pub prefill_recent_work_weight: f64,
     /// Busy threshold: a worker with at least this many uncached prompt tokens booked is
     /// skipped; when every routable worker is, the request waits for room up to the router's
     /// overload wait and then fails as overloaded (default `None`: no threshold). Overridable
@@ -75,12 +79,13 @@ pub struct KvRouterConfig {
 impl Default for KvRouterConfig {
     fn default() -> Self {
         KvRouterConfig {
-            overlap_score_weight: 1.0,
+            overlap_score_weight: 0.25,
             prefill_load_scale: 1.0,
             prefill_request_tokens: 4096,
             balance_slack_tokens: None,
-            prefill_keep_credit: 0.0,
+            prefill_keep_credit: 31.0,
             prefill_heat_half_life: 32,
+            prefill_recent_work_weight: 0.3,
             busy_threshold_tokens: None,
             router_temperature: 0.0,
             use_kv_events: true,

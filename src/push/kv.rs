@@ -9,7 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::heat::PrefixHeat;
-use super::load_board::LoadBoard;
+use super::load_board::{LoadBoard, Walk};
 use super::select::{self, is_busy, Candidate, Choice, KvCost};
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
@@ -112,7 +112,8 @@ impl KvSelector {
             )
             .with_request_overhead(config.prefill_request_tokens)
             .with_balance_slack(config.balance_slack_tokens)
-            .with_keep_credit(config.prefill_keep_credit),
+            .with_keep_credit(config.prefill_keep_credit)
+            .with_recent_weight(config.prefill_recent_work_weight),
             capacity: capacity.max(1),
             entries: HashMap::default(),
             order: VecDeque::new(),
@@ -268,6 +269,20 @@ impl KvSelector {
         busy_threshold: Option<u64>,
         random: u64,
     ) -> Choice {
+        let base = candidates.iter().map(|&(id, booked)| Candidate::new(id, 0, booked));
+        self.select_among(hashes, tokens, base, busy_threshold, random)
+    }
+
+    /// [`select`](Self::select) over `base` candidates (id, booked and recent work; their
+    /// overlap and coldness are filled in here).
+    fn select_among(
+        &self,
+        hashes: &[u64],
+        tokens: u64,
+        base: impl Iterator<Item = Candidate> + Clone,
+        busy_threshold: Option<u64>,
+        random: u64,
+    ) -> Choice {
         // Sparse overlaps from the index, sorted by worker; predicted ones (at most
         // MAX_WORKERS_PER_BLOCK) for the workers that publish nothing.
         let mut indexed = Vec::new();
@@ -277,7 +292,13 @@ impl KvSelector {
         // Candidates usually come by ascending id (the routable view's order): a cursor over
         // `indexed` then finds each in amortised O(1); out of order, a binary search.
         let mut cursor = 0;
-        let scored = candidates.iter().map(|&(id, booked)| {
+        // The least booked work matters only to the balance slack.
+        let least = self
+            .cost
+            .balance_slack
+            .and_then(|_| base.clone().map(|c| c.booked).min());
+        let scored = base.map(|c| {
+            let id = c.id;
             if cursor > 0 && indexed[cursor - 1].0 >= id {
                 cursor = indexed.partition_point(|o| o.0 < id);
             } else {
@@ -292,30 +313,30 @@ impl KvSelector {
                 }
                 _ => predicted.iter().find(|p| p.0 == id).map_or(0, |p| p.1),
             };
-            Candidate::new(id, overlap, booked).with_coldness(self.coldness(hashes, overlap))
+            Candidate {
+                overlap,
+                ..c.with_coldness(self.coldness(hashes, overlap))
+            }
         });
-        // The least booked work matters only to the balance slack.
-        let least = self
-            .cost
-            .balance_slack
-            .and_then(|_| candidates.iter().map(|c| c.1).min());
         let limit = self.cost.limit(busy_threshold, least);
         self.choose(hashes, tokens, scored, limit, random)
     }
 
-    /// [`select`](Self::select) over the members of `board` (their booked work its own) minus
-    /// `excluded`, without a pass over the pool: with a positive overlap weight and
+    /// [`select`](Self::select) over the members of `board` (their booked and recent work its
+    /// own) minus `excluded`, without a pass over the pool: with a positive overlap weight and
     /// temperature 0, a worker's cost is at least [`KvCost::floor`] of its load and the most
-    /// overlap it can have, so this costs (1) the workers holding the request's blocks from its
-    /// first *narrowly* held block `k` on (held by at most the deep limit of workers;
-    /// [`KvIndex::deep_overlaps`]), exactly, (2) the prediction's workers, and (3) the members
-    /// in ascending load order ([`LoadBoard::walk_by_load`]) with overlaps up to `k`, stopping
-    /// as soon as the floor at `k` blocks cannot beat the best so far, or the load reaches the
-    /// busy threshold. Every unlisted worker holds at most `k` leading blocks, so the stop is
-    /// exact. Without a widely held prefix (`k = 0`) the walk stops after one least-loaded
-    /// member: O(B + holders + |excluded|); a prefix the whole pool holds costs O(B + k ×
-    /// (members walked)), typically a handful. Otherwise (a sampling temperature, or a weight
-    /// that does not reward overlap) it costs every member, as [`select`](Self::select) does.
+    /// overlap and keep credit it can have, so this costs (1) the workers holding the request's
+    /// blocks from its first *narrowly* held block `k` on (held by at most the deep limit of
+    /// workers; [`KvIndex::deep_overlaps`]), exactly, (2) the prediction's workers, and (3) the
+    /// members in ascending load order ([`LoadBoard::walk_by_load`]; within a load, ascending
+    /// recent work) with overlaps up to `k`, skipping the rest of a load as soon as the floor
+    /// with the recent work reached cannot beat the best so far, and stopping as soon as the
+    /// floor of a load cannot, or the load reaches the busy threshold. Every unlisted worker
+    /// holds at most `k` leading blocks, so the stops are exact. Without a widely held prefix
+    /// (`k = 0`) the walk stops after one least-loaded member: O(B + holders + |excluded|); a
+    /// prefix the whole pool holds costs O(B + k × (members walked)), typically a handful.
+    /// Otherwise (a sampling temperature, or a weight that does not reward overlap) it costs
+    /// every member, as [`select`](Self::select) does.
     ///
     /// The pick's cost equals the best cost over the usable members; among equal costs the
     /// candidates differ from [`select`](Self::select)'s (ties between non-holders go to the
@@ -330,14 +351,13 @@ impl KvSelector {
         random: u64,
     ) -> Choice {
         if self.cost.temperature > 0.0 || self.cost.overlap_weight <= 0.0 {
-            let candidates: Vec<(InstanceId, u64)> = board
+            let base = board
                 .members()
                 .iter()
                 .map(|i| i.instance_id)
                 .filter(|id| !excluded.contains(id))
-                .map(|id| (id, board.load(id)))
-                .collect();
-            return self.select(hashes, tokens, &candidates, busy_threshold, random);
+                .map(|id| Candidate::new(id, 0, board.load(id)).with_recent(board.recent(id)));
+            return self.select_among(hashes, tokens, base, busy_threshold, random);
         }
         let salt = tie_salt(hashes, random);
         // The least booked work matters only to the balance slack: no lookup without it.
@@ -357,66 +377,69 @@ impl KvSelector {
         holders.extend(predicted);
         let mut scored = Vec::with_capacity(holders.len() + 1);
         board.members_of(&holders, indexed, excluded, &mut scored);
+        for c in &mut scored {
+            c.coldness = self.coldness(hashes, c.overlap);
+        }
         let mut any = !scored.is_empty();
-        let candidate = |(id, booked, overlap): (InstanceId, u64, usize)| {
-            Candidate::new(id, overlap, booked).with_coldness(self.coldness(hashes, overlap))
-        };
         let max_kept = self.max_kept(hashes, k);
         let mut best = scored
             .iter()
-            .filter(|s| !is_busy(s.1, busy_threshold))
-            .map(|&s| self.cost.cost(tokens, &candidate(s)))
+            .filter(|c| !is_busy(c.booked, busy_threshold))
+            .map(|c| self.cost.cost(tokens, c))
             .reduce(f64::min);
         // The shallow part: every member's credit up to `k` blocks, least loaded first.
         let shallow = &hashes[..k];
-        let mut walked: Option<(InstanceId, u64, usize)> = None;
-        board.walk_by_load(salt, excluded, |id, load| {
+        let mut walked: Option<Candidate> = None;
+        board.walk_by_load(salt, excluded, |id, load, recent| {
             any = true;
-            if is_busy(load, busy_threshold)
-                || best.is_some_and(|b| self.cost.floor(tokens, k, max_kept, load) >= b)
-            {
-                return false;
+            if is_busy(load, busy_threshold) {
+                return Walk::Stop;
+            }
+            if let Some(b) = best {
+                if self.cost.floor(tokens, k, max_kept, load, 0.0) >= b {
+                    return Walk::Stop;
+                }
+                if self.cost.floor(tokens, k, max_kept, load, recent) >= b {
+                    return Walk::NextLoad;
+                }
             }
             let overlap = self.index.overlap(shallow, id);
             #[cfg(test)]
             let overlap = if self.ignore_shallow { 0 } else { overlap };
-            let c = self.cost.cost(tokens, &candidate((id, load, overlap)));
-            if best.is_none_or(|b| c < b) {
-                best = Some(c);
-                walked = Some((id, load, overlap));
+            let c = Candidate::new(id, overlap, load)
+                .with_recent(recent)
+                .with_coldness(self.coldness(hashes, overlap));
+            let cost = self.cost.cost(tokens, &c);
+            if best.is_none_or(|b| cost < b) {
+                best = Some(cost);
+                walked = Some(c);
             }
-            true
+            Walk::Next
         });
         if let Some(w) = walked {
-            if !scored.iter().any(|s| s.0 == w.0) {
+            if !scored.iter().any(|s| s.id == w.id) {
                 scored.push(w);
             }
         }
-        match self.choose(
-            hashes,
-            tokens,
-            scored.into_iter().map(candidate),
-            busy_threshold,
-            random,
-        ) {
+        match self.choose(hashes, tokens, scored.into_iter(), busy_threshold, random) {
             Choice::Empty if any => Choice::Overloaded,
             choice => choice,
         }
     }
 
-    /// The cost rule of [`select`](Self::select) over overlaps the caller supplies
-    /// (`(id, booked, overlap)`): for baselines that read the caches some other way (the trace
-    /// replay's oracle).
+    /// The cost rule of [`select`](Self::select) over candidates whose overlap (and booked
+    /// and recent work) the caller supplies, their coldness from this selector's heat: for
+    /// baselines that read the caches some other way (the trace replay's oracle).
     pub fn select_scored(
         &self,
         hashes: &[u64],
         tokens: u64,
-        candidates: &[(InstanceId, u64, usize)],
+        candidates: &[Candidate],
         random: u64,
     ) -> Choice {
-        let candidates = candidates.iter().map(|&(id, booked, overlap)| {
-            Candidate::new(id, overlap, booked).with_coldness(self.coldness(hashes, overlap))
-        });
+        let candidates = candidates
+            .iter()
+            .map(|c| c.with_coldness(self.coldness(hashes, c.overlap)));
         self.choose(hashes, tokens, candidates, None, random)
     }
 

@@ -51,6 +51,9 @@ pub struct KvCost {
     /// Extra credit per cached block of a *cold* prefix (finite, ≥ 0; 0: none), scaled by the
     /// candidate's [`Candidate::coldness`].
     pub keep_credit: f64,
+    /// Weight of a worker's recent work ([`Candidate::recent`]) next to its booked work
+    /// (finite, ≥ 0; 0: none).
+    pub recent_weight: f64,
     /// The mutant of the selection properties: the cost ignores booked work (as the old
     /// score's load term did whenever requests rarely overlap in time).
     #[cfg(test)]
@@ -70,6 +73,9 @@ pub struct Candidate {
     /// The coldness of its deepest credited block, in `[0, 1]` ([`super::heat::PrefixHeat`]:
     /// 1 when no recent pick was credited with it); it scales the keep credit.
     pub coldness: f64,
+    /// Work recently placed on it (tokens, decayed by picks; [`super::LoadBoard::recent`]),
+    /// finite and ≥ 0: the load a low request rate leaves no booking of.
+    pub recent: f64,
 }
 
 impl Candidate {
@@ -80,7 +86,22 @@ impl Candidate {
             overlap,
             booked,
             coldness: 1.0,
+            recent: 0.0,
         }
+    }
+
+    /// The same candidate with `recent` tokens of recent work (non-finite or negative: 0).
+    #[must_use]
+    pub fn with_recent(mut self, recent: f64) -> Self {
+        self.recent = finite_or(recent, 0.0);
+        self
+    }
+
+    /// Its load in tokens as the cost weighs it: booked work plus `recent_weight` × recent.
+    pub fn load(&self, recent_weight: f64) -> f64 {
+        #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
+        let booked = self.booked as f64;
+        booked + recent_weight * self.recent
     }
 
     /// The same candidate with coldness `coldness` (clamped to `[0, 1]`; NaN counts as 0).
@@ -131,6 +152,7 @@ impl KvCost {
             request_overhead: 0,
             balance_slack: None,
             keep_credit: 0.0,
+            recent_weight: 0.0,
             #[cfg(test)]
             ignore_load: false,
         }
@@ -148,6 +170,14 @@ impl KvCost {
     #[must_use]
     pub fn with_keep_credit(mut self, blocks: f64) -> Self {
         self.keep_credit = finite_or(blocks, 0.0);
+        self
+    }
+
+    /// The same terms weighing recent work by `weight` next to booked work (non-finite or
+    /// negative: 0).
+    #[must_use]
+    pub fn with_recent_weight(mut self, weight: f64) -> Self {
+        self.recent_weight = finite_or(weight, 0.0);
         self
     }
 
@@ -193,20 +223,29 @@ impl KvCost {
     pub fn cost(&self, request_tokens: u64, candidate: &Candidate) -> f64 {
         let block = f64::from(self.block_size);
         let uncached = self.uncached(request_tokens, candidate.overlap) as f64 / block;
-        let booked = candidate.booked as f64 / block;
+        let booked = candidate.load(self.recent_weight) / block;
         #[cfg(test)]
         let booked = if self.ignore_load { 0.0 } else { booked };
         self.overlap_weight * uncached + self.load_scale * booked
             - self.keep_credit * candidate.coldness * candidate.overlap as f64
     }
 
-    /// A lower bound of the cost of any worker with `booked` tokens booked and at most
-    /// `max_overlap` leading blocks, whose coldness × overlap is at most `max_kept`: what lets
-    /// the dispatcher stop its walk over the pool early.
+    /// A lower bound of the cost of any worker with `booked` tokens booked, at least `recent`
+    /// recent work and at most `max_overlap` leading blocks, whose coldness × overlap is at
+    /// most `max_kept`: what lets the dispatcher stop its walk over the pool early.
     #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
-    pub fn floor(&self, request_tokens: u64, max_overlap: usize, max_kept: f64, booked: u64) -> f64 {
+    pub fn floor(
+        &self,
+        request_tokens: u64,
+        max_overlap: usize,
+        max_kept: f64,
+        booked: u64,
+        recent: f64,
+    ) -> f64 {
         let kept = max_kept.min(max_overlap as f64);
-        let bare = Candidate::new(0, max_overlap, booked).with_coldness(0.0);
+        let bare = Candidate::new(0, max_overlap, booked)
+            .with_coldness(0.0)
+            .with_recent(recent);
         self.cost(request_tokens, &bare) - self.keep_credit * kept
     }
 
@@ -398,11 +437,15 @@ mod tests {
             request in 0..200u64, k in 0..8usize, load in 0..1_000u64,
             overlap in 0..8usize, extra in 0..1_000u64,
             keep in 0.0..8.0f64, coldness in 0.0..=1.0f64, slack in 0.0..4.0f64,
+            recent in 0.0..10_000.0f64, more in 0.0..10_000.0f64, weight in 0.0..2.0f64,
         ) {
             let cost = unit().with_keep_credit(keep);
             let c = Candidate::new(1, overlap.min(k), load + extra).with_coldness(coldness);
             let kept = coldness * overlap.min(k) as f64 + slack;
-            prop_assert!(cost.cost(request, &c) >= cost.floor(request, k, kept, load));
+            prop_assert!(cost.cost(request, &c) >= cost.floor(request, k, kept, load, 0.0));
+            let busy = c.with_recent(recent + more);
+            let cost = cost.with_recent_weight(weight);
+            prop_assert!(cost.cost(request, &busy) >= cost.floor(request, k, kept, load, recent));
         }
     }
 

@@ -70,7 +70,8 @@ impl Bookings {
     }
 
     /// Book `amount` on `id` in the locked `board` (the pick's own lock), released when the
-    /// returned booking drops.
+    /// returned booking drops; it also counts as work recently placed there
+    /// ([`LoadBoard::note_work`]), which stays after the release and decays by picks.
     pub(crate) fn book(
         self: &Arc<Self>,
         board: &mut LoadBoard,
@@ -78,6 +79,7 @@ impl Bookings {
         amount: u64,
     ) -> Booking {
         board.acquire(id, amount);
+        board.note_work(id, amount);
         Booking {
             bookings: Arc::clone(self),
             id,
