@@ -92,7 +92,9 @@ impl PrefixHeat {
     fn sweep(&mut self) {
         let (picks, half_life) = (self.picks, self.half_life);
         #[allow(clippy::cast_precision_loss)] // pick counts far below 2^52
-        let now = |&(heat, at): &(f64, u64)| heat * (-(picks.saturating_sub(at) as f64) / half_life).exp2();
+        let now = |&(heat, at): &(f64, u64)| {
+            heat * (-(picks.saturating_sub(at) as f64) / half_life).exp2()
+        };
         self.entries.retain(|_, e| now(e) >= FORGET_BELOW);
         if self.entries.len() >= self.capacity {
             let mut heats: Vec<f64> = self.entries.values().map(now).collect();

@@ -269,7 +269,9 @@ impl KvSelector {
         busy_threshold: Option<u64>,
         random: u64,
     ) -> Choice {
-        let base = candidates.iter().map(|&(id, booked)| Candidate::new(id, 0, booked));
+        let base = candidates
+            .iter()
+            .map(|&(id, booked)| Candidate::new(id, 0, booked));
         self.select_among(hashes, tokens, base, busy_threshold, random)
     }
 
@@ -558,8 +560,19 @@ mod tests {
         }
     }
 
+    /// Overlap against booked work alone: no keep credit, no recent work.
+    pub(crate) fn plain() -> KvRouterConfig {
+        KvRouterConfig {
+            overlap_score_weight: 1.0,
+            prefill_load_scale: 0.5,
+            prefill_keep_credit: 0.0,
+            prefill_recent_work_weight: 0.0,
+            ..KvRouterConfig::default()
+        }
+    }
+
     fn selector() -> KvSelector {
-        KvSelector::new(4, &KvRouterConfig::default(), 1024)
+        KvSelector::new(4, &plain(), 1024)
     }
 
     fn stored(seq: u64, blocks: &[u64]) -> EventBatch {

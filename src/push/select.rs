@@ -359,11 +359,7 @@ mod tests {
         proptest::collection::vec((0..6usize, 0..5_000u64), 1..10).prop_map(|v| {
             v.into_iter()
                 .enumerate()
-                .map(|(i, (overlap, booked))| Candidate {
-                    id: i as u64,
-                    overlap,
-                    booked,
-                })
+                .map(|(i, (overlap, booked))| Candidate::new(i as u64, overlap, booked))
                 .collect()
         })
     }
@@ -381,11 +377,7 @@ mod tests {
         let cs: Vec<Candidate> = booked
             .iter()
             .enumerate()
-            .map(|(i, &b)| Candidate {
-                id: i as u64,
-                overlap,
-                booked: b,
-            })
+            .map(|(i, &b)| Candidate::new(i as u64, overlap, b))
             .collect();
         let pick = picked(choose(cost, 96, cs.iter().copied(), None, 7, 0))?;
         let least = cs.iter().map(|c| c.booked).min()?;
@@ -467,11 +459,7 @@ mod tests {
         let cost = unit();
         // A 30-block shared prefix: the holder with 2 blocks' work booked beats an idle
         // worker that must compute all 32 blocks; with 40 blocks booked it no longer does.
-        let holder = |booked| Candidate {
-            id: 1,
-            overlap: 30,
-            booked,
-        };
+        let holder = |booked| Candidate::new(1, 30, booked);
         let idle = Candidate::new(2, 0, 0);
         let pick = |h| picked(choose(&cost, 32 * 16, [h, idle], None, 0, 0)).map(|c| c.id);
         assert_eq!(pick(holder(2 * 16)), Some(1));
@@ -481,10 +469,7 @@ mod tests {
     #[test]
     fn every_candidate_busy_is_overloaded_and_an_idle_worker_never_is() {
         let cost = unit();
-        let cs = [
-            Candidate::new(1, 0, 500),
-            Candidate::new(2, 0, 800),
-        ];
+        let cs = [Candidate::new(1, 0, 500), Candidate::new(2, 0, 800)];
         assert_eq!(choose(&cost, 10, cs, Some(500), 0, 0), Choice::Overloaded);
         assert_eq!(choose(&cost, 10, [], Some(500), 0, 0), Choice::Empty);
         assert!(!is_busy(0, Some(0)));
@@ -497,10 +482,7 @@ mod tests {
     #[test]
     fn a_temperature_samples_every_candidate_and_prefers_the_cheap_one() {
         let cost = KvCost::new(16, 1.0, 1.0, 4.0);
-        let cs = [
-            Candidate::new(1, 0, 0),
-            Candidate::new(2, 0, 64),
-        ];
+        let cs = [Candidate::new(1, 0, 0), Candidate::new(2, 0, 64)];
         let mut counts = [0u32; 3];
         let mut r = 1u64;
         for _ in 0..2_000 {

@@ -26,8 +26,8 @@ use crate::kv_events::EventBatch;
 use crate::mock::BlockCache;
 use crate::push::select::{Candidate, Choice};
 use crate::push::{
-    mix, AffinityCounts, Dispatcher, KvSelector, LoadBoard, PushConfig, PushError, PushMode, RoutableView,
-    Selection,
+    mix, AffinityCounts, Dispatcher, KvSelector, LoadBoard, PushConfig, PushError, PushMode,
+    RoutableView, Selection,
 };
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
@@ -372,7 +372,12 @@ impl ReplayBinding {
             })
             .collect();
         let tokens = u64::from(self.shared.trace.get(index).map_or(0, |r| r.input_length));
-        match selector.select_scored(keys, tokens, &candidates, mix(self.shared.seed ^ index as u64)) {
+        match selector.select_scored(
+            keys,
+            tokens,
+            &candidates,
+            mix(self.shared.seed ^ index as u64),
+        ) {
             Choice::Picked {
                 candidate,
                 uncached,
