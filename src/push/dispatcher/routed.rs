@@ -47,7 +47,7 @@ pub(super) fn classify(
     (error, class)
 }
 
-/// A pick of [`Dispatcher::select_held`]: the instance, and the work booked on it until
+/// A pick of [`Dispatcher::select_held`](super::Dispatcher::select_held): the instance, and the work booked on it until
 /// dropped.
 pub struct Selection {
     instance: Arc<Instance>,
