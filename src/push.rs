@@ -22,6 +22,8 @@ mod kv;
 mod kv_feed;
 #[cfg(test)]
 mod kv_feed_tests;
+#[cfg(test)]
+mod link_tests;
 mod load_board;
 #[cfg(test)]
 mod retry_tests;
