@@ -22,11 +22,11 @@ use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::advert::{self, DecodeDefaults};
 use crate::binding::TokenLoad;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
-use crate::kv_events::EventBatch;
+use crate::kv_events::{mix, EventBatch};
 use crate::mock::BlockCache;
 use crate::push::select::{Candidate, Choice};
 use crate::push::{
-    mix, AffinityCounts, Dispatcher, KvSelector, LoadBoard, PushConfig, PushError, PushMode,
+    AffinityCounts, Dispatcher, KvSelector, LoadBoard, PushConfig, PushError, PushMode,
     RoutableView, Selection,
 };
 use crate::router::{

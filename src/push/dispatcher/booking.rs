@@ -15,7 +15,7 @@ use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{Dispatcher, Pick};
+use super::{Dispatcher, Pick, WorkerLink};
 use crate::discovery::InstanceId;
 use crate::push::{LoadBoard, PushError};
 use crate::transport::GenerateRequest;
@@ -154,7 +154,7 @@ impl Drop for Booking {
     }
 }
 
-impl Dispatcher {
+impl<L: WorkerLink> Dispatcher<L> {
     /// A pick as [`select_with_overlap`](Self::select_with_overlap), waiting for room while
     /// every routable worker is over the busy threshold (earliest deadline first, up to
     /// [`PushConfig::overload_wait`] and never past `deadline`), then failing with
