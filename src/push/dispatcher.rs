@@ -715,7 +715,9 @@ impl Dispatcher {
         {
             let conns = self.connections.lock();
             if let Some(c) = conns.get(&id) {
-                if !c.is_closed() && c.peer_addr() == instance.address {
+                // A draining connection takes nothing new: a fresh one is served until its
+                // own drain notice (see docs/transport.md, "Draining").
+                if !c.is_closed() && !c.is_draining() && c.peer_addr() == instance.address {
                     return Ok(c.clone());
                 }
             }
@@ -738,9 +740,13 @@ impl Dispatcher {
         match conns.get(&id) {
             // Another caller connected concurrently: share theirs, ours closes on drop (and its
             // event stream, never adopted, changes nothing).
-            Some(c) if !c.is_closed() && c.peer_addr() == instance.address => Ok(c.clone()),
+            Some(c) if !c.is_closed() && !c.is_draining() && c.peer_addr() == instance.address => {
+                Ok(c.clone())
+            }
             _ => {
                 conns.insert(id, fresh.clone());
+                self.view
+                    .mark_draining_on(id, instance.address, fresh.drain_notice());
                 // A new connection starts the worker's index entries afresh: events between
                 // the old stream's end and this one's start may be lost.
                 if let (Some(feed), Some(generation)) = (&self.kv_feed, generation) {
