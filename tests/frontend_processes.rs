@@ -494,3 +494,107 @@ fn an_overloaded_prefill_pool_answers_503_with_retry_after_and_recovers() {
         "{metrics}"
     );
 }
+
+/// Issue #27 item 2: a rolling restart of every worker (two prefill, two decode) under steady
+/// streaming traffic through `serve` fails no request. Each worker gets a replacement, then
+/// SIGTERM: it deregisters, tells its frontends it is draining (they route new work to the
+/// others without counting a failure), finishes its in-flight streams and exits.
+#[test]
+fn a_rolling_restart_of_every_worker_under_streaming_traffic_fails_nothing() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let cluster = Cluster::new();
+    // 30 tokens at 4 ms: streams of ~120 ms, so every SIGTERM lands on streams in flight.
+    let decode = ["--token-interval-us", "4000"];
+    let prefill = ["--block-cost-us", "2000"];
+    let mut workers = vec![
+        ("prefill", cluster.worker("prefill", 1, &prefill)),
+        ("prefill", cluster.worker("prefill", 2, &prefill)),
+        ("decode", cluster.worker("decode", DECODE, &decode)),
+        ("decode", cluster.worker("decode", DECODE + 1, &decode)),
+    ];
+    let (_serve, addr) = cluster.serve(&[]);
+    until("active", || {
+        get(addr, "/ready").json()["lifecycle"] == "active"
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..6)
+        .map(|c| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut outcomes = Vec::new();
+                let mut n = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    let prompt = format!("client {c} request {n}: a prompt of a few words");
+                    let r = post(addr, "/v1/chat/completions", &chat(&prompt, 30, true));
+                    let events = r.events();
+                    let tokens = events
+                        .iter()
+                        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+                        .filter(|c| c["choices"][0]["delta"]["content"].is_string())
+                        .count();
+                    let done = events.last().map(String::as_str) == Some("[DONE]");
+                    outcomes.push((r.status, tokens, done, r.body.clone()));
+                }
+                outcomes
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut next_id = 10;
+    let mut stopped = Vec::new();
+    for slot in 0..workers.len() {
+        let role = workers[slot].0;
+        let id = if role == "decode" {
+            DECODE + next_id
+        } else {
+            next_id
+        };
+        next_id += 1;
+        let args: &[&str] = if role == "decode" { &decode } else { &prefill };
+        let replacement = cluster.worker(role, id, args);
+        // Let the frontend see the replacement and send it some traffic.
+        std::thread::sleep(Duration::from_millis(400));
+        let old = std::mem::replace(&mut workers[slot], (role, replacement));
+        let (status, event) = old.1.stop();
+        assert!(status.success(), "{role} worker exits 0: {event}");
+        stopped.push(event);
+        std::thread::sleep(Duration::from_millis(400));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let mut total = 0;
+    let mut failed = Vec::new();
+    for client in clients {
+        for (status, tokens, done, body) in client.join().unwrap() {
+            total += 1;
+            if status != 200 || tokens != 30 || !done {
+                failed.push((status, tokens, done, body));
+            }
+        }
+    }
+    eprintln!(
+        "rolling restart: {total} streams, {} failed; stops: {stopped:?}",
+        failed.len()
+    );
+    assert!(total >= 50, "steady traffic throughout ({total} streams)");
+    assert!(failed.is_empty(), "failed streams: {failed:?}");
+    for event in &stopped {
+        assert_eq!(
+            event["drained"], true,
+            "every worker drained in time: {event}"
+        );
+        assert_eq!(event["cut_connections"], 0, "{event}");
+        assert_eq!(event["cancelled"], 0, "no stream was cut: {event}");
+    }
+    let metrics = get(addr, "/metrics").body;
+    eprintln!(
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("retr") || l.contains("breaker") || l.contains("requests_total"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

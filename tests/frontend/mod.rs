@@ -103,6 +103,21 @@ impl Proc {
         }
     }
 
+    /// SIGTERM, wait (bounded) for its `stopped` event and its exit: the exit status and that
+    /// event.
+    pub fn stop(mut self) -> (std::process::ExitStatus, serde_json::Value) {
+        self.signal(libc::SIGTERM);
+        let deadline = Instant::now() + WAIT;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "{} ignored SIGTERM", self.name);
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        (status, self.wait_event("stopped"))
+    }
+
     /// SIGKILL and reap.
     pub fn kill(mut self) {
         let _ = self.child.kill();
