@@ -20,7 +20,7 @@ use crate::store::{terminated, StoreSpec, DEFAULT_ETCD_ROOT};
 
 /// `worker` usage.
 pub const USAGE: &str = "\
-usage: prefill-router worker --role prefill|decode --discovery file://DIR|etcd://HOST:PORT
+usage: prefill-router worker --role prefill|decode --discovery file://DIR|etcd://HOST:PORT[,...]
                              --namespace NS [--card FILE] [--id N] [--listen 127.0.0.1:0]
 
 Runs a mock engine (no model, the timing shape of one) serving the request plane, registered
@@ -35,7 +35,8 @@ with --print-requests also {\"event\":\"request\",...} as each request starts.
 
 options:
   --role R               prefill or decode
-  --discovery SPEC       file://DIR (a directory shared on this host) or etcd://HOST:PORT
+  --discovery SPEC       file://DIR (a directory shared on this host) or
+                         etcd://HOST:PORT[,HOST:PORT...] (the members of one etcd cluster)
   --namespace NS         the deployment's namespace
   --card FILE            the model card to advertise (JSON); default: model `mock-llm`,
                          block size --block-size, prefill cards advertise KV routing
