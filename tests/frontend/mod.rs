@@ -179,6 +179,29 @@ impl Cluster {
         })
     }
 
+    /// On the etcd cluster whose client URLs are `urls` (`http://HOST:PORT` each), every
+    /// process given all of them (`etcd://H1:P1,H2:P2,...`), under a fresh key root.
+    pub fn on_etcd_members(urls: &[String]) -> Cluster {
+        let hosts: Vec<&str> = urls
+            .iter()
+            .map(|u| u.trim_start_matches("http://").trim_end_matches('/'))
+            .collect();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let root = format!("prefill-procs/{}-{nanos}/", std::process::id());
+        Cluster {
+            etcd: Some((format!("etcd://{}", hosts.join(",")), root)),
+            ..Cluster::new()
+        }
+    }
+
+    /// The etcd key root, when on etcd.
+    pub fn etcd_root(&self) -> Option<&str> {
+        self.etcd.as_ref().map(|(_, root)| root.as_str())
+    }
+
     pub fn store(&self) -> String {
         match &self.etcd {
             Some((spec, _)) => spec.clone(),
