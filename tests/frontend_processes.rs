@@ -507,7 +507,7 @@ fn a_rolling_restart_of_every_worker_under_streaming_traffic_fails_nothing() {
     // 30 tokens at 4 ms: streams of ~120 ms, so every SIGTERM lands on streams in flight.
     let decode = ["--token-interval-us", "4000"];
     let prefill = ["--block-cost-us", "2000"];
-    let mut workers = vec![
+    let mut workers = [
         ("prefill", cluster.worker("prefill", 1, &prefill)),
         ("prefill", cluster.worker("prefill", 2, &prefill)),
         ("decode", cluster.worker("decode", DECODE, &decode)),
@@ -542,22 +542,20 @@ fn a_rolling_restart_of_every_worker_under_streaming_traffic_fails_nothing() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(500));
-    let mut next_id = 10;
     let mut stopped = Vec::new();
-    for slot in 0..workers.len() {
-        let role = workers[slot].0;
+    for (next_id, (role, worker)) in (10..).zip(workers.iter_mut()) {
+        let role: &str = role;
         let id = if role == "decode" {
             DECODE + next_id
         } else {
             next_id
         };
-        next_id += 1;
         let args: &[&str] = if role == "decode" { &decode } else { &prefill };
         let replacement = cluster.worker(role, id, args);
         // Let the frontend see the replacement and send it some traffic.
         std::thread::sleep(Duration::from_millis(400));
-        let old = std::mem::replace(&mut workers[slot], (role, replacement));
-        let (status, event) = old.1.stop();
+        let old = std::mem::replace(worker, replacement);
+        let (status, event) = old.stop();
         assert!(status.success(), "{role} worker exits 0: {event}");
         stopped.push(event);
         std::thread::sleep(Duration::from_millis(400));

@@ -213,7 +213,8 @@ mod tests {
     #[test]
     fn bad_specs_get_typed_errors() {
         use StoreSpecError::*;
-        let cases: [(&str, fn(&StoreSpecError) -> bool); 12] = [
+        type Expect = fn(&StoreSpecError) -> bool;
+        let cases: [(&str, Expect); 12] = [
             ("etcd://", |e| *e == NoMembers),
             ("etcd://a:1,,b:2", |e| *e == EmptyMember { position: 2 }),
             ("etcd://a:1,", |e| *e == EmptyMember { position: 2 }),
