@@ -92,6 +92,18 @@ pub enum PrefillError {
     },
 }
 
+impl PrefillError {
+    /// Whether the prefill leg failed for want of any reachable prefill worker (see
+    /// [`PushError::no_reachable_worker`]): the case a fallback to decode is for, as opposed to
+    /// a worker that answered with an error.
+    pub fn no_reachable_worker(&self) -> bool {
+        match self {
+            PrefillError::Push(error) => error.no_reachable_worker(),
+            PrefillError::NoResponse | PrefillError::Failed { .. } => false,
+        }
+    }
+}
+
 /// Why the decode hop failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

@@ -119,7 +119,9 @@ impl TcpLink {
         {
             let conns = self.connections.lock();
             if let Some(c) = conns.get(&id) {
-                if !c.is_closed() && c.peer_addr() == instance.address {
+                // A draining connection takes nothing new: a fresh one is served until its
+                // own drain notice (see docs/transport.md, "Draining").
+                if !c.is_closed() && !c.is_draining() && c.peer_addr() == instance.address {
                     return Ok(c.clone());
                 }
             }
@@ -142,9 +144,13 @@ impl TcpLink {
         match conns.get(&id) {
             // Another caller connected concurrently: share theirs, ours closes on drop (and its
             // event stream, never adopted, changes nothing).
-            Some(c) if !c.is_closed() && c.peer_addr() == instance.address => Ok(c.clone()),
+            Some(c) if !c.is_closed() && !c.is_draining() && c.peer_addr() == instance.address => {
+                Ok(c.clone())
+            }
             _ => {
                 conns.insert(id, fresh.clone());
+                self.view
+                    .mark_draining_on(id, instance.address, fresh.drain_notice());
                 // A new connection starts the worker's index entries afresh: events between
                 // the old stream's end and this one's start may be lost.
                 if let (Some(feed), Some(generation)) = (&self.kv_feed, generation) {
