@@ -81,6 +81,22 @@ pub struct KvSelector {
     /// the widely held prefix were held by nobody).
     #[cfg(test)]
     ignore_shallow: bool,
+    /// The mutants of the keep credit and recent work (see [`CostMutant`]).
+    #[cfg(test)]
+    mutant: Option<CostMutant>,
+}
+
+/// Deliberately broken variants of the keep credit, heat and recent work, each caught by a
+/// test (docs/properties.md, K2).
+#[cfg(test)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CostMutant {
+    /// The walk's floor forgets the keep credit: it stops before a cold shallow holder.
+    FloorIgnoresKeep,
+    /// A load whose recent work cannot win ends the whole walk, not just that load.
+    RecentStopsWalk,
+    /// Every prefix counts as cold: heat never fades the keep credit.
+    IgnoresHeat,
 }
 
 /// The default of [`KvSelector`]'s deep limit: holders of a block held more widely (a system
@@ -123,6 +139,8 @@ impl KvSelector {
             deep_limit: DEEP_HOLDERS_LIMIT,
             #[cfg(test)]
             ignore_shallow: false,
+            #[cfg(test)]
+            mutant: None,
         }
     }
 
@@ -130,6 +148,13 @@ impl KvSelector {
     #[cfg(test)]
     pub(crate) fn ignoring_shallow_blocks(mut self) -> Self {
         self.ignore_shallow = true;
+        self
+    }
+
+    /// The selector with `mutant` (see [`CostMutant`]).
+    #[cfg(test)]
+    pub(crate) fn with_cost_mutant(mut self, mutant: CostMutant) -> Self {
+        self.mutant = Some(mutant);
         self
     }
 
@@ -165,6 +190,10 @@ impl KvSelector {
 
     /// The coldness of the deepest of the `overlap` leading blocks of `hashes` (1 for none).
     fn coldness(&self, hashes: &[u64], overlap: usize) -> f64 {
+        #[cfg(test)]
+        if self.mutant == Some(CostMutant::IgnoresHeat) {
+            return 1.0;
+        }
         match overlap.checked_sub(1).and_then(|i| hashes.get(i)) {
             Some(&deepest) if self.cost.keep_credit > 0.0 => self.heat.coldness(deepest),
             _ => 1.0,
@@ -185,6 +214,10 @@ impl KvSelector {
     #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
     fn max_kept(&self, hashes: &[u64], k: usize) -> f64 {
         if self.cost.keep_credit <= 0.0 {
+            return 0.0;
+        }
+        #[cfg(test)]
+        if self.mutant == Some(CostMutant::FloorIgnoresKeep) {
             return 0.0;
         }
         let mut best = 0.0f64;
@@ -402,6 +435,10 @@ impl KvSelector {
                     return Walk::Stop;
                 }
                 if self.cost.floor(tokens, k, max_kept, load, recent) >= b {
+                    #[cfg(test)]
+                    if self.mutant == Some(CostMutant::RecentStopsWalk) {
+                        return Walk::Stop;
+                    }
                     return Walk::NextLoad;
                 }
             }
@@ -615,6 +652,41 @@ mod tests {
         assert_eq!(
             picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)),
             Some((2, 2))
+        );
+    }
+
+    /// Where a hot prefix sends a request, and whether a cold one stays: worker 1 holds an
+    /// 8-block prefix and has 100 tokens booked, worker 2 holds nothing and is idle.
+    fn hot_and_cold_picks(mutant: Option<CostMutant>) -> (Option<InstanceId>, Option<InstanceId>) {
+        let mut kv = KvSelector::new(4, &KvRouterConfig::default(), 1024);
+        if let Some(m) = mutant {
+            kv = kv.with_cost_mutant(m);
+        }
+        let prefix: Vec<u64> = (1..=8).collect();
+        kv.apply_events(1, &stored(0, &prefix));
+        let request: Vec<u64> = prefix.iter().copied().chain([100]).collect();
+        let pick = |kv: &KvSelector| {
+            picked(kv.select(&request, 36, &[(1, 100), (2, 0)], None, 0)).map(|p| p.0)
+        };
+        let cold = pick(&kv);
+        for _ in 0..20 {
+            kv.record_credit(&request, 8);
+        }
+        (cold, pick(&kv))
+    }
+
+    #[test]
+    fn a_cold_prefix_keeps_its_request_and_a_hot_one_spreads_by_load() {
+        // Cold: 8 kept blocks (31 each) outweigh 25 blocks booked. Hot: the keep credit has
+        // faded, and the idle worker is cheaper than waiting behind the booked work.
+        assert_eq!(hot_and_cold_picks(None), (Some(1), Some(2)));
+    }
+
+    #[test]
+    fn the_mutant_whose_prefixes_never_heat_up_is_caught() {
+        assert_ne!(
+            hot_and_cold_picks(Some(CostMutant::IgnoresHeat)),
+            hot_and_cold_picks(None)
         );
     }
 

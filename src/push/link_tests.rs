@@ -104,9 +104,15 @@ async fn a_refused_attempt_is_retried_elsewhere_through_the_same_link() {
 #[tokio::test]
 async fn a_kv_booking_lives_in_the_stream_and_a_failed_attempt_releases_its_own() {
     let link = Arc::new(Recording::default());
+    // Overlap against booked work alone, so that the prefix alone draws the second request.
     let mode = PushMode::Kv {
         block_size: 4,
-        config: KvRouterConfig::default(),
+        config: KvRouterConfig {
+            overlap_score_weight: 1.0,
+            prefill_keep_credit: 0.0,
+            prefill_recent_work_weight: 0.0,
+            ..KvRouterConfig::default()
+        },
     };
     let push = Dispatcher::with_link(
         view(&[1, 2]),

@@ -394,6 +394,24 @@ mod tests {
         }
 
         #[test]
+        fn equal_overlaps_never_pick_a_worker_with_strictly_more_load(
+            loads in proptest::collection::vec((0..10_000u64, 0.0..20_000.0f64), 1..12),
+            overlap in 0..6usize,
+            weight in 0.0..2.0f64,
+            keep in 0.0..40.0f64,
+        ) {
+            // Load = booked + weight × recent work; the same deepest block, so the same
+            // coldness and keep credit for all.
+            let cost = unit().with_recent_weight(weight).with_keep_credit(keep);
+            let cs: Vec<Candidate> = loads.iter().enumerate()
+                .map(|(i, &(b, r))| Candidate::new(i as u64, overlap, b).with_recent(r).with_coldness(0.5))
+                .collect();
+            let pick = picked(choose(&cost, 96, cs.iter().copied(), None, 7, 0)).unwrap();
+            let least = cs.iter().map(|c| c.load(weight)).fold(f64::INFINITY, f64::min);
+            prop_assert!(pick.load(weight) <= least + 1e-6, "{:?} vs {}", pick, least);
+        }
+
+        #[test]
         fn a_prefix_every_worker_holds_is_decided_by_load(
             booked in proptest::collection::vec(0..10_000u64, 2..12),
             salt in any::<u64>(),

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 
-use super::select::{is_busy, Candidate, Choice};
+use super::kv::CostMutant;
+use super::select::{is_busy, Choice};
 use super::{KvSelector, LoadBoard};
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceId};
@@ -261,33 +262,100 @@ fn check(
     }
 }
 
+/// One case of the `select_on` property: a history, a request, exclusions, a tie salt, a deep
+/// limit, a busy threshold and the KV terms (overlap weight, keep credit, recent-work weight,
+/// heat half-life).
+type Case = (
+    Vec<Step>,
+    (u64, usize),
+    Vec<u64>,
+    u64,
+    usize,
+    Option<u64>,
+    (f64, f64, f64, u32),
+);
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        proptest::collection::vec(step(), 0..80),
+        (0..10u64, 0..7usize),
+        proptest::collection::vec(0..12u64, 0..3),
+        any::<u64>(),
+        // Small limits make the shared prefix (chains 0..4) "widely held": the walk's path.
+        prop_oneof![0..4usize, Just(crate::push::DEEP_HOLDERS_LIMIT)],
+        proptest::option::of(1..24u64),
+        (
+            prop_oneof![Just(0.25), Just(1.0)],
+            prop_oneof![Just(0.0), Just(31.0), Just(2.0)],
+            prop_oneof![Just(0.0), Just(0.3), Just(1.5)],
+            prop_oneof![Just(1u32), Just(32)],
+        ),
+    )
+}
+
+/// The property on one case, for the selector with `mutant` (none: the real one).
+fn property(case: &Case, mutant: Option<CostMutant>) -> Result<(), String> {
+    let (steps, request, excluded, random, deep_limit, threshold, terms) = case;
+    let config = KvRouterConfig {
+        overlap_score_weight: terms.0,
+        prefill_keep_credit: terms.1,
+        prefill_recent_work_weight: terms.2,
+        prefill_heat_half_life: terms.3,
+        ..KvRouterConfig::default()
+    };
+    let (mut kv, board) = build_on(steps, *deep_limit, false, &config);
+    if let Some(m) = mutant {
+        kv = kv.with_cost_mutant(m);
+    }
+    let hashes = chain(request.0, request.1);
+    let pick = kv.select_on(
+        &hashes,
+        tokens(&hashes),
+        &board,
+        excluded,
+        *threshold,
+        *random,
+    );
+    check(&kv, &board, excluded, &hashes, *threshold, pick)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
-    fn select_on_picks_a_best_scoring_member(
-        steps in proptest::collection::vec(step(), 0..80),
-        request in (0..10u64, 0..7usize),
-        excluded in proptest::collection::vec(0..12u64, 0..3),
-        random in any::<u64>(),
-        deep_limit in prop_oneof![0..4usize, Just(crate::push::DEEP_HOLDERS_LIMIT)],
-        threshold in proptest::option::of(1..24u64),
-        terms in (prop_oneof![Just(0.25), Just(1.0)], prop_oneof![Just(0.0), Just(31.0), Just(2.0)],
-                  prop_oneof![Just(0.0), Just(0.3), Just(1.5)], prop_oneof![Just(1u32), Just(32)]),
-    ) {
-        let config = KvRouterConfig {
-            overlap_score_weight: terms.0,
-            prefill_keep_credit: terms.1,
-            prefill_recent_work_weight: terms.2,
-            prefill_heat_half_life: terms.3,
-            ..KvRouterConfig::default()
-        };
-        // Small limits make the shared prefix (chains 0..4) "widely held": the walk's path.
-        let (kv, board) = build_on(&steps, deep_limit, false, &config);
-        let hashes = chain(request.0, request.1);
-        let pick = kv.select_on(&hashes, tokens(&hashes), &board, &excluded, threshold, random);
-        prop_assert_eq!(check(&kv, &board, &excluded, &hashes, threshold, pick), Ok(()));
+    fn select_on_picks_a_best_scoring_member(case in case()) {
+        prop_assert_eq!(property(&case, None), Ok(()));
     }
+}
+
+/// Whether the property finds a case the selector with `mutant` gets wrong (a seeded search,
+/// as the proptest runs it).
+fn caught(mutant: CostMutant) -> bool {
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 4_096,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    runner
+        .run(&case(), |case| {
+            prop_assert_eq!(property(&case, Some(mutant)), Ok(()));
+            Ok(())
+        })
+        .is_err()
+}
+
+/// The property bites on the walk's keep-credit bound: a floor that forgets the keep credit
+/// stops before a cold shallow holder that would have won.
+#[test]
+fn the_check_catches_a_floor_that_ignores_the_keep_credit() {
+    assert!(caught(CostMutant::FloorIgnoresKeep));
+}
+
+/// The property bites on the walk's recent-work order: ending the whole walk where only the
+/// rest of one load was beaten misses a cheaper member of a later load.
+#[test]
+fn the_check_catches_a_walk_that_stops_on_recent_work() {
+    assert!(caught(CostMutant::RecentStopsWalk));
 }
 
 /// The check bites: a fast path that scores only the holders (forgetting that an idle worker
