@@ -31,13 +31,16 @@ impl std::fmt::Display for SelectionMode {
     }
 }
 
-/// Tuning of the KV (prefix-aware) router. Defaults follow upstream Dynamo.
+/// Tuning of the KV (prefix-aware) router. Defaults follow upstream Dynamo where it has the
+/// term, except the overlap weight; the terms Dynamo lacks (keep credit, recent work) come
+/// from the replay (docs/router.md, "KV cost").
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct KvRouterConfig {
-    /// Weight of a request's uncached blocks on a worker in the KV cost (upstream default
-    /// 1.0): `cost = overlap_score_weight × uncached blocks + prefill_load_scale × booked
-    /// blocks`, lowest wins (docs/router.md, "KV cost").
+    /// Weight of a request's uncached blocks on a worker in the KV cost (default 0.25, upstream
+    /// 1.0): the credit a *hot* prefix keeps, `cost = overlap_score_weight × uncached blocks +
+    /// prefill_load_scale × (booked + recent work) blocks − keep credit`, lowest wins
+    /// (docs/router.md, "KV cost").
     pub overlap_score_weight: f64,
     /// Weight of the prefill work already booked on a worker in the KV cost (default 1.0: the
     /// cost is then the expected prefill work ahead of the request's first token).

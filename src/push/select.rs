@@ -5,7 +5,8 @@
 //! its first token on that worker:
 //!
 //! ```text
-//! cost(w) = overlap_score_weight × uncached_blocks(w) + prefill_load_scale × booked_blocks(w)
+//! cost(w) = overlap_score_weight × uncached_blocks(w)
+//!         + prefill_load_scale × (booked_blocks(w) + recent_work_weight × recent_blocks(w))
 //!         − prefill_keep_credit × coldness(w) × cached_blocks(w)
 //! ```
 //!
@@ -17,7 +18,10 @@
 //!   *cold* the deepest of those blocks is ([`super::heat`]): moving a conversation's next turn
 //!   away from the worker that holds its history recomputes work nobody else will reuse, while
 //!   a hot prefix (a system prompt every request carries) is worth replicating, so its stream
-//!   spreads by load.
+//!   spreads by load;
+//! - `recent_blocks(w)`: the work recently placed on `w`, kept after its prefill ended and
+//!   decaying by picks ([`super::LoadBoard::recent`]): at a low request rate, where bookings are
+//!   nearly always empty, the load signal that still spreads new sessions.
 //!
 //! With both weights 1 and no keep credit this is the expected wait: the prefill work queued
 //! on `w` plus this request's own. Overlap and load are in one unit, so a long shared prefix no
