@@ -67,17 +67,6 @@ fn pool(n: u64, events: bool) -> KvSelector {
     pool_with(n, events, &KvRouterConfig::default())
 }
 
-/// The cost as it was before the keep credit and recent work (overlap against booked work
-/// alone), for the side-by-side rows.
-fn before() -> KvRouterConfig {
-    KvRouterConfig {
-        overlap_score_weight: 1.0,
-        prefill_keep_credit: 0.0,
-        prefill_recent_work_weight: 0.0,
-        ..KvRouterConfig::default()
-    }
-}
-
 /// [`pool`] under the KV terms of `config`; the shared system prompt was credited by recent
 /// picks (it is hot), the conversations were not.
 fn pool_with(n: u64, events: bool, config: &KvRouterConfig) -> KvSelector {
@@ -147,7 +136,7 @@ fn select(c: &mut Criterion) {
         let board = board(n);
         for (name, events) in [("events", true), ("prediction", false)] {
             let kv = pool(n, events);
-            let kv_before = pool_with(n, events, &before());
+            let kv_before = pool_with(n, events, &KvRouterConfig::load_only());
             // The board listing every holder one by one (no load-order walk for a widely held
             // prefix): what `select_on` did before the deep limit.
             let listing = events.then(|| pool(n, events).with_deep_limit(usize::MAX));

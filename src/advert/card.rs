@@ -97,6 +97,20 @@ impl Default for KvRouterConfig {
     }
 }
 
+impl KvRouterConfig {
+    /// The defaults without keep credit or recent work, and with upstream's overlap weight
+    /// (1.0): overlap against booked work alone, the cost before those terms (what the
+    /// side-by-side rows of docs/performance.md compare against).
+    pub fn load_only() -> Self {
+        KvRouterConfig {
+            overlap_score_weight: 1.0,
+            prefill_keep_credit: 0.0,
+            prefill_recent_work_weight: 0.0,
+            ..KvRouterConfig::default()
+        }
+    }
+}
+
 /// The routing configuration a card may advertise.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RouterConfig {

@@ -107,12 +107,7 @@ async fn a_kv_booking_lives_in_the_stream_and_a_failed_attempt_releases_its_own(
     // Overlap against booked work alone, so that the prefix alone draws the second request.
     let mode = PushMode::Kv {
         block_size: 4,
-        config: KvRouterConfig {
-            overlap_score_weight: 1.0,
-            prefill_keep_credit: 0.0,
-            prefill_recent_work_weight: 0.0,
-            ..KvRouterConfig::default()
-        },
+        config: KvRouterConfig::load_only(),
     };
     let push = Dispatcher::with_link(
         view(&[1, 2]),

@@ -68,13 +68,7 @@ async fn overloaded_best_worker(mutant: bool) -> (Result<InstanceId, PushError>,
             block_size: 16,
             // Overlap against load alone (no keep credit, no recent work): a retry on the
             // failed worker would pick it again, which is what the mutant check needs.
-            config: KvRouterConfig {
-                router_temperature: 0.0,
-                overlap_score_weight: 1.0,
-                prefill_keep_credit: 0.0,
-                prefill_recent_work_weight: 0.0,
-                ..KvRouterConfig::default()
-            },
+            config: KvRouterConfig::load_only(),
         },
         PushConfig::default(),
     );

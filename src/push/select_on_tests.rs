@@ -117,11 +117,8 @@ fn publishes(worker: u64) -> bool {
 /// Overlap against booked work alone (no keep credit, no recent work), at load scale 0.5.
 fn plain() -> KvRouterConfig {
     KvRouterConfig {
-        overlap_score_weight: 1.0,
         prefill_load_scale: 0.5,
-        prefill_keep_credit: 0.0,
-        prefill_recent_work_weight: 0.0,
-        ..KvRouterConfig::default()
+        ..KvRouterConfig::load_only()
     }
 }
 
