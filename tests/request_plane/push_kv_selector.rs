@@ -41,9 +41,21 @@ fn best_overlap_wins_and_load_can_outweigh_it() {
     assert_eq!(kv.overlap(&h, 2), 3);
     let idle = [(1, 0), (2, 0), (5, 0)];
     assert_eq!(picked(kv.select(&h, 32, &idle, None, 0)), Some((5, 8)));
-    // Worker 5 has 24 blocks booked (at scale 0.5: 12): more than the 5 blocks worker 2 lacks.
+    // Worker 5 has 24 blocks booked. While the prompt is cold (no pick was credited with it:
+    // a conversation's history) its 8 cached blocks keep the request there...
     let busy = [(1, 0), (2, 0), (5, 96)];
+    assert_eq!(picked(kv.select(&h, 32, &busy, None, 0)), Some((5, 8)));
+    // ...once many picks were credited with it (a hot, shared prompt) the keep credit has
+    // faded, and 24 blocks of waiting outweigh the 5 blocks worker 2 lacks.
+    for _ in 0..20 {
+        kv.record_credit(&h, 8);
+    }
     assert_eq!(picked(kv.select(&h, 32, &busy, None, 0)), Some((2, 3)));
+    // Overlap against booked work alone (the cost without keep credit) moves it at once.
+    let mut plain = KvSelector::new(4, &KvRouterConfig::load_only(), 1024);
+    plain.record(&h[..3], 2);
+    plain.record(&h, 5);
+    assert_eq!(picked(plain.select(&h, 32, &busy, None, 0)), Some((2, 3)));
 }
 
 #[test]
