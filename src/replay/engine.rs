@@ -222,6 +222,7 @@ impl ReplayBinding {
             let link = ReplayLink {
                 shared: Arc::clone(&shared),
                 dispatcher: dispatcher.clone(),
+                judged: Mutex::default(),
             };
             Dispatcher::with_link(view.clone(), mode, config, link)
                 // A fresh table per binding, as the default factory builds it.
@@ -388,6 +389,8 @@ impl ReplayBinding {
         }
         let selection = self.push.select_held(request)?;
         let id = selection.instance().instance_id;
+        let credited = selection.expected_overlap_blocks();
+        self.push.link().judge_pick(index, id, credited);
         let overlap = selection.expected_overlap_blocks().unwrap_or(0);
         Ok((id, Some(selection), overlap))
     }

@@ -6,8 +6,11 @@
 //! token and the [`PrefillInfo`] handoff.
 //!
 //! The stale-credit oracle of `kv-events` runs in [`WorkerLink::open`], in the poll of the
-//! pick it judges, on the overlap the [`Dispatch`] says the selector credited.
+//! pick it judges, on the overlap the [`Dispatch`] says the selector credited; a pick made
+//! ahead of its dispatch (conditional disaggregation's probe) is judged when it is made
+//! instead, since its credit also steers the skip decision, dispatched or not.
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -154,6 +157,10 @@ pub(crate) struct ReplayLink {
     /// The dispatcher sending through this link (its KV index, for the stale-credit oracle);
     /// weak, since the dispatcher owns the link.
     pub(crate) dispatcher: Weak<Dispatcher<ReplayLink>>,
+    /// Requests whose pick was judged when it was made ([`judge_pick`](Self::judge_pick)),
+    /// so their dispatch is not judged again. A skipped pick's entry stays: at most one per
+    /// request of the run.
+    pub(crate) judged: Mutex<HashSet<usize>>,
 }
 
 impl WorkerLink for ReplayLink {
@@ -192,7 +199,7 @@ impl ReplayLink {
             addr: dispatch.instance.address,
             reason: format!("worker {id} is not running"),
         })?;
-        if shared.policy == Policy::KvEvents {
+        if shared.policy == Policy::KvEvents && !self.judged.lock().remove(&index) {
             self.check_credit(index, id, dispatch.expected_overlap_blocks);
         }
         let prefill = async move {
@@ -221,6 +228,15 @@ impl ReplayLink {
             }
         };
         Ok(Box::pin(futures_util::stream::once(item)))
+    }
+
+    /// The stale-credit oracle on a pick of request `index` made ahead of its dispatch, now:
+    /// the dispatch will not be judged again.
+    pub(crate) fn judge_pick(&self, index: usize, id: InstanceId, credited: Option<usize>) {
+        if self.shared.policy == Policy::KvEvents {
+            self.check_credit(index, id, credited);
+            self.judged.lock().insert(index);
+        }
     }
 
     /// The stale-credit oracle of `kv-events`: the index credited worker `id` with `credited`
