@@ -1,7 +1,8 @@
-//! The replay's request path: a binding factory whose bindings pick prefill workers with the
-//! real [`RoutableView`] and [`Dispatcher`] (or the Dynamo cost baseline), in-process prefill
-//! workers with a bounded KV block cache and the [`CostModel`], and a decode hop that streams
-//! the output after `decode_per_token` per token.
+//! The replay's request path: a binding factory whose bindings route prefills with the real
+//! [`RoutableView`] and [`Dispatcher`] (or pick with the Dynamo and oracle baselines), the
+//! dispatcher sending through [`ReplayLink`] to the in-process workers of `link.rs` (a bounded
+//! KV block cache and the [`CostModel`]), and a decode hop that streams the output after
+//! `decode_per_token` per token.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
