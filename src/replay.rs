@@ -23,6 +23,7 @@
 
 mod cost;
 mod engine;
+mod link;
 mod report;
 mod run;
 mod svg;

@@ -328,9 +328,11 @@ impl Prefill for PrefillBinding {
         ))
     }
 
-    /// Dispatches on the picked worker. If that send fails (the worker left the view, or the
-    /// connection failed: nothing reached a worker), the request takes
-    /// [`prefill`](Prefill::prefill)'s path on this same binding: a fresh pick with retries.
+    /// Dispatches the held selection ([`Dispatcher::dispatch_held`]): its booking moves into
+    /// the routed stream, so the pick's KV load counts until the prefill ends, as on
+    /// [`prefill`](Prefill::prefill)'s path. If that send fails (the worker left the view, or
+    /// the connection failed: nothing reached a worker), the request takes `prefill`'s path
+    /// on this same binding: a fresh pick with retries.
     fn prefill_picked(
         &self,
         pick: PrefillPick,
@@ -342,16 +344,15 @@ impl Prefill for PrefillBinding {
         async move {
             let HeldPick { selection, load } = *held;
             let worker = selection.instance().instance_id;
-            let stream = match self.router.generate_direct(worker, request.clone()).await {
+            // The failed send released the booking with the selection.
+            let stream = match self.router.dispatch_held(selection, request.clone()).await {
                 Ok(stream) => stream,
                 Err(error) => {
                     tracing::debug!(target = %self.id, worker, %error, "picked worker unreachable: picking again");
-                    drop((selection, load));
+                    drop(load);
                     return self.prefill(request).await;
                 }
             };
-            // The stream counts its own share of the KV load from here on.
-            drop(selection);
             // Routable (so admitted) at the send: the direct dispatch checks.
             self.stats.dispatched.fetch_add(1, Ordering::Relaxed);
             let outcome = PrefillOutcome::collect(worker, stream).await;

@@ -159,3 +159,44 @@ async fn a_request_failed_everywhere_lists_its_attempts() {
         other => panic!("expected both attempts listed, got {other:?}"),
     }
 }
+
+#[tokio::test]
+async fn a_held_selection_is_sent_through_the_link_with_its_booking_in_the_stream() {
+    let link = Arc::new(Recording::default());
+    let view = view(&[1, 2]);
+    let push = Dispatcher::with_link(
+        view.clone(),
+        PushMode::Kv {
+            block_size: 4,
+            config: KvRouterConfig::default(),
+        },
+        PushConfig::default(),
+        Arc::clone(&link),
+    );
+    let request = GenerateRequest::new((0..32).collect(), 1);
+    let selection = push.select_held(&request).expect("a worker");
+    let picked = selection.instance().instance_id;
+    let booked = selection.booked_work().expect("KV mode books");
+    let overlap = selection.expected_overlap_blocks();
+    let stream = push
+        .dispatch_held(selection, request.clone())
+        .await
+        .expect("the picked worker answers");
+    // The very pick, sent once as a first attempt; the booking moved into the stream.
+    assert_eq!(stream.instance_id(), picked);
+    assert_eq!(stream.expected_overlap_blocks(), overlap);
+    assert_eq!(*link.seen.lock(), vec![(picked, 0, vec![])]);
+    assert_eq!(push.booked_work(picked), booked);
+    drop(stream);
+    assert_eq!(push.total_booked_work(), 0);
+    // A pick whose worker is no longer routable is not sent, and its booking goes.
+    let selection = push.select_held(&request).expect("a worker");
+    let gone = selection.instance().instance_id;
+    view.apply(InstanceEvent::Removed(gone));
+    match push.dispatch_held(selection, request).await {
+        Err(PushError::InstanceGone(id)) => assert_eq!(id, gone),
+        other => panic!("expected the worker gone, got {other:?}"),
+    }
+    assert_eq!(link.seen.lock().len(), 1);
+    assert_eq!(push.total_booked_work(), 0);
+}

@@ -1,10 +1,10 @@
-//! The replay's request path: a binding factory whose bindings pick prefill workers with the
-//! real [`RoutableView`] and [`Dispatcher`] (or the Dynamo cost baseline), in-process prefill
-//! workers with a bounded KV block cache and the [`CostModel`], and a decode hop that streams
-//! the output after `decode_per_token` per token.
+//! The replay's request path: a binding factory whose bindings route prefills with the real
+//! [`RoutableView`] and [`Dispatcher`] (or pick with the Dynamo and oracle baselines), the
+//! dispatcher sending through [`ReplayLink`] to the in-process workers of `link.rs` (a bounded
+//! KV block cache and the [`CostModel`]), and a decode hop that streams the output after
+//! `decode_per_token` per token.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -12,18 +12,16 @@ use std::time::Duration;
 use futures_util::future::{self, BoxFuture};
 use futures_util::{FutureExt, StreamExt};
 use parking_lot::Mutex;
-use tokio::sync::Semaphore;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::cost::CostModel;
+use super::link::{self, ReplayLink, Served, Worker};
 use super::run::Policy;
 use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::advert::{self, DecodeDefaults};
 use crate::binding::TokenLoad;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::kv_events::{mix, EventBatch};
-use crate::mock::BlockCache;
 use crate::push::select::{Candidate, Choice};
 use crate::push::{
     AffinityCounts, Dispatcher, KvSelector, LoadBoard, PushConfig, PushError, PushMode,
@@ -33,19 +31,20 @@ use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
     PrefillOutcome, PrefillPick, PrefillProbe, WorkerSetTarget,
 };
-use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
+use crate::transport::{FinishReason, GenerateRequest, GenerateResponse};
 
 /// The prefill endpoint of the replayed pool.
 pub(crate) fn prefill_endpoint() -> EndpointId {
     EndpointId::new("replay", "prefill", "generate")
 }
 
-/// The discovery record of worker `id` (the address is never dialled: delivery is in-process).
+/// The discovery record of worker `id` (the address is never dialled: the link delivers
+/// in-process).
 fn instance(id: InstanceId) -> Instance {
     Instance {
         endpoint: prefill_endpoint(),
         instance_id: id,
-        address: SocketAddr::from((Ipv4Addr::LOCALHOST, 40_000 + (id % 20_000) as u16)),
+        address: link::address(id),
     }
 }
 
@@ -53,97 +52,6 @@ fn instance(id: InstanceId) -> Instance {
 /// is left to session affinity).
 pub(crate) fn request_index(request: &GenerateRequest) -> Option<usize> {
     request.request_id.and_then(|i| usize::try_from(i).ok())
-}
-
-/// What one prefill found and cost.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Served {
-    pub(crate) blocks: u32,
-    pub(crate) hits: u32,
-    /// From arrival at the worker to the start of its prefill.
-    pub(crate) queue: Duration,
-    /// Prefilled on the decode pool (the conditional policy skipped the hop).
-    pub(crate) local: bool,
-}
-
-/// One prefill worker: its KV cache, its batch slots and its counters.
-#[derive(Debug)]
-pub(crate) struct Worker {
-    cache: Mutex<BlockCache>,
-    slots: Semaphore,
-    running: AtomicUsize,
-    /// Blocks of the requests queued or running here (the "active blocks" of Dynamo's cost).
-    active_blocks: AtomicU64,
-    /// Uncached prompt tokens of the requests picked for this worker and not yet prefilled
-    /// (the oracle's load term, as the dispatcher's bookings are the KV policies').
-    booked: AtomicU64,
-    /// Uncached prompt tokens of the requests picked for this worker and not yet prefilled,
-    /// without any per-request booking (the active prefill work of Dynamo's cost).
-    pending_prefill_tokens: AtomicU64,
-    /// Uncached prompt tokens computed here: the prefill work.
-    pub(crate) prefill_tokens: AtomicU64,
-}
-
-impl Worker {
-    /// A worker whose cache publishes KV events of incarnation `epoch` when `epoch` is set.
-    pub(crate) fn new(cache_blocks: usize, max_batch: usize, epoch: Option<u64>) -> Self {
-        let cache = match epoch {
-            Some(epoch) => BlockCache::with_events(cache_blocks, epoch),
-            None => BlockCache::new(cache_blocks),
-        };
-        Worker {
-            cache: Mutex::new(cache),
-            slots: Semaphore::new(max_batch.max(1)),
-            running: AtomicUsize::new(0),
-            active_blocks: AtomicU64::new(0),
-            booked: AtomicU64::new(0),
-            pending_prefill_tokens: AtomicU64::new(0),
-            prefill_tokens: AtomicU64::new(0),
-        }
-    }
-
-    /// Queue for a batch slot, look the prompt's block `keys` up in the cache (holding them
-    /// from then on, and publishing the cache's changes to `shared`'s subscribers as worker
-    /// `id`), and compute the rest. The replay never cancels a prefill, so the counters need
-    /// no drop guard.
-    async fn serve(
-        &self,
-        id: InstanceId,
-        record: &TraceRecord,
-        keys: &[u64],
-        shared: &Shared,
-    ) -> Served {
-        let cost = &shared.cost;
-        let blocks = record.hash_ids.len() as u64;
-        self.active_blocks.fetch_add(blocks, Ordering::Relaxed);
-        let queued = Instant::now();
-        // The semaphore lives as long as the worker and is never closed.
-        let permit = self.slots.acquire().await.ok();
-        let queue = queued.elapsed();
-        let (hits, batches) = {
-            let mut cache = self.cache.lock();
-            let hits = cache.prefill(keys);
-            (hits, cache.take_event_batches())
-        };
-        shared.publish(id, batches);
-        let hits = u32::try_from(hits).unwrap_or(u32::MAX);
-        let uncached = record
-            .input_length
-            .saturating_sub(hits.saturating_mul(BLOCK_TOKENS));
-        let running = self.running.fetch_add(1, Ordering::Relaxed);
-        tokio::time::sleep(cost.prefill_time(uncached, running)).await;
-        self.running.fetch_sub(1, Ordering::Relaxed);
-        self.active_blocks.fetch_sub(blocks, Ordering::Relaxed);
-        self.prefill_tokens
-            .fetch_add(u64::from(uncached), Ordering::Relaxed);
-        drop(permit);
-        Served {
-            blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
-            hits,
-            queue,
-            local: false,
-        }
-    }
 }
 
 /// What every binding of one replay shares.
@@ -154,7 +62,7 @@ pub(crate) struct Shared {
     /// under the KV policies, the trace's hash ids otherwise.
     pub(crate) keys: Vec<Vec<u64>>,
     /// The dispatchers fed the workers' KV events (policy `kv-events`).
-    pub(crate) subscribers: Mutex<Vec<Weak<Dispatcher>>>,
+    pub(crate) subscribers: Mutex<Vec<Weak<Dispatcher<ReplayLink>>>>,
     /// Every how many event batches one is lost (0: none).
     pub(crate) event_loss_every: u64,
     /// How long an event batch takes to reach the dispatchers.
@@ -194,7 +102,7 @@ impl Shared {
 
     /// Deliver worker `id`'s event batches to every live subscribed dispatcher, after the
     /// configured delay and minus the configured losses.
-    fn publish(&self, id: InstanceId, batches: Vec<EventBatch>) {
+    pub(super) fn publish(&self, id: InstanceId, batches: Vec<EventBatch>) {
         let mut kept = Vec::with_capacity(batches.len());
         for batch in batches {
             let n = self.batches.fetch_add(1, Ordering::Relaxed) + 1;
@@ -205,7 +113,7 @@ impl Shared {
         if kept.is_empty() {
             return;
         }
-        let dispatchers: Vec<Arc<Dispatcher>> = {
+        let dispatchers: Vec<Arc<Dispatcher<ReplayLink>>> = {
             let mut subscribers = self.subscribers.lock();
             subscribers.retain(|d| d.strong_count() > 0);
             subscribers.iter().filter_map(Weak::upgrade).collect()
@@ -228,7 +136,7 @@ impl Shared {
         }
     }
 
-    fn worker(&self, id: InstanceId) -> Option<Arc<Worker>> {
+    pub(super) fn worker(&self, id: InstanceId) -> Option<Arc<Worker>> {
         self.workers.lock().get(&id).cloned()
     }
 }
@@ -260,7 +168,8 @@ impl BindingFactory for ReplayFactory {
 pub(crate) struct ReplayBinding {
     shared: Arc<Shared>,
     view: RoutableView,
-    push: Arc<Dispatcher>,
+    /// Sends every prefill, whichever policy picked it, through [`ReplayLink`].
+    push: Arc<Dispatcher<ReplayLink>>,
     /// The scoring rule of the oracle policy (the binding's resolved KV tuning).
     /// With the recent work of the oracle's picks (its bookings are the workers' own).
     oracle: Mutex<(KvSelector, LoadBoard)>,
@@ -302,19 +211,24 @@ impl ReplayBinding {
         for &id in target.admitted.borrow().iter() {
             view.apply(InstanceEvent::Added(instance(id)));
         }
-        let push = Arc::new(
-            Dispatcher::new(
-                view.clone(),
-                mode,
-                PushConfig {
-                    seed: shared.seed,
-                    overload_wait: shared.overload_wait,
-                    ..PushConfig::default()
-                },
-            )
-            // A fresh table per binding, as the default factory builds it.
-            .with_session_affinity(shared.affinity_ttl, Arc::clone(&shared.affinity)),
-        );
+        let config = PushConfig {
+            seed: shared.seed,
+            overload_wait: shared.overload_wait,
+            // No deadline: the replay measures queueing, so a prefill is never cancelled, and
+            // an overloaded request waits `overload_wait` exactly.
+            request_timeout: None,
+            ..PushConfig::default()
+        };
+        let push = Arc::new_cyclic(|dispatcher| {
+            let link = ReplayLink {
+                shared: Arc::clone(&shared),
+                dispatcher: dispatcher.clone(),
+                judged: Mutex::default(),
+            };
+            Dispatcher::with_link(view.clone(), mode, config, link)
+                // A fresh table per binding, as the default factory builds it.
+                .with_session_affinity(shared.affinity_ttl, Arc::clone(&shared.affinity))
+        });
         if shared.policy == Policy::KvEvents {
             // A new binding learns the caches from the workers' next events on.
             shared.subscribers.lock().push(Arc::downgrade(&push));
@@ -327,25 +241,6 @@ impl ReplayBinding {
             view_cancel,
             inflight_tokens: Arc::default(),
         })
-    }
-
-    /// The stale-credit oracle of `kv-events`: the index credited worker `id` with `credited`
-    /// leading blocks of request `index`; the worker's cache must hold at least that many now
-    /// (a prediction's credit, for a worker that has not published yet, is not checked).
-    fn check_credit(&self, index: usize, id: InstanceId, credited: Option<usize>) {
-        let (Some(credited), Some(keys)) = (credited, self.shared.keys.get(index)) else {
-            return;
-        };
-        if credited == 0 || !self.push.kv_indexed(id) {
-            return;
-        }
-        let held = self
-            .shared
-            .worker(id)
-            .map_or(0, |w| w.cache.lock().leading_hits(keys));
-        if credited > held {
-            self.shared.stale_credit.fetch_add(1, Ordering::Relaxed);
-        }
     }
 
     /// The oracle: the KV selector's scoring rule (overlap weight, load, tie-break) over the
@@ -445,17 +340,28 @@ fn failed(message: String) -> BoxFuture<'static, Result<PrefillOutcome, PrefillE
 }
 
 /// What a replay pick holds until its prefill ends: the worker, the dispatcher's selection
-/// (the KV load term) and the request's share of the pool's token load.
+/// (the KV load term, moved into the routed stream at the dispatch) and the request's share
+/// of the pool's token load.
 struct ReplayHeld {
     id: InstanceId,
-    /// The uncached tokens the pick expects to compute (with the per-request booking, what it
-    /// books on the worker until the end).
+    /// The uncached tokens the pick expects to compute (under the oracle and the Dynamo
+    /// baselines, what it books on the worker until the end).
     uncached: u64,
-    _selection: Option<Selection>,
-    _load: TokenLoad,
+    /// The dispatcher's pick (`None`: a baseline picked outside it).
+    selection: Option<Selection>,
+    load: TokenLoad,
 }
 
 impl ReplayBinding {
+    /// Whether the policy picks outside the dispatcher (the Dynamo baselines and the oracle
+    /// score the workers' real caches themselves); the dispatcher then only sends.
+    fn picks_outside(&self) -> bool {
+        matches!(
+            self.shared.policy,
+            Policy::Dynamo | Policy::DynamoBlocks | Policy::KvOracle
+        )
+    }
+
     /// The worker the policy picks for request `index`, the held selection (push-router
     /// policies) and the leading blocks the pick is expected to hold: the selector's overlap
     /// under the KV policies, the worker's real cache under the Dynamo baseline and the
@@ -465,7 +371,6 @@ impl ReplayBinding {
         index: usize,
         record: &TraceRecord,
         request: &GenerateRequest,
-        ready: Option<Selection>,
     ) -> Result<(InstanceId, Option<Selection>, usize), PrefillError> {
         // Dynamo's baseline scores the workers itself; every other policy is the real push
         // router, whose selection counts as load until the prefill ends.
@@ -483,27 +388,74 @@ impl ReplayBinding {
             };
             return Ok((id, None, held));
         }
-        let selection = match ready {
-            Some(selection) => selection,
-            None => self.push.select_held(request)?,
-        };
+        let selection = self.push.select_held(request)?;
         let id = selection.instance().instance_id;
-        if self.shared.policy == Policy::KvEvents {
-            self.check_credit(index, id, selection.expected_overlap_blocks());
-        }
+        let credited = selection.expected_overlap_blocks();
+        self.push.link().judge_pick(index, id, credited);
         let overlap = selection.expected_overlap_blocks().unwrap_or(0);
         Ok((id, Some(selection), overlap))
     }
+
+    /// Send a baseline's pick through the dispatcher's link to its worker, booking the
+    /// baseline's load terms there (the oracle's work, Dynamo's pending prefill tokens) until
+    /// the prefill ends, as the dispatcher's booking does for its own picks.
+    fn prefill_direct(
+        &self,
+        held: ReplayHeld,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let ReplayHeld {
+            id, uncached, load, ..
+        } = held;
+        let Some(worker) = self.shared.worker(id) else {
+            return failed(format!("worker {id} is not running"));
+        };
+        let booked = self.oracle.lock().0.cost().booking(uncached);
+        worker.booked.fetch_add(booked, Ordering::Relaxed);
+        worker
+            .pending_prefill_tokens
+            .fetch_add(uncached, Ordering::Relaxed);
+        async move {
+            let outcome = match self.push.generate_direct(id, request).await {
+                Ok(stream) => PrefillOutcome::collect(id, stream).await,
+                Err(error) => Err(error.into()),
+            };
+            worker.booked.fetch_sub(booked, Ordering::Relaxed);
+            worker
+                .pending_prefill_tokens
+                .fetch_sub(uncached, Ordering::Relaxed);
+            drop(load);
+            outcome
+        }
+        .boxed()
+    }
 }
 
-impl ReplayBinding {
-    /// [`Prefill::pick`] on `ready`, a selection the dispatcher already made (after a wait for
-    /// room), or on a fresh one.
-    fn pick_with(
+impl Prefill for ReplayBinding {
+    /// The dispatcher's own `generate` (pick, booking, wait for room when every worker is
+    /// over the busy threshold, retries elsewhere, release when the stream ends) through
+    /// [`ReplayLink`]; a baseline's pick is sent with `generate_direct` through the same link.
+    fn prefill(
         &self,
-        request: &GenerateRequest,
-        ready: Option<Selection>,
-    ) -> Result<PrefillPick, PrefillError> {
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        if self.picks_outside() {
+            return match self.pick(&request) {
+                Ok(pick) => self.prefill_picked(pick, request),
+                Err(error) => future::ready(Err(error)).boxed(),
+            };
+        }
+        async move {
+            let stream = self.push.generate(request).await?;
+            PrefillOutcome::collect(stream.instance_id(), stream).await
+        }
+        .boxed()
+    }
+
+    /// The policy's pick, probed from the trace record (the replay's prompts carry no tokens
+    /// under the non-KV policies): its prompt length, the pick's expected cached tokens, and
+    /// this binding's in-flight uncached tokens per routable worker.
+    fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
         let missing = |what: String| PrefillError::Failed { message: what };
         let index = request_index(request)
             .ok_or_else(|| missing("request without a trace index".to_owned()))?;
@@ -512,7 +464,7 @@ impl ReplayBinding {
             .trace
             .get(index)
             .ok_or_else(|| missing(format!("no trace record {index}")))?;
-        let (id, selection, cached_blocks) = self.choose(index, record, request, ready)?;
+        let (id, selection, cached_blocks) = self.choose(index, record, request)?;
         let cached = u32::try_from(cached_blocks)
             .unwrap_or(u32::MAX)
             .saturating_mul(BLOCK_TOKENS)
@@ -527,39 +479,15 @@ impl ReplayBinding {
         let held = ReplayHeld {
             id,
             uncached: u64::from(probe.uncached_tokens()),
-            _selection: selection,
-            _load: load,
+            selection,
+            load,
         };
         Ok(PrefillPick::new(probe, Some(Box::new(held))))
     }
-}
 
-impl Prefill for ReplayBinding {
-    fn prefill(
-        &self,
-        request: GenerateRequest,
-    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
-        match self.pick(&request) {
-            Ok(pick) => self.prefill_picked(pick, request),
-            // Every worker over the busy threshold: wait for room as `generate` does, then
-            // prefill on that selection (or fail as overloaded).
-            Err(PrefillError::Push(PushError::Overloaded { .. })) => async move {
-                let selection = self.push.select_held_waiting(&request).await?;
-                let pick = self.pick_with(&request, Some(selection))?;
-                self.prefill_picked(pick, request).await
-            }
-            .boxed(),
-            Err(error) => future::ready(Err(error)).boxed(),
-        }
-    }
-
-    /// The policy's pick, probed from the trace record (the replay's prompts carry no tokens
-    /// under the non-KV policies): its prompt length, the pick's expected cached tokens, and
-    /// this binding's in-flight uncached tokens per routable worker.
-    fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
-        self.pick_with(request, None)
-    }
-
+    /// Dispatches this very pick: the dispatcher's selection through
+    /// [`Dispatcher::dispatch_held`] (its booking then lives in the routed stream until the
+    /// prefill ends), a baseline's with `generate_direct`.
     fn prefill_picked(
         &self,
         pick: PrefillPick,
@@ -571,45 +499,15 @@ impl Prefill for ReplayBinding {
         else {
             return failed("a pick this binding did not make".to_owned());
         };
-        let id = held.id;
-        let Some(index) = request_index(&request) else {
-            return failed("request without a trace index".to_owned());
+        let mut held = *held;
+        let Some(selection) = held.selection.take() else {
+            return self.prefill_direct(held, request);
         };
-        let Some(record) = self.shared.trace.get(index) else {
-            return failed(format!("no trace record {index}"));
-        };
-        let Some(worker) = self.shared.worker(id) else {
-            return failed(format!("worker {id} is not running"));
-        };
-        let Some(keys) = self.shared.keys.get(index) else {
-            return failed(format!("no block keys for record {index}"));
-        };
-        let booked = self.oracle.lock().0.cost().booking(held.uncached);
-        worker.booked.fetch_add(booked, Ordering::Relaxed);
-        worker
-            .pending_prefill_tokens
-            .fetch_add(held.uncached, Ordering::Relaxed);
         async move {
-            let served = worker.serve(id, record, keys, &self.shared).await;
-            worker.booked.fetch_sub(booked, Ordering::Relaxed);
-            worker
-                .pending_prefill_tokens
-                .fetch_sub(held.uncached, Ordering::Relaxed);
-            drop(held);
-            if let Some(slot) = self.shared.served.lock().get_mut(index) {
-                *slot = Some(served);
-            }
-            Ok(PrefillOutcome {
-                worker: id,
-                tokens: vec![1],
-                finish: Some(FinishReason::Length),
-                handoff: Some(PrefillInfo {
-                    worker: id,
-                    prompt_tokens: record.input_length,
-                    cached_blocks: served.hits,
-                    block_size: BLOCK_TOKENS,
-                }),
-            })
+            let stream = self.push.dispatch_held(selection, request).await?;
+            let outcome = PrefillOutcome::collect(held.id, stream).await;
+            drop(held.load);
+            outcome
         }
         .boxed()
     }

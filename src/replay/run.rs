@@ -12,7 +12,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::cost::CostModel;
-use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Served, Shared};
+use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Shared};
+use super::link::Served;
 use super::report::{quantiles, AffinityReport, EventReport, Percentiles, ReplayReport, Window};
 use super::trace::{ceiling, ratio, TraceRecord, BLOCK_TOKENS};
 use crate::advert::{KvRouterConfig, ModelCard, RouterConfig, SelectionMode};

@@ -8,13 +8,14 @@ use std::task::{Context, Poll};
 use futures_core::Stream;
 
 use super::booking::Booking;
-use super::Pick;
+use super::{Dispatcher, Pick, WorkerLink};
 use crate::discovery::{Instance, InstanceId};
 use crate::health::FailureClass;
 use crate::push::affinity::AffinityOutcome;
 use crate::push::health::failure_class;
+use crate::push::view::InstanceStatus;
 use crate::push::{PushError, RoutableView};
-use crate::transport::{GenerateResponse, ResponseStream, TransportError};
+use crate::transport::{GenerateRequest, GenerateResponse, ResponseStream, TransportError};
 
 /// Map a transport failure to a router error and its class, and report it to the instance's
 /// breaker (which opens only on a connection-level failure, per [`failure_class`]).
@@ -47,8 +48,8 @@ pub(super) fn classify(
     (error, class)
 }
 
-/// A pick of [`Dispatcher::select_held`](super::Dispatcher::select_held): the instance, and the work booked on it until
-/// dropped.
+/// A pick of [`Dispatcher::select_held`]: the instance, and the work booked on it until
+/// dropped (or until the stream of [`Dispatcher::dispatch_held`] that took it ends).
 pub struct Selection {
     instance: Arc<Instance>,
     overlap: Option<usize>,
@@ -95,6 +96,46 @@ impl Selection {
     /// The prefill work (uncached prompt tokens) this pick booked on the instance (KV mode).
     pub fn booked_work(&self) -> Option<u64> {
         self.booking.as_ref().map(Booking::amount)
+    }
+}
+
+impl<L: WorkerLink> Dispatcher<L> {
+    /// Send `request` through the link to the instance `selection` picked, as the request's
+    /// only attempt, and stream its responses: the selection's booking moves into the returned
+    /// stream and is released when it drops (the prefill ended, failed or was cancelled),
+    /// exactly as [`generate`](Self::generate)'s own pick's is. For callers that pick first
+    /// and dispatch that very pick later (conditional disaggregation probes the pick before
+    /// deciding), so the work stays booked from the pick to the end of the request.
+    ///
+    /// The instance must still be routable (else [`PushError::InstanceGone`] or
+    /// [`PushError::DirectTargetNotRoutable`], and the booking is released). The deadline is
+    /// [`PushConfig::request_timeout`](super::PushConfig::request_timeout) from this call.
+    /// Nothing is retried: a caller that wants a retry elsewhere picks again.
+    pub async fn dispatch_held(
+        &self,
+        selection: Selection,
+        request: GenerateRequest,
+    ) -> Result<RoutedStream<L::Stream>, PushError> {
+        let deadline = self
+            .config
+            .request_timeout
+            .map(|t| tokio::time::Instant::now() + t);
+        let id = selection.instance.instance_id;
+        // The address as discovered now: the instance may have moved since the pick.
+        let instance = match self.view.status(id) {
+            InstanceStatus::Routable(instance) => instance,
+            InstanceStatus::Unknown => return Err(PushError::InstanceGone(id)),
+            InstanceStatus::NotAdmitted | InstanceStatus::Unhealthy(_) => {
+                return Err(PushError::DirectTargetNotRoutable(id))
+            }
+        };
+        let pick = Pick {
+            instance,
+            overlap: selection.overlap,
+            affinity: selection.affinity,
+            booking: selection.booking,
+        };
+        self.dispatch(pick, request, deadline).await
     }
 }
 
