@@ -7,11 +7,13 @@
 //! Prometheus metrics and the HTTP counters). Errors are OpenAI-style JSON bodies. Prompts go
 //! through the built-in [`tokenizer`]. See `docs/frontend.md`.
 
+mod conn;
 mod openai;
 mod server;
 mod session;
 pub mod tokenizer;
 
+pub use conn::ServeSummary;
 pub use openai::ApiError;
 pub use server::{router, serve, HttpConfig};
 pub use session::{MAX_SESSION_LEN, SESSION_HEADER};
