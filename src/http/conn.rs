@@ -346,7 +346,11 @@ async fn connection(
         inner: TowerToHyperService::new(router),
         state: Arc::clone(&state),
     };
-    let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+    // hyper's own header timer stays off (it would need hyper's timer and counts idle time
+    // as header time); the watchdog below keeps the timeouts.
+    let conn = hyper::server::conn::http1::Builder::new()
+        .header_read_timeout(None)
+        .serve_connection(io, service);
     let mut conn = std::pin::pin!(conn);
     let mut graceful = false;
     if *stage.borrow_and_update() != Stage::Serving {

@@ -538,7 +538,18 @@ impl App {
             .and_then(|b| self.parse(kind, &b))
         {
             Ok(parsed) => parsed,
-            Err(error) => return error.into_response(),
+            Err(error) => {
+                // A body that did not arrive will not arrive: close the connection after the
+                // answer rather than wait for the rest of it.
+                let close = error.code == "body_timeout";
+                let mut response = error.into_response();
+                if close {
+                    response
+                        .headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                return response;
+            }
         };
         let session = match super::session::session_key(&headers, parsed.session) {
             Ok(session) => session,
