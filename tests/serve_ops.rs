@@ -169,6 +169,35 @@ fn stalled_clients_are_closed_at_their_timeouts_and_in_flight_returns_to_zero() 
     );
 }
 
+/// The connection cap: with two connections open (stalled), a third waits in the listen
+/// backlog, unanswered, until the header timeout closes a stalled one; then it is served.
+#[test]
+fn over_the_connection_cap_a_new_connection_waits_for_a_free_slot() {
+    let (cluster, _workers) = basic_cluster();
+    let (_serve, addr) = cluster.serve(&["--max-connections", "2", "--header-timeout-ms", "1500"]);
+    until("ready", || get(addr, "/ready").status == 200);
+    let started = Instant::now();
+    let first = stalled(addr, b"GET /health HTTP/1.1\r\n");
+    let second = stalled(addr, b"");
+    let waiting = std::thread::spawn(move || {
+        let response = get(addr, "/health");
+        (response, started.elapsed())
+    });
+    let (response, took) = waiting.join().unwrap();
+    assert_eq!(response.status, 200, "{response:?}");
+    // Lower bound only (a loaded box is slower, never faster): the stalled connections held
+    // both slots until the header timeout (1.5 s after they were accepted) closed them.
+    assert!(
+        took >= Duration::from_millis(1400),
+        "answered after {took:?}: the cap did not hold"
+    );
+    closed_within(first, CLOSE_BOUND, "stalled connection 1");
+    closed_within(second, CLOSE_BOUND, "stalled connection 2");
+    until("connections gauge back to 1 (this scrape)", || {
+        metric(addr, "prefill_router_http_connections ") == Some(1.0)
+    });
+}
+
 /// The request deadline covers the whole request from its first byte: a body that trickles in
 /// byte by byte (each byte within the body timeout) still ends at the deadline.
 #[test]

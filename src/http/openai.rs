@@ -383,6 +383,68 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_openai_prompt_form_is_read_and_several_prompts_are_refused() {
+        use serde_json::json;
+        let tokens = |v: serde_json::Value| prompt_tokens(&v);
+        assert_eq!(tokens(json!([1, 2, 3])).unwrap(), vec![1, 2, 3]);
+        assert_eq!(tokens(json!([[1, 2, 3]])).unwrap(), vec![1, 2, 3]);
+        assert_eq!(
+            tokens(json!("hello world")).unwrap(),
+            tokens(json!(["hello world"])).unwrap()
+        );
+        for (bad, code) in [
+            (json!([[1], [2]]), "unsupported_prompt"),
+            (json!(["a", "b"]), "unsupported_prompt"),
+            (json!([]), "unsupported_prompt"),
+            (json!([1, -2]), "invalid_prompt"),
+            (json!([1, 4_294_967_296u64]), "invalid_prompt"),
+            (json!([[1], "a"]), "invalid_prompt"),
+            (json!(["a", 1]), "invalid_prompt"),
+            (json!(7), "invalid_prompt"),
+            (json!({"text": "a"}), "invalid_prompt"),
+        ] {
+            let error = tokens(bad.clone()).unwrap_err();
+            assert_eq!(
+                (error.status, error.code),
+                (StatusCode::BAD_REQUEST, code),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn max_tokens_out_of_range_is_invalid_max_tokens_in_words() {
+        use serde_json::json;
+        assert_eq!(max_tokens_field("max_tokens", None, 10).unwrap(), None);
+        assert_eq!(
+            max_tokens_field("max_tokens", Some(&json!(null)), 10).unwrap(),
+            None
+        );
+        assert_eq!(
+            max_tokens_field("max_tokens", Some(&json!(10)), 10).unwrap(),
+            Some(10)
+        );
+        for bad in [
+            json!(0),
+            json!(11),
+            json!(-1),
+            json!(5_000_000_000u64),
+            json!(1.5),
+            json!("3"),
+        ] {
+            let error = max_tokens_field("max_completion_tokens", Some(&bad), 10).unwrap_err();
+            assert_eq!(error.code, "invalid_max_tokens", "{bad}");
+            assert!(
+                error
+                    .message
+                    .starts_with("max_completion_tokens must be an integer between 1 and 10"),
+                "{}",
+                error.message
+            );
+        }
+    }
+
+    #[test]
     fn an_overload_is_a_503_with_retry_after_and_an_openai_body() {
         let error = PushError::Overloaded {
             threshold: 4096,
