@@ -351,6 +351,14 @@ impl From<&GenerateError> for ApiError {
                 code: "prefill_not_active",
                 message,
             },
+            // No prefill worker could be reached (and the policy does not bypass): the pool is
+            // unavailable, not a worker failing this request.
+            GenerateError::Prefill(e) if e.no_reachable_worker() => ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                kind: "service_unavailable",
+                code: "no_routable_instances",
+                message,
+            },
             GenerateError::Prefill(PrefillError::Push(e))
             | GenerateError::Decode(DecodeError::Push(e)) => push_error(e, message),
             _ => ApiError {

@@ -92,6 +92,32 @@ pub enum PrefillError {
     },
 }
 
+impl PrefillError {
+    /// Whether the prefill failed for want of any reachable worker: none was routable
+    /// ([`PushError::NoRoutableInstances`]), or every attempt failed at the connection (refused,
+    /// reset, a dead stream: the failures that say a worker is dead). A worker that answered
+    /// (rejected the request, was overloaded) or a deadline is not this. The router sends such
+    /// a request to decode whole when the fallback policy bypasses.
+    pub fn no_reachable_worker(&self) -> bool {
+        fn unreachable(error: &PushError) -> bool {
+            match error {
+                PushError::NoRoutableInstances => true,
+                PushError::Transport { source, .. } => {
+                    crate::push::failure_class(source).counts_against_health()
+                }
+                PushError::Exhausted { attempts } => attempts
+                    .iter()
+                    .all(|a| a.class.counts_against_health() || unreachable(&a.error)),
+                _ => false,
+            }
+        }
+        match self {
+            PrefillError::Push(error) => unreachable(error),
+            _ => false,
+        }
+    }
+}
+
 /// Why the decode hop failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -232,6 +258,10 @@ pub struct BindingHealth {
     pub affinity: crate::push::AffinityStats,
     /// Booked prefill work and overload counters of the binding's dispatcher (KV mode).
     pub overload: crate::push::OverloadStats,
+    /// Instances the binding would route to now (discovered, admitted, breaker closed);
+    /// `None` when the binding does not know. `Some(0)` makes the hop not ready unless the
+    /// fallback policy bypasses.
+    pub routable: Option<usize>,
 }
 
 impl BindingHealth {
@@ -242,7 +272,15 @@ impl BindingHealth {
             retries,
             affinity: crate::push::AffinityStats::default(),
             overload: crate::push::OverloadStats::default(),
+            routable: None,
         }
+    }
+
+    /// This report with `routable` instances routable now.
+    #[must_use]
+    pub fn with_routable(mut self, routable: usize) -> Self {
+        self.routable = Some(routable);
+        self
     }
 
     /// This report with these booked-work and overload figures.
