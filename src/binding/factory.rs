@@ -517,7 +517,9 @@ mod tests {
         .unwrap();
         assert_eq!(
             binding.health(),
-            BindingHealth::default().with_zero_retries()
+            BindingHealth::default()
+                .with_zero_retries()
+                .with_routable(2)
         );
         // Worker 1 stops (its registration stays): the next prefills all succeed on worker 2,
         // one of them after a retry that opened worker 1's breaker.
