@@ -341,6 +341,24 @@ fn during_the_drain_delay_ready_is_503_and_requests_are_still_served() {
     assert!(status.success());
 }
 
+/// A second SIGTERM during the drain exits at once (status 130), however long the drain delay.
+#[test]
+fn a_second_stop_signal_exits_at_once() {
+    let (cluster, _workers) = basic_cluster();
+    let (serve, addr) = cluster.serve(&["--drain-delay-ms", "60000"]);
+    until("ready", || get(addr, "/ready").status == 200);
+    serve.signal(libc::SIGTERM);
+    until("draining", || get(addr, "/ready").status == 503);
+    let started = Instant::now();
+    let status = serve.terminate();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "exited after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(status.code(), Some(130), "{status:?}");
+}
+
 /// A client that gives up before the first token (a slow prefill) is counted as a disconnect
 /// and as a request with status 499, and the worker sees the cancel.
 #[test]

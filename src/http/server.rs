@@ -141,20 +141,20 @@ impl App {
                 metrics.in_flight.clone(),
             );
             http.register(
-            "client_disconnects",
-            "requests whose client went away before the end, before the first token or mid-stream (the request is cancelled at its worker)",
-            metrics.disconnects.clone(),
-        );
+                "client_disconnects",
+                "requests whose client went away before their end (cancelled at their worker)",
+                metrics.disconnects.clone(),
+            );
             http.register(
                 "connections",
                 "open HTTP connections",
                 metrics.connections.clone(),
             );
             http.register(
-            "connections_dropped",
-            "connections the server closed on its own, by reason (header_timeout, idle_timeout, request_timeout, shutdown)",
-            metrics.dropped.clone(),
-        );
+                "connections_dropped",
+                "connections the server closed on its own (timeouts, shutdown bound), by reason",
+                metrics.dropped.clone(),
+            );
         }
         App(Arc::new(Inner {
             hop,

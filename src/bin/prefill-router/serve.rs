@@ -25,8 +25,9 @@ Requests prefill on the namespace's prefill set and decode on its decode set, bo
 discovery and followed as they change (docs/frontend.md). Prints one JSON line on stdout once
 listening: {\"event\":\"listening\",\"addr\":...}. SIGTERM (or Ctrl-C) stops it in order:
 /ready turns 503, the drain delay, stop accepting, drain in-flight requests up to the shutdown
-bound, close the rest; it prints {\"event\":\"stopped\",\"closed_at_bound\":N} and exits within
-about drain delay + shutdown bound.
+bound, close the rest (saying how many on stderr); it prints
+{\"event\":\"stopped\",\"closed_at_bound\":N} and exits within about drain delay + shutdown
+bound. A second SIGTERM or Ctrl-C exits at once (status 130).
 
 options:
   --discovery SPEC         file://DIR (a directory shared on this host) or etcd://HOST:PORT
@@ -216,8 +217,28 @@ async fn serve(options: ServeOptions) -> Result<(), String> {
         "{}",
         serde_json::json!({"event": "listening", "addr": addr.to_string(), "pid": std::process::id()})
     );
+    // The first SIGTERM or Ctrl-C starts the ordered stop; a second one exits at once (an
+    // impatient operator at a terminal), cutting off whatever is still in flight.
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        terminated().await;
+        let _ = first_tx.send(());
+    };
+    tokio::spawn(async move {
+        if first_rx.await.is_ok() {
+            terminated().await;
+            eprintln!("serve: second stop signal; exiting now");
+            std::process::exit(130);
+        }
+    });
     let summary =
-        prefill_router::http::serve(listener, Arc::clone(&hop), options.http, terminated()).await;
+        prefill_router::http::serve(listener, Arc::clone(&hop), options.http, shutdown).await;
+    if summary.closed_at_bound > 0 {
+        eprintln!(
+            "serve: closed {} connection(s) still open at the end of the shutdown bound (their requests were cut off)",
+            summary.closed_at_bound
+        );
+    }
     hop.shutdown().await;
     println!(
         "{}",
