@@ -124,6 +124,18 @@ impl Proc {
         (status, lines)
     }
 
+    /// Wait for the process to exit on its own (bounded by WAIT); the exit status.
+    pub fn wait_exit(mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "{} did not exit", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// SIGKILL and reap.
     pub fn kill(mut self) {
         let _ = self.child.kill();
