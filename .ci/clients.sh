@@ -13,6 +13,10 @@ work="$(mktemp -d)"
 pids=()
 cleanup() {
     for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+    # Processes started inside $(...) (serve) could not add to `pids`: they left a pid file.
+    for file in "$work"/*.pid; do
+        [[ -e "$file" ]] && kill -9 "$(cat "$file")" 2>/dev/null || true
+    done
     rm -rf "$work"
 }
 trap cleanup EXIT
@@ -43,6 +47,7 @@ start() {
     shift
     "$bin" "$@" >"$work/$name.log" 2>"$work/$name.err" &
     pids+=("$!")
+    echo "$!" >"$work/$name.pid"
     eval "pid_$name=$!"
 }
 
