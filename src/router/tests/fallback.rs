@@ -270,7 +270,7 @@ fn only_failures_to_reach_any_worker_count_as_no_reachable_worker() {
     let rejected = Attempt {
         instance: 3,
         class: FailureClass::Rejected,
-        error: PushError::InstanceGone(3),
+        error: PushError::Timeout { instance: 3 },
     };
     let no = |e: PushError| PrefillError::Push(e).no_reachable_worker();
     assert!(no(PushError::NoRoutableInstances));
