@@ -64,7 +64,13 @@ fn stored(seq: u64, blocks: Vec<u64>) -> EventBatch {
 /// The selector with every worker publishing its chains (events), or with the same chains
 /// recorded as routed to the same workers (prediction).
 fn pool(n: u64, events: bool) -> KvSelector {
-    let mut kv = KvSelector::new(16, &KvRouterConfig::default(), 1 << 22);
+    pool_with(n, events, &KvRouterConfig::default())
+}
+
+/// [`pool`] under the KV terms of `config`; the shared system prompt was credited by recent
+/// picks (it is hot), the conversations were not.
+fn pool_with(n: u64, events: bool, config: &KvRouterConfig) -> KvSelector {
+    let mut kv = KvSelector::new(16, config, 1 << 22);
     for w in 0..n {
         let mut seq = 0;
         for k in 0..CHAINS_PER_WORKER {
@@ -83,6 +89,10 @@ fn pool(n: u64, events: bool) -> KvSelector {
             // The shared system prompt on every worker.
             kv.apply_events(w, &stored(seq, shared_chain(u64::MAX)[..4].to_vec()));
         }
+    }
+    let system = shared_chain(u64::MAX);
+    for _ in 0..64 {
+        kv.record_credit(&system, 4);
     }
     kv
 }
@@ -111,6 +121,10 @@ fn board(n: u64) -> LoadBoard {
         for _ in 0..w % 3 {
             board.acquire(w, BOOKING);
         }
+        // Recent work: every worker was picked, some more than others.
+        for _ in 0..1 + w % 5 {
+            board.note_work(w, BOOKING);
+        }
     }
     board
 }
@@ -122,6 +136,7 @@ fn select(c: &mut Criterion) {
         let board = board(n);
         for (name, events) in [("events", true), ("prediction", false)] {
             let kv = pool(n, events);
+            let kv_before = pool_with(n, events, &KvRouterConfig::load_only());
             // The board listing every holder one by one (no load-order walk for a widely held
             // prefix): what `select_on` did before the deep limit.
             let listing = events.then(|| pool(n, events).with_deep_limit(usize::MAX));
@@ -152,6 +167,23 @@ fn select(c: &mut Criterion) {
                         })
                     });
                 }
+                // The same walk under the cost before keep credit and recent work...
+                group.bench_function(
+                    BenchmarkId::new(format!("{name}/{shape}/board-before"), n),
+                    |b| {
+                        b.iter(|| {
+                            r = r.wrapping_add(1);
+                            black_box(kv_before.select_on(
+                                black_box(hashes),
+                                TOKENS,
+                                &board,
+                                &[],
+                                None,
+                                r,
+                            ))
+                        })
+                    },
+                );
                 // ...and the deep holders plus the load-order walk (what the dispatcher runs).
                 group.bench_function(BenchmarkId::new(format!("{name}/{shape}/board"), n), |b| {
                     b.iter(|| {

@@ -16,10 +16,10 @@
 
 mod decode;
 mod factory;
+mod load;
 
 pub use decode::DecodePool;
-#[cfg(feature = "sim")]
-pub(crate) use factory::TokenLoad;
+pub(crate) use load::TokenLoad;
 
 /// The former name of [`DecodePool`].
 #[deprecated(since = "0.2.0", note = "renamed to `DecodePool`")]

@@ -41,7 +41,7 @@ mod store;
 #[cfg(feature = "runtime")]
 pub use api::{Discovery, InstanceStream, NamespaceStream, Registration};
 #[cfg(feature = "etcd")]
-pub use etcd::{EtcdConfig, EtcdDiscovery};
+pub use etcd::{EtcdConfig, EtcdDiscovery, HTTP2_PING_INTERVAL, WATCH_PROBE_INTERVAL};
 #[cfg(feature = "runtime")]
 pub use file::{FileConfig, FileDiscovery};
 #[cfg(feature = "runtime")]

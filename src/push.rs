@@ -8,6 +8,9 @@
 //!   [`PushMode::Direct`] and [`PushMode::Kv`] (approximate prefix-aware selection, see
 //!   [`KvSelector`], costed by [`select`]), each with optional session affinity ([`Dispatcher::with_session_affinity`]:
 //!   a session's requests stay on its worker while it stays routable, for a TTL).
+//! - [`WorkerLink`]: the dispatcher's send step, the one seam between choosing a worker and
+//!   reaching it: [`TcpLink`] (the request plane) in production, an in-memory link in the
+//!   simulator, which thereby runs the dispatcher's own select, book, send, retry and release.
 
 mod affinity;
 #[cfg(test)]
@@ -15,10 +18,13 @@ mod booking_tests;
 mod dispatcher;
 mod error;
 mod health;
+pub mod heat;
 mod kv;
 mod kv_feed;
 #[cfg(test)]
 mod kv_feed_tests;
+#[cfg(test)]
+mod link_tests;
 mod load_board;
 #[cfg(test)]
 mod retry_tests;
@@ -30,15 +36,14 @@ mod view;
 pub(crate) use affinity::AffinityTable;
 pub use affinity::{AffinityCounts, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
 pub use dispatcher::{
-    Dispatcher, OverloadCounts, OverloadStats, PushConfig, PushMode, RoutedStream, Selection,
+    Dispatch, Dispatcher, OverloadCounts, OverloadStats, PushConfig, PushMode, RoutedStream,
+    Selection, TcpLink, WorkerLink,
 };
 pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};
-#[cfg(feature = "sim")]
-pub(crate) use kv::mix;
 pub use kv::{block_hashes, KvSelector, DEEP_HOLDERS_LIMIT};
 pub use kv_feed::KvEventCounts;
-pub use load_board::LoadBoard;
+pub use load_board::{LoadBoard, Walk, RECENT_WORK_HALF_LIFE};
 
 /// The former name of [`Dispatcher`] ("router" now names only the prefill router).
 #[deprecated(since = "0.2.0", note = "renamed to `Dispatcher`")]

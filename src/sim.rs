@@ -28,6 +28,7 @@ mod controller;
 mod discovery;
 mod feed;
 pub mod kv_events;
+mod link;
 mod oracle;
 mod pool;
 mod report;

@@ -24,5 +24,5 @@ pub use events::{
     decode_kv_payload, KvEventSink, KvEventSource, KvStreamError, KV_BROADCAST_BATCHES,
     KV_COALESCE, KV_SINK_BATCHES, MAX_KV_BATCH_BYTES,
 };
-pub use server::{serve, serve_with_kv_events, ServerConfig, ServerHandle};
+pub use server::{serve, serve_with_kv_events, DrainReport, ServerConfig, ServerHandle};
 pub use wire::{decode_frame, encode_frame, Frame, DEFAULT_MAX_FRAME_LEN};

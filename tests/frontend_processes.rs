@@ -494,3 +494,298 @@ fn an_overloaded_prefill_pool_answers_503_with_retry_after_and_recovers() {
         "{metrics}"
     );
 }
+
+/// Issue #27 item 2: a rolling restart of every worker (two prefill, two decode) under steady
+/// streaming traffic through `serve` fails no request. Each worker gets a replacement, then
+/// SIGTERM: it deregisters, tells its frontends it is draining (they route new work to the
+/// others without counting a failure), finishes its in-flight streams and exits.
+#[test]
+fn a_rolling_restart_of_every_worker_under_streaming_traffic_fails_nothing() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let cluster = Cluster::new();
+    // 30 tokens at 4 ms: streams of ~120 ms, so every SIGTERM lands on streams in flight.
+    let decode = ["--token-interval-us", "4000"];
+    let prefill = ["--block-cost-us", "2000"];
+    let mut workers = [
+        ("prefill", cluster.worker("prefill", 1, &prefill)),
+        ("prefill", cluster.worker("prefill", 2, &prefill)),
+        ("decode", cluster.worker("decode", DECODE, &decode)),
+        ("decode", cluster.worker("decode", DECODE + 1, &decode)),
+    ];
+    let (_serve, addr) = cluster.serve(&[]);
+    until("active", || {
+        get(addr, "/ready").json()["lifecycle"] == "active"
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..6)
+        .map(|c| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut outcomes = Vec::new();
+                let mut n = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    let prompt = format!("client {c} request {n}: a prompt of a few words");
+                    let r = post(addr, "/v1/chat/completions", &chat(&prompt, 30, true));
+                    let events = r.events();
+                    let tokens = events
+                        .iter()
+                        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+                        .filter(|c| c["choices"][0]["delta"]["content"].is_string())
+                        .count();
+                    let done = events.last().map(String::as_str) == Some("[DONE]");
+                    outcomes.push((r.status, tokens, done, r.body.clone()));
+                }
+                outcomes
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut stopped = Vec::new();
+    for (next_id, (role, worker)) in (10..).zip(workers.iter_mut()) {
+        let role: &str = role;
+        let id = if role == "decode" {
+            DECODE + next_id
+        } else {
+            next_id
+        };
+        let args: &[&str] = if role == "decode" { &decode } else { &prefill };
+        let replacement = cluster.worker(role, id, args);
+        // Let the frontend see the replacement and send it some traffic.
+        std::thread::sleep(Duration::from_millis(400));
+        let old = std::mem::replace(worker, replacement);
+        let (status, event) = old.stop();
+        assert!(status.success(), "{role} worker exits 0: {event}");
+        stopped.push(event);
+        std::thread::sleep(Duration::from_millis(400));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let mut total = 0;
+    let mut failed = Vec::new();
+    for client in clients {
+        for (status, tokens, done, body) in client.join().unwrap() {
+            total += 1;
+            if status != 200 || tokens != 30 || !done {
+                failed.push((status, tokens, done, body));
+            }
+        }
+    }
+    eprintln!(
+        "rolling restart: {total} streams, {} failed; stops: {stopped:?}",
+        failed.len()
+    );
+    assert!(total >= 50, "steady traffic throughout ({total} streams)");
+    assert!(failed.is_empty(), "failed streams: {failed:?}");
+    for event in &stopped {
+        assert_eq!(
+            event["drained"], true,
+            "every worker drained in time: {event}"
+        );
+        assert_eq!(event["cut_connections"], 0, "{event}");
+        assert_eq!(event["cancelled"], 0, "no stream was cut: {event}");
+    }
+    let metrics = get(addr, "/metrics").body;
+    eprintln!(
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("retr") || l.contains("breaker") || l.contains("requests_total"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// Issue #27 item 8: every process is given the whole three-member etcd cluster
+/// (`--discovery etcd://a:1,b:2,c:3`). The member they all start on is killed for good under
+/// streaming traffic: no request fails, and no worker's lease is lost (a watcher on the other
+/// members sees no worker removed). Needs `.ci/etcd-cluster.sh` (`PREFILL_ETCD_CLUSTER`,
+/// `PREFILL_ETCD_CLUSTER_DIR`); the member is started again at the end.
+#[cfg(feature = "etcd")]
+#[test]
+fn three_member_store_a_member_lost_for_good_fails_no_request_and_loses_no_lease() {
+    use prefill_router::discovery::{
+        Discovery, EndpointId, EtcdConfig, EtcdDiscovery, InstanceEvent,
+    };
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let urls = std::env::var("PREFILL_ETCD_CLUSTER").unwrap_or_default();
+    let dir = std::env::var("PREFILL_ETCD_CLUSTER_DIR").unwrap_or_default();
+    if urls.is_empty() || dir.is_empty() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "PREFILL_ETCD_CLUSTER is not set in CI: source .ci/etcd-cluster.sh in .ci/run"
+        );
+        eprintln!("NOTICE: PREFILL_ETCD_CLUSTER unset; skipping the member-list process test");
+        return;
+    }
+    let urls: Vec<String> = urls.split(',').map(str::to_owned).collect();
+    assert_eq!(urls.len(), 3);
+    let dir = std::path::PathBuf::from(dir);
+    let cluster = Cluster::on_etcd_members(&urls);
+    let root = cluster.etcd_root().unwrap().to_owned();
+
+    // A watcher on the members that survive: a lost lease deletes the worker's record.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let removed = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let watcher = runtime.block_on(async {
+        let config = EtcdConfig::new(urls[1..].to_vec()).with_root(root.clone());
+        EtcdDiscovery::connect(config).await.unwrap()
+    });
+    for component in ["prefill", "decode"] {
+        let endpoint = EndpointId::new(&cluster.namespace, component, "generate");
+        let mut watch = runtime.block_on(watcher.watch(&endpoint)).unwrap();
+        let removed = Arc::clone(&removed);
+        runtime.spawn(async move {
+            use futures::StreamExt;
+            while let Some(event) = watch.next().await {
+                if let InstanceEvent::Removed(id) = event {
+                    removed.lock().unwrap().push(id);
+                }
+            }
+        });
+    }
+
+    let _p1 = cluster.worker("prefill", 1, &[]);
+    let _p2 = cluster.worker("prefill", 2, &[]);
+    let _d = cluster.worker("decode", DECODE, &["--token-interval-us", "4000"]);
+    let (_serve, addr) = cluster.serve(&[]);
+    until("active", || {
+        get(addr, "/ready").json()["lifecycle"] == "active"
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut outcomes = Vec::new();
+                let mut n = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    let prompt = format!("client {c} request {n}");
+                    let r = post(addr, "/v1/chat/completions", &chat(&prompt, 20, true));
+                    let done = r.events().last().map(String::as_str) == Some("[DONE]");
+                    outcomes.push((r.status, done, r.body));
+                }
+                outcomes
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(800));
+    // Member 0: first in every process's list, so the one they all use.
+    let pid: i32 = std::fs::read_to_string(dir.join("pid-0"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: kill(2) on the member process the cluster script started.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    let killed = Instant::now();
+    // Three lease TTLs (2 s each) without the member.
+    std::thread::sleep(Duration::from_secs(6));
+    stop.store(true, Ordering::Relaxed);
+    let mut total = 0;
+    let mut failed = Vec::new();
+    for client in clients {
+        for (status, done, body) in client.join().unwrap() {
+            total += 1;
+            if status != 200 || !done {
+                failed.push((status, body));
+            }
+        }
+    }
+    let removed = removed.lock().unwrap().clone();
+    // Bring the member back for whatever runs next on this cluster.
+    let restarted = std::process::Command::new("bash")
+        .arg(dir.join("start-0.sh"))
+        .status()
+        .is_ok_and(|s| s.success());
+    eprintln!(
+        "member lost for good: {total} streams, {} failed, {:?} without it; removed: {removed:?}",
+        failed.len(),
+        killed.elapsed()
+    );
+    assert!(restarted, "member 0 restarts");
+    assert!(total >= 20, "steady traffic ({total} streams)");
+    assert!(failed.is_empty(), "failed: {failed:?}");
+    assert!(removed.is_empty(), "a lease was lost: {removed:?}");
+    // Every worker is still listed, on the surviving members.
+    for (component, count) in [("prefill", 2), ("decode", 1)] {
+        let endpoint = EndpointId::new(&cluster.namespace, component, "generate");
+        let listed = runtime.block_on(watcher.list_instances(&endpoint)).unwrap();
+        assert_eq!(listed.len(), count, "{component}: {listed:?}");
+    }
+}
+
+/// #27 item 11, seen end to end: with one shared system prompt, KV routing over worker
+/// processes once sent none of ~9,800 requests to one of three prefill workers (a long cached
+/// prefix outweighed any queue). The prompt is hot, so its requests spread by load and by the
+/// work recently placed: every worker serves a fair part of them, one request at a time (the
+/// low rate at which bookings are always empty) and in concurrent bursts. (A sticky cost,
+/// overlap weight 8 with neither heat nor recent work, fails it: one worker takes them all.)
+#[test]
+fn a_shared_system_prompt_under_kv_routing_reaches_every_prefill_worker() {
+    let cluster = Cluster::new();
+    let card = prefill_card(&cluster, json!({"router_mode": "kv"}));
+    let _prefill: Vec<Proc> = (1..=3)
+        .map(|id| cluster.worker("prefill", id, &["--card", &card]))
+        .collect();
+    let _d = cluster.worker("decode", DECODE, &[]);
+    let (_serve, addr) = cluster.serve(&[]);
+    let system = "You are a careful assistant for a large company. ".repeat(40);
+    let ask = |n: usize| {
+        let body = json!({
+            "model": "mock-llm",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": format!("question number {n}")},
+            ],
+            "max_tokens": 1,
+        });
+        let r = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "request {n}: {r:?}");
+        prefill_worker(&r)
+    };
+    until("three prefill workers routable", || {
+        let mut seen: Vec<u64> = (0..12).map(|n| ask(10_000 + n)).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        seen == [1, 2, 3]
+    });
+    let mut served = [0usize; 4];
+    for n in 0..60 {
+        served[usize::try_from(ask(n)).unwrap_or(0).min(3)] += 1;
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                s.spawn(move || {
+                    (0..15)
+                        .map(|n| ask(1_000 * (t + 1) + n))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            for w in h.join().unwrap() {
+                served[usize::try_from(w).unwrap_or(0).min(3)] += 1;
+            }
+        }
+    });
+    // 120 requests over 3 workers: a fair share is 40; none may be starved.
+    assert_eq!(served[0], 0, "{served:?}");
+    for w in 1..=3 {
+        assert!(
+            served[w] >= 20,
+            "worker {w} served {} of 120: {served:?}",
+            served[w]
+        );
+    }
+}

@@ -31,13 +31,16 @@ impl std::fmt::Display for SelectionMode {
     }
 }
 
-/// Tuning of the KV (prefix-aware) router. Defaults follow upstream Dynamo.
+/// Tuning of the KV (prefix-aware) router. Defaults follow upstream Dynamo where it has the
+/// term, except the overlap weight; the terms Dynamo lacks (keep credit, recent work) come
+/// from the replay (docs/router.md, "KV cost").
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct KvRouterConfig {
-    /// Weight of a request's uncached blocks on a worker in the KV cost (upstream default
-    /// 1.0): `cost = overlap_score_weight × uncached blocks + prefill_load_scale × booked
-    /// blocks`, lowest wins (docs/router.md, "KV cost").
+    /// Weight of a request's uncached blocks on a worker in the KV cost (default 0.25, upstream
+    /// 1.0): the credit a *hot* prefix keeps, `cost = overlap_score_weight × uncached blocks +
+    /// prefill_load_scale × (booked + recent work) blocks − keep credit`, lowest wins
+    /// (docs/router.md, "KV cost").
     pub overlap_score_weight: f64,
     /// Weight of the prefill work already booked on a worker in the KV cost (default 1.0: the
     /// cost is then the expected prefill work ahead of the request's first token).
@@ -50,6 +53,18 @@ pub struct KvRouterConfig {
     /// routable worker is skipped, however much of the prompt it holds (default `None`: no
     /// slack rule; the replay found it costs the conversation trace its reuse).
     pub balance_slack_tokens: Option<u64>,
+    /// Keep credit: extra credit, in blocks, per cached block of a *cold* prefix (one few
+    /// recent picks were credited with), fading by half with each recent pick credited with
+    /// the same prefix. It keeps a conversation on the worker holding its history and lets a
+    /// hot system prompt spread by load (docs/router.md, "KV cost"; 0: off).
+    pub prefill_keep_credit: f64,
+    /// Half-life of a prefix's heat, in picks (the selection has no clock): how soon a prefix
+    /// no pick is credited with counts as cold again.
+    pub prefill_heat_half_life: u32,
+    /// Weight of a worker's recent work (the work placed on it, decaying by half every 256
+    /// picks) next to its booked work: at a low request rate bookings are nearly always empty,
+    /// and this is what still spreads new sessions over the pool (0: off).
+    pub prefill_recent_work_weight: f64,
     /// Busy threshold: a worker with at least this many uncached prompt tokens booked is
     /// skipped; when every routable worker is, the request waits for room up to the router's
     /// overload wait and then fails as overloaded (default `None`: no threshold). Overridable
@@ -67,14 +82,31 @@ pub struct KvRouterConfig {
 impl Default for KvRouterConfig {
     fn default() -> Self {
         KvRouterConfig {
-            overlap_score_weight: 1.0,
+            overlap_score_weight: 0.25,
             prefill_load_scale: 1.0,
             prefill_request_tokens: 4096,
             balance_slack_tokens: None,
+            prefill_keep_credit: 31.0,
+            prefill_heat_half_life: 32,
+            prefill_recent_work_weight: 0.3,
             busy_threshold_tokens: None,
             router_temperature: 0.0,
             use_kv_events: true,
             router_track_active_blocks: true,
+        }
+    }
+}
+
+impl KvRouterConfig {
+    /// The defaults without keep credit or recent work, and with upstream's overlap weight
+    /// (1.0): overlap against booked work alone, the cost before those terms (what the
+    /// side-by-side rows of docs/performance.md compare against).
+    pub fn load_only() -> Self {
+        KvRouterConfig {
+            overlap_score_weight: 1.0,
+            prefill_keep_credit: 0.0,
+            prefill_recent_work_weight: 0.0,
+            ..KvRouterConfig::default()
         }
     }
 }

@@ -134,7 +134,10 @@ fn rule5_advertised_tuning_replaces_decode_tuning_whole() {
     // The card names a mode without restating tuning: it gets the defaults, not a merge.
     let cfg = resolve(&[advertised(SelectionMode::KV)], &decode).unwrap();
     let kv = cfg.kv_router_config.unwrap();
-    assert_eq!(kv.overlap_score_weight, 1.0);
+    assert_eq!(
+        kv.overlap_score_weight,
+        KvRouterConfig::default().overlap_score_weight
+    );
     assert_eq!(kv.router_temperature, 0.0);
     assert!(kv.use_kv_events);
 }
@@ -268,9 +271,13 @@ fn minimal_card_round_trips_and_defaults_apply() {
 }
 
 #[test]
-fn kv_router_config_defaults_match_upstream() {
+fn kv_router_config_defaults_match_upstream_where_the_replay_did_not_say_otherwise() {
     let d = KvRouterConfig::default();
-    assert_eq!(d.overlap_score_weight, 1.0);
+    // Upstream's overlap weight is 1.0; ours is the credit a hot prefix keeps, 0.25, with the
+    // keep credit and recent work beside it (docs/router.md, "KV cost").
+    assert_eq!(d.overlap_score_weight, 0.25);
+    assert_eq!(d.prefill_keep_credit, 31.0);
+    assert_eq!(d.prefill_recent_work_weight, 0.3);
     assert_eq!(d.router_temperature, 0.0);
     assert!(d.use_kv_events);
     assert!(d.router_track_active_blocks);

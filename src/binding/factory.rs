@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::Instrument;
 
+use super::TokenLoad;
 use crate::advert::{self, DecodeDefaults, PrefillConfig};
 use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::hooks::FactoryHooks;
@@ -207,28 +208,6 @@ pub struct PrefillBinding {
     inflight_tokens: Arc<AtomicU64>,
     /// Stops the view's discovery feed when the binding goes.
     _feed: DropGuard,
-}
-
-/// Counts `tokens` in a binding's in-flight prefill tokens until dropped.
-pub(crate) struct TokenLoad {
-    counter: Arc<AtomicU64>,
-    tokens: u64,
-}
-
-impl TokenLoad {
-    pub(crate) fn new(counter: &Arc<AtomicU64>, tokens: u64) -> Self {
-        counter.fetch_add(tokens, Ordering::Relaxed);
-        TokenLoad {
-            counter: Arc::clone(counter),
-            tokens,
-        }
-    }
-}
-
-impl Drop for TokenLoad {
-    fn drop(&mut self) {
-        self.counter.fetch_sub(self.tokens, Ordering::Relaxed);
-    }
 }
 
 /// What a [`PrefillBinding`]'s pick holds until its dispatch: the dispatcher's selection (the

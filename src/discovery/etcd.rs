@@ -18,10 +18,19 @@
 //!   would keep sending a share of calls, and whole lease and watch streams, to a member that
 //!   is stalled (a stopped or partitioned process still accepts TCP connections), until HTTP/2
 //!   pings notice: long enough to lose a lease (the cluster fault suite showed it).
+//! - Liveness within etcd's default keep-alive policy (`--grpc-keepalive-min-time` 5 s, no
+//!   pings without an open stream): HTTP/2 pings only while a stream is open and at most every
+//!   [`HTTP2_PING_INTERVAL`] (a faster pinger gets GOAWAY `too_many_pings`, which drops the
+//!   connection and every watch on it). A stalled member is noticed by the streams themselves:
+//!   a watch asks for a progress report ([`WATCH_PROBE_INTERVAL`] after it last heard
+//!   anything; an application message, not a ping) and takes two unanswered asks as a broken
+//!   stream; a lease renewal has a deadline.
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 use tokio::sync::oneshot;
@@ -33,6 +42,16 @@ use super::record::encode_record;
 use super::store::{Backend, Gap, Leased, Listing};
 use super::{DiscoveryError, Instance};
 use crate::advert::ModelCard;
+
+/// The least time between two HTTP/2 pings on a connection to etcd, which pings only while a
+/// stream (a watch, a lease keep-alive) is open. etcd's `--grpc-keepalive-min-time` (default
+/// 5 s) must not exceed it: etcd answers pings faster than that with GOAWAY `too_many_pings`.
+pub const HTTP2_PING_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How long a watch waits, after it last heard from etcd, before it asks for a progress report
+/// (at most: a shorter [`EtcdConfig::request_timeout`] shortens it). Two unanswered asks in a
+/// row break the stream, and it is reopened on the next member. Needs etcd 3.4 or later.
+pub const WATCH_PROBE_INTERVAL: Duration = Duration::from_secs(2);
 
 /// How to reach etcd, where the records live, and lease timing.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -178,14 +197,14 @@ impl EtcdDiscovery {
     /// Connect to etcd: one lazily connected client per endpoint (a member that is down
     /// now is tried when the pin reaches it). Fails on an empty or malformed endpoint list.
     pub async fn connect(config: EtcdConfig) -> Result<Self, DiscoveryError> {
-        // A stalled member holds a stream until two pings go unanswered: at most 2 s each,
-        // less with a shorter request timeout.
-        let ping = config.request_timeout.min(Duration::from_secs(2));
         let options = ConnectOptions::new()
             .with_connect_timeout(config.request_timeout)
-            // HTTP/2 pings notice a silently dead server, so streams break and get reopened.
-            .with_keep_alive(ping, ping)
-            .with_keep_alive_while_idle(true)
+            // HTTP/2 pings notice a silently dead connection, within etcd's keep-alive policy:
+            // no faster than its default minimum (5 s) and never on a connection without an
+            // open stream (etcd allows none there). Stalled members are found by the watches'
+            // progress probes and the renewals' deadlines instead (module docs).
+            .with_keep_alive(HTTP2_PING_INTERVAL, config.request_timeout)
+            .with_keep_alive_while_idle(false)
             // A member cut off from the quorum refuses, rather than serving a stale view.
             .with_require_leader(true);
         if config.endpoints.is_empty() {
@@ -480,6 +499,19 @@ pub(crate) struct EtcdCursor {
     /// The full prefix, root included.
     prefix: String,
     stream: Option<etcd_client::WatchStream>,
+    /// The member the stream is on.
+    member: usize,
+    /// When the stream last delivered anything (events or a progress report).
+    heard: Instant,
+    /// Progress reports asked for since then.
+    asked: u32,
+}
+
+impl EtcdCursor {
+    /// When to ask for the next progress report, or give up on the stream (`asked` ≥ 2).
+    fn probe_at(&self, interval: Duration) -> Instant {
+        self.heard + interval * (self.asked + 1)
+    }
 }
 
 impl EtcdDiscovery {
@@ -507,6 +539,9 @@ impl Backend for EtcdDiscovery {
         EtcdCursor {
             prefix: self.full_key(&prefix),
             stream: None,
+            member: 0,
+            heard: Instant::now(),
+            asked: 0,
         }
     }
 
@@ -531,14 +566,45 @@ impl Backend for EtcdDiscovery {
             .await
             .inspect_err(|_| self.members.failed(member))?;
         cursor.stream = Some(stream);
+        cursor.member = member;
+        cursor.heard = Instant::now();
+        cursor.asked = 0;
         Ok(relative_kvs(&self.config.root, resp.kvs()))
     }
 
     async fn changes(&self, cursor: &mut EtcdCursor, out: &mut Vec<RawEvent>) -> Result<(), Gap> {
-        let Some(stream) = cursor.stream.as_mut() else {
-            return Err(Gap::Missed);
+        let interval = self.config.request_timeout.min(WATCH_PROBE_INTERVAL);
+        let limit = self.config.request_timeout;
+        let received = loop {
+            let probe_at = cursor.probe_at(interval);
+            let Some(stream) = cursor.stream.as_mut() else {
+                return Err(Gap::Missed);
+            };
+            tokio::select! {
+                // Cancel-safe: the stream keeps what it buffered.
+                received = stream.message() => break received,
+                _ = tokio::time::sleep_until(probe_at) => {}
+            }
+            if cursor.asked >= 2 {
+                // A stalled member accepts the asks but answers nothing: move the pin on.
+                self.members.failed(cursor.member);
+                return Err(Gap::Broken(DiscoveryError::Etcd(format!(
+                    "watch stalled: no progress report in {:?}",
+                    cursor.heard.elapsed()
+                ))));
+            }
+            cursor.asked += 1;
+            let asked = tokio::time::timeout(limit, stream.request_progress()).await;
+            if !matches!(asked, Ok(Ok(()))) {
+                self.members.failed(cursor.member);
+                return Err(Gap::Broken(DiscoveryError::Etcd(
+                    "watch stream cannot take a progress request".into(),
+                )));
+            }
         };
-        let resp = match stream.message().await {
+        cursor.heard = Instant::now();
+        cursor.asked = 0;
+        let resp = match received {
             Ok(Some(resp)) => resp,
             Ok(None) => {
                 return Err(Gap::Broken(DiscoveryError::Etcd(

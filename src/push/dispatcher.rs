@@ -1,22 +1,19 @@
 //! The dispatcher.
 
 mod booking;
+mod link;
+mod routed;
 mod sessions;
 
-use std::collections::HashMap;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures_core::Stream;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::affinity::{AffinityCounts, AffinityOutcome, AffinityStats, AffinityTable};
 use super::error::{Attempt, PushError, RetryCounts};
-use super::health::failure_class;
 use super::kv::{block_hashes, mix, KvSelector};
 use super::kv_feed::{KvEventCounts, KvFeed};
 use super::select::Choice;
@@ -26,11 +23,12 @@ use crate::discovery::{Instance, InstanceId};
 use crate::health::{BackoffPolicy, FailureClass};
 use crate::hooks::DispatchHooks;
 use crate::kv_events::{Applied, EventBatch};
-use crate::transport::{
-    ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
-};
+use crate::transport::{ClientConfig, GenerateRequest, TransportError};
 use booking::{Booking, Bookings};
 pub use booking::{OverloadCounts, OverloadStats};
+pub use link::{Dispatch, TcpLink, WorkerLink};
+use routed::classify;
+pub use routed::{RoutedStream, Selection};
 
 /// How the router picks an instance.
 #[derive(Clone, Debug, PartialEq)]
@@ -120,13 +118,15 @@ impl Default for PushConfig {
 /// No busy threshold, in [`Dispatcher`]'s atomic.
 const NO_THRESHOLD: u64 = u64::MAX;
 
-/// Routes requests to instances of a [`RoutableView`] over the request plane. Share it behind
-/// an `Arc`; all methods take `&self`.
-pub struct Dispatcher {
+/// Routes requests to instances of a [`RoutableView`], sending them through its link `L`: the
+/// request plane ([`TcpLink`]) unless built [`with_link`](Dispatcher::with_link). Share it
+/// behind an `Arc`; all methods take `&self`.
+pub struct Dispatcher<L = TcpLink> {
     view: RoutableView,
     mode: PushMode,
     config: PushConfig,
-    connections: Mutex<HashMap<InstanceId, Connection>>,
+    /// How an attempt reaches its worker (see [`WorkerLink`]).
+    link: L,
     next: AtomicUsize,
     rng: AtomicU64,
     kv: Option<Arc<Mutex<KvSelector>>>,
@@ -163,7 +163,7 @@ pub(super) struct Pick {
     pub(super) booking: Option<Booking>,
 }
 
-impl std::fmt::Debug for Dispatcher {
+impl<L> std::fmt::Debug for Dispatcher<L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Dispatcher")
             .field("mode", &self.mode)
@@ -172,9 +172,44 @@ impl std::fmt::Debug for Dispatcher {
     }
 }
 
-impl Dispatcher {
-    /// A router over `view` in `mode`.
+impl Dispatcher<TcpLink> {
+    /// A router over `view` in `mode`, sending over the request plane (in KV mode its
+    /// connections also carry the workers' KV events into the selector).
     pub fn new(view: RoutableView, mode: PushMode, config: PushConfig) -> Self {
+        let client = config.client.clone();
+        Self::build(view, mode, config, |view, feed| {
+            TcpLink::new(client, view.clone(), feed.cloned())
+        })
+    }
+
+    /// A dispatcher running the mutant that keeps a worker's KV index entries across a
+    /// reconnect or a closed connection.
+    #[cfg(test)]
+    pub(crate) fn with_keep_kv_on_reconnect_mutant(mut self) -> Self {
+        self.hooks = DispatchHooks::keep_kv_on_reconnect();
+        self.kv_feed = self
+            .kv
+            .as_ref()
+            .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), self.view.clone(), self.hooks)));
+        self.link.set_kv_feed(self.kv_feed.clone());
+        self
+    }
+}
+
+impl<L: WorkerLink> Dispatcher<L> {
+    /// A router over `view` in `mode` that sends through `link` (an in-memory transport, as
+    /// the simulator's). The link carries no KV events: feed them with
+    /// [`apply_kv_events`](Self::apply_kv_events).
+    pub fn with_link(view: RoutableView, mode: PushMode, config: PushConfig, link: L) -> Self {
+        Self::build(view, mode, config, |_, _| link)
+    }
+
+    fn build(
+        view: RoutableView,
+        mode: PushMode,
+        config: PushConfig,
+        link: impl FnOnce(&RoutableView, Option<&Arc<KvFeed>>) -> L,
+    ) -> Self {
         let threshold = match &mode {
             PushMode::Kv { config: kv, .. } => kv.busy_threshold_tokens,
             _ => None,
@@ -194,12 +229,13 @@ impl Dispatcher {
         let kv_feed = kv
             .as_ref()
             .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), view.clone(), hooks)));
+        let link = link(&view, kv_feed.as_ref());
         Dispatcher {
             rng: AtomicU64::new(config.seed),
             view,
             mode,
             config,
-            connections: Mutex::new(HashMap::new()),
+            link,
             next: AtomicUsize::new(0),
             kv,
             kv_feed,
@@ -281,18 +317,6 @@ impl Dispatcher {
     #[cfg(test)]
     pub(crate) fn with_affinity_ignores_routable_mutant(mut self) -> Self {
         self.hooks = DispatchHooks::affinity_ignores_routable();
-        self
-    }
-
-    /// A dispatcher running the mutant that keeps a worker's KV index entries across a
-    /// reconnect or a closed connection.
-    #[cfg(test)]
-    pub(crate) fn with_keep_kv_on_reconnect_mutant(mut self) -> Self {
-        self.hooks = DispatchHooks::keep_kv_on_reconnect();
-        self.kv_feed = self
-            .kv
-            .as_ref()
-            .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), self.view.clone(), self.hooks)));
         self
     }
 
@@ -410,19 +434,6 @@ impl Dispatcher {
             .map(|p| p.instance)
     }
 
-    /// [`select_excluding`](Self::select_excluding) with the leading blocks the KV pick
-    /// credited the instance with (`None` outside KV mode): the simulator's stale-credit oracle
-    /// compares it with the worker's real cache.
-    #[cfg(feature = "sim")]
-    pub(crate) fn select_excluding_with_overlap(
-        &self,
-        request: &GenerateRequest,
-        excluded: &[InstanceId],
-    ) -> Result<(Arc<Instance>, Option<usize>), PushError> {
-        self.select_with_overlap(request, excluded)
-            .map(|p| (p.instance, p.overlap))
-    }
-
     pub(super) fn select_with_overlap(
         &self,
         request: &GenerateRequest,
@@ -512,6 +523,7 @@ impl Dispatcher {
                         Choice::Empty => return Err(PushError::NoRoutableInstances),
                     };
                 kv.record(&hashes, candidate.id);
+                kv.record_credit(&hashes, candidate.overlap);
                 let booked = kv.cost().booking(uncached);
                 drop(kv);
                 let instance = board
@@ -585,7 +597,10 @@ impl Dispatcher {
     /// arrived, nothing is retried. A request tried
     /// once fails with its own error; after retries, with [`PushError::Exhausted`] listing
     /// every attempt. `Direct` mode never retries.
-    pub async fn generate(&self, request: GenerateRequest) -> Result<RoutedStream, PushError> {
+    pub async fn generate(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<RoutedStream<L::Stream>, PushError> {
         let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
         let budget = if matches!(self.mode, PushMode::Direct(_)) {
             0
@@ -596,6 +611,8 @@ impl Dispatcher {
             let pick = self.select_or_wait(&request, &[], deadline).await?;
             return self.dispatch(pick, request, deadline).await;
         }
+        // `excluded` stays the workers failed so far, in order (bar the test mutant that
+        // reuses them), which is what the link is told.
         let mut attempts: Vec<Attempt> = Vec::new();
         let mut excluded: Vec<InstanceId> = Vec::new();
         let mut request = Some(request);
@@ -617,7 +634,11 @@ impl Dispatcher {
                 request.clone()
             }
             .unwrap_or_default();
-            let failure = match self.dispatch_classified(pick, this, deadline).await {
+            let attempt = u32::try_from(attempts.len()).unwrap_or(u32::MAX);
+            let sent = self
+                .dispatch_classified(pick, this, deadline, (attempt, &excluded))
+                .await;
+            let failure = match sent {
                 // Every attempt reads its first item ahead, the last one too: a request that was
                 // retried ends with one error listing its attempts, never a stream error.
                 Ok(mut stream) => match stream.peek().await {
@@ -649,7 +670,7 @@ impl Dispatcher {
         &self,
         instance: InstanceId,
         request: GenerateRequest,
-    ) -> Result<RoutedStream, PushError> {
+    ) -> Result<RoutedStream<L::Stream>, PushError> {
         let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
         let target = self.direct_target(instance)?;
         let pick = Pick {
@@ -661,23 +682,27 @@ impl Dispatcher {
         self.dispatch(pick, request, deadline).await
     }
 
+    /// A request's only attempt (no retries).
     async fn dispatch(
         &self,
         pick: Pick,
         request: GenerateRequest,
         deadline: Option<Instant>,
-    ) -> Result<RoutedStream, PushError> {
-        self.dispatch_classified(pick, request, deadline)
+    ) -> Result<RoutedStream<L::Stream>, PushError> {
+        self.dispatch_classified(pick, request, deadline, (0, &[]))
             .await
             .map_err(|(e, _)| e)
     }
 
+    /// Send one attempt (number `attempt`, after failing on `failed`) of `request` through
+    /// the link to the picked instance; the pick's booking then lives in the stream.
     async fn dispatch_classified(
         &self,
         pick: Pick,
         request: GenerateRequest,
         deadline: Option<Instant>,
-    ) -> Result<RoutedStream, (PushError, FailureClass)> {
+        (attempt, failed): (u32, &[InstanceId]),
+    ) -> Result<RoutedStream<L::Stream>, (PushError, FailureClass)> {
         let Pick {
             instance,
             overlap,
@@ -685,10 +710,14 @@ impl Dispatcher {
             booking,
         } = pick;
         let id = instance.instance_id;
-        let send = async {
-            let conn = self.connection(&instance).await?;
-            conn.generate(request, deadline).await
+        let dispatch = Dispatch {
+            instance: &instance,
+            attempt,
+            failed,
+            expected_overlap_blocks: overlap,
+            affinity,
         };
+        let send = self.link.open(dispatch, request, deadline);
         let sent = match deadline {
             Some(d) => tokio::time::timeout_at(d, send)
                 .await
@@ -706,48 +735,6 @@ impl Dispatcher {
                 _booking: booking,
             }),
             Err(e) => Err(classify(&self.view, id, e)),
-        }
-    }
-
-    /// The open connection to `instance`, or a new one.
-    async fn connection(&self, instance: &Instance) -> Result<Connection, TransportError> {
-        let id = instance.instance_id;
-        {
-            let conns = self.connections.lock();
-            if let Some(c) = conns.get(&id) {
-                if !c.is_closed() && c.peer_addr() == instance.address {
-                    return Ok(c.clone());
-                }
-            }
-        }
-        let client = self.config.client.clone();
-        let (fresh, generation) = match &self.kv_feed {
-            // KV mode: the connection carries the worker's KV events too.
-            Some(feed) => {
-                let (sink, generation) = feed.sink(id);
-                let conn =
-                    Connection::connect_with_kv_events(instance.address, client, sink).await?;
-                (conn, Some(generation))
-            }
-            None => (Connection::connect(instance.address, client).await?, None),
-        };
-        let mut conns = self.connections.lock();
-        // Drop connections of instances that left discovery, so the pool stays bounded by the
-        // discovered set.
-        conns.retain(|k, c| !c.is_closed() && self.view.is_discovered(*k));
-        match conns.get(&id) {
-            // Another caller connected concurrently: share theirs, ours closes on drop (and its
-            // event stream, never adopted, changes nothing).
-            Some(c) if !c.is_closed() && c.peer_addr() == instance.address => Ok(c.clone()),
-            _ => {
-                conns.insert(id, fresh.clone());
-                // A new connection starts the worker's index entries afresh: events between
-                // the old stream's end and this one's start may be lost.
-                if let (Some(feed), Some(generation)) = (&self.kv_feed, generation) {
-                    feed.adopt(id, generation);
-                }
-                Ok(fresh)
-            }
         }
     }
 
@@ -795,7 +782,7 @@ impl Dispatcher {
         if let Some(feed) = &self.kv_feed {
             feed.forget(id);
         }
-        self.connections.lock().remove(&id);
+        self.link.forget(id);
     }
 }
 
@@ -806,162 +793,5 @@ fn exhausted(mut attempts: Vec<Attempt>, none_left: PushError) -> PushError {
         0 => none_left,
         1 => attempts.pop().map_or(none_left, |a| a.error),
         _ => PushError::Exhausted { attempts },
-    }
-}
-
-/// Map a transport failure to a router error and its class, and report it to the instance's
-/// breaker (which opens only on a connection-level failure, per [`failure_class`]).
-fn classify(
-    view: &RoutableView,
-    instance: InstanceId,
-    error: TransportError,
-) -> (PushError, FailureClass) {
-    let class = failure_class(&error);
-    view.report_failure(instance, class);
-    let error = match error {
-        TransportError::Timeout => PushError::Timeout { instance },
-        TransportError::Remote(_) | TransportError::RequestTooLarge { .. } => {
-            PushError::Transport {
-                instance,
-                source: error,
-            }
-        }
-        _ => {
-            if view.is_discovered(instance) {
-                PushError::Transport {
-                    instance,
-                    source: error,
-                }
-            } else {
-                PushError::InstanceGone(instance)
-            }
-        }
-    };
-    (error, class)
-}
-
-/// A pick of [`Dispatcher::select_held`]: the instance, and the work booked on it until
-/// dropped.
-pub struct Selection {
-    instance: Arc<Instance>,
-    overlap: Option<usize>,
-    affinity: Option<AffinityOutcome>,
-    booking: Option<Booking>,
-}
-
-impl From<Pick> for Selection {
-    fn from(pick: Pick) -> Self {
-        Selection {
-            instance: pick.instance,
-            overlap: pick.overlap,
-            affinity: pick.affinity,
-            booking: pick.booking,
-        }
-    }
-}
-
-impl std::fmt::Debug for Selection {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Selection")
-            .field("instance", &self.instance.instance_id)
-            .field("overlap", &self.overlap)
-            .finish()
-    }
-}
-
-impl Selection {
-    /// The picked instance.
-    pub fn instance(&self) -> &Arc<Instance> {
-        &self.instance
-    }
-
-    /// In KV mode, the leading blocks the selector expected the worker to have cached.
-    pub fn expected_overlap_blocks(&self) -> Option<usize> {
-        self.overlap
-    }
-
-    /// How session affinity decided the pick (`None`: no session key, or affinity off).
-    pub fn affinity(&self) -> Option<AffinityOutcome> {
-        self.affinity
-    }
-
-    /// The prefill work (uncached prompt tokens) this pick booked on the instance (KV mode).
-    pub fn booked_work(&self) -> Option<u64> {
-        self.booking.as_ref().map(Booking::amount)
-    }
-}
-
-/// The responses of a routed request, and which instance serves it. Dropping it cancels the
-/// request at the worker.
-pub struct RoutedStream {
-    instance: InstanceId,
-    overlap: Option<usize>,
-    affinity: Option<AffinityOutcome>,
-    inner: ResponseStream,
-    view: RoutableView,
-    /// The first item, read ahead by a retrying `generate` (`Some(None)`: the stream ended).
-    peeked: Option<Option<Result<GenerateResponse, PushError>>>,
-    _booking: Option<Booking>,
-}
-
-impl std::fmt::Debug for RoutedStream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RoutedStream")
-            .field("instance", &self.instance)
-            .field("overlap", &self.overlap)
-            .finish()
-    }
-}
-
-impl RoutedStream {
-    /// The instance serving this request.
-    pub fn instance_id(&self) -> InstanceId {
-        self.instance
-    }
-
-    /// In KV mode, the leading blocks the selector expected the worker to have cached.
-    pub fn expected_overlap_blocks(&self) -> Option<usize> {
-        self.overlap
-    }
-
-    /// How session affinity decided the pick (`None`: no session key, or affinity off).
-    pub fn affinity(&self) -> Option<AffinityOutcome> {
-        self.affinity
-    }
-
-    /// Read the first item ahead. An error is returned with its class (the stream is then
-    /// spent); a response or the end is kept for the caller.
-    async fn peek(&mut self) -> Option<(PushError, FailureClass)> {
-        use futures_util::StreamExt;
-        match self.inner.next().await {
-            Some(Err(e)) => Some(classify(&self.view, self.instance, e)),
-            Some(Ok(response)) => {
-                self.peeked = Some(Some(Ok(response)));
-                None
-            }
-            None => {
-                self.peeked = Some(None);
-                None
-            }
-        }
-    }
-}
-
-impl Stream for RoutedStream {
-    type Item = Result<GenerateResponse, PushError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = &mut *self;
-        if let Some(first) = this.peeked.take() {
-            return Poll::Ready(first);
-        }
-        match Pin::new(&mut this.inner).poll_next(cx) {
-            Poll::Ready(Some(Err(e))) => {
-                Poll::Ready(Some(Err(classify(&this.view, this.instance, e).0)))
-            }
-            Poll::Ready(Some(Ok(r))) => Poll::Ready(Some(Ok(r))),
-            Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
-        }
     }
 }

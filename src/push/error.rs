@@ -57,6 +57,32 @@ pub enum PushError {
     },
 }
 
+impl PushError {
+    /// Whether the request failed for want of any reachable worker: nothing was routable, or
+    /// every attempt failed at the connection level (refused, reset, a dead stream, garbage:
+    /// the classes that [count against health](FailureClass::counts_against_health)), or its
+    /// only target left discovery. False when a worker answered (an engine error, overload, a
+    /// draining worker) or the deadline passed: those are not the pool being unreachable. A
+    /// caller with a fallback for an unreachable pool (prefill on the decode worker) keys on it.
+    pub fn no_reachable_worker(&self) -> bool {
+        match self {
+            PushError::NoRoutableInstances | PushError::InstanceGone(_) => true,
+            PushError::Transport { source, .. } => {
+                super::failure_class(source).counts_against_health()
+            }
+            PushError::Exhausted { attempts } => {
+                !attempts.is_empty()
+                    && attempts
+                        .iter()
+                        .all(|a| a.class.counts_against_health() || a.error.no_reachable_worker())
+            }
+            PushError::DirectTargetNotRoutable(_)
+            | PushError::Timeout { .. }
+            | PushError::Overloaded { .. } => false,
+        }
+    }
+}
+
 fn last_error(attempts: &[Attempt]) -> String {
     attempts
         .last()
@@ -116,5 +142,73 @@ impl RetryCounts {
     /// Retries of any class.
     pub fn total(&self) -> u64 {
         FailureClass::ALL.into_iter().map(|c| self.get(c)).sum()
+    }
+}
+
+#[cfg(test)]
+mod unreachable_tests {
+    use super::*;
+    use crate::transport::RemoteError;
+
+    fn transport(source: TransportError) -> PushError {
+        PushError::Transport {
+            instance: 1,
+            source,
+        }
+    }
+
+    fn attempt(class: FailureClass, error: PushError) -> Attempt {
+        Attempt {
+            instance: 1,
+            class,
+            error,
+        }
+    }
+
+    #[test]
+    fn a_pool_with_no_reachable_worker_is_told_apart_from_a_worker_that_answered() {
+        let refused = transport(TransportError::Connect {
+            addr: ([127, 0, 0, 1], 1).into(),
+            reason: "refused".into(),
+        });
+        let reset = transport(TransportError::Disconnected {
+            reason: "reset".into(),
+        });
+        let overloaded = transport(TransportError::Remote(RemoteError::Overloaded));
+        assert!(PushError::NoRoutableInstances.no_reachable_worker());
+        assert!(PushError::InstanceGone(3).no_reachable_worker());
+        assert!(refused.no_reachable_worker());
+        assert!(reset.no_reachable_worker());
+        assert!(PushError::Exhausted {
+            attempts: vec![
+                attempt(FailureClass::ConnectionRefused, refused.clone()),
+                attempt(FailureClass::ConnectionReset, reset.clone()),
+            ]
+        }
+        .no_reachable_worker());
+        // One worker answered: the pool is reachable.
+        assert!(!PushError::Exhausted {
+            attempts: vec![
+                attempt(FailureClass::ConnectionRefused, refused),
+                attempt(FailureClass::Overloaded, overloaded.clone()),
+            ]
+        }
+        .no_reachable_worker());
+        for answered in [
+            overloaded,
+            transport(TransportError::Draining),
+            transport(TransportError::Remote(RemoteError::Engine {
+                message: "bad".into(),
+            })),
+            transport(TransportError::Timeout),
+            PushError::Timeout { instance: 1 },
+            PushError::Overloaded {
+                threshold: 1,
+                waited: std::time::Duration::ZERO,
+            },
+            PushError::DirectTargetNotRoutable(1),
+        ] {
+            assert!(!answered.no_reachable_worker(), "{answered:?}");
+        }
     }
 }

@@ -81,8 +81,12 @@ pub fn failure_class(error: &TransportError) -> FailureClass {
         TransportError::Frame(_) => FailureClass::StreamDead,
         TransportError::RequestTooLarge { .. } => FailureClass::Rejected,
         TransportError::Timeout => FailureClass::Deadline,
+        // A draining worker is alive and finishing its work; the request was not started, so
+        // it goes elsewhere like an overloaded worker's, and no breaker opens. (Dispatchers
+        // avoid draining workers: this is the rare request that raced the announcement.)
+        TransportError::Draining => FailureClass::Overloaded,
         TransportError::Remote(remote) => match remote {
-            RemoteError::Overloaded => FailureClass::Overloaded,
+            RemoteError::Overloaded | RemoteError::Draining => FailureClass::Overloaded,
             RemoteError::DeadlineExceeded => FailureClass::Deadline,
             // The worker answered: it is alive, the request is what failed.
             RemoteError::Engine { .. } | RemoteError::ResponseTooLarge => FailureClass::Rejected,

@@ -8,7 +8,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::load_board::LoadBoard;
+use super::heat::PrefixHeat;
+use super::load_board::{LoadBoard, Walk};
 use super::select::{self, is_busy, Candidate, Choice, KvCost};
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
@@ -71,6 +72,8 @@ pub struct KvSelector {
     tick: u64,
     /// The real caches of the workers that publish events.
     index: KvIndex,
+    /// How many recent picks were credited with each prefix: scales the keep credit.
+    heat: PrefixHeat,
     /// [`select_on`](Self::select_on) lists the holders of a request's blocks from the first
     /// block held by at most this many workers (see [`KvIndex::deep_overlaps`]).
     deep_limit: usize,
@@ -78,6 +81,22 @@ pub struct KvSelector {
     /// the widely held prefix were held by nobody).
     #[cfg(test)]
     ignore_shallow: bool,
+    /// The mutants of the keep credit and recent work (see [`CostMutant`]).
+    #[cfg(test)]
+    mutant: Option<CostMutant>,
+}
+
+/// Deliberately broken variants of the keep credit, heat and recent work, each caught by a
+/// test (docs/properties.md, K2).
+#[cfg(test)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CostMutant {
+    /// The walk's floor forgets the keep credit: it stops before a cold shallow holder.
+    FloorIgnoresKeep,
+    /// A load whose recent work cannot win ends the whole walk, not just that load.
+    RecentStopsWalk,
+    /// Every prefix counts as cold: heat never fades the keep credit.
+    IgnoresHeat,
 }
 
 /// The default of [`KvSelector`]'s deep limit: holders of a block held more widely (a system
@@ -108,15 +127,20 @@ impl KvSelector {
                 config.router_temperature,
             )
             .with_request_overhead(config.prefill_request_tokens)
-            .with_balance_slack(config.balance_slack_tokens),
+            .with_balance_slack(config.balance_slack_tokens)
+            .with_keep_credit(config.prefill_keep_credit)
+            .with_recent_weight(config.prefill_recent_work_weight),
             capacity: capacity.max(1),
             entries: HashMap::default(),
             order: VecDeque::new(),
             tick: 0,
             index: KvIndex::default(),
+            heat: PrefixHeat::new(config.prefill_heat_half_life),
             deep_limit: DEEP_HOLDERS_LIMIT,
             #[cfg(test)]
             ignore_shallow: false,
+            #[cfg(test)]
+            mutant: None,
         }
     }
 
@@ -124,6 +148,13 @@ impl KvSelector {
     #[cfg(test)]
     pub(crate) fn ignoring_shallow_blocks(mut self) -> Self {
         self.ignore_shallow = true;
+        self
+    }
+
+    /// The selector with `mutant` (see [`CostMutant`]).
+    #[cfg(test)]
+    pub(crate) fn with_cost_mutant(mut self, mutant: CostMutant) -> Self {
+        self.mutant = Some(mutant);
         self
     }
 
@@ -150,6 +181,62 @@ impl KvSelector {
     /// The index of the publishing workers' caches.
     pub fn index(&self) -> &KvIndex {
         &self.index
+    }
+
+    /// The heat of the prefixes recent picks were credited with.
+    pub fn heat(&self) -> &PrefixHeat {
+        &self.heat
+    }
+
+    /// The coldness of the deepest of the `overlap` leading blocks of `hashes` (1 for none).
+    fn coldness(&self, hashes: &[u64], overlap: usize) -> f64 {
+        #[cfg(test)]
+        if self.mutant == Some(CostMutant::IgnoresHeat) {
+            return 1.0;
+        }
+        match overlap.checked_sub(1).and_then(|i| hashes.get(i)) {
+            Some(&deepest) if self.cost.keep_credit > 0.0 => self.heat.coldness(deepest),
+            _ => 1.0,
+        }
+    }
+
+    /// `worker` as a candidate for the request `hashes` with `booked` tokens booked: its
+    /// overlap as [`overlap`](Self::overlap) credits it and the coldness of that prefix.
+    pub fn candidate(&self, hashes: &[u64], worker: InstanceId, booked: u64) -> Candidate {
+        let overlap = self.overlap(hashes, worker);
+        Candidate::new(worker, overlap, booked).with_coldness(self.coldness(hashes, overlap))
+    }
+
+    /// The most keep credit (coldness × overlap) any worker holding at most the first `k`
+    /// blocks of `hashes` can get: the bound behind the load-order walk's early stop. Walks
+    /// from block `k` down and stops once no shallower block can beat the best (a cold deepest
+    /// block ends it at once), so it costs a lookup or two in the usual shapes.
+    #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
+    fn max_kept(&self, hashes: &[u64], k: usize) -> f64 {
+        if self.cost.keep_credit <= 0.0 {
+            return 0.0;
+        }
+        #[cfg(test)]
+        if self.mutant == Some(CostMutant::FloorIgnoresKeep) {
+            return 0.0;
+        }
+        let mut best = 0.0f64;
+        for overlap in (1..=k.min(hashes.len())).rev() {
+            if overlap as f64 <= best {
+                break;
+            }
+            best = best.max(self.coldness(hashes, overlap) * overlap as f64);
+        }
+        best
+    }
+
+    /// Count a pick credited with the first `overlap` blocks of `hashes`: those blocks get
+    /// hotter (see [`super::heat`]); a pick credited with nothing only ages the table. Without
+    /// a keep credit there is nothing to weigh, so nothing is counted.
+    pub fn record_credit(&mut self, hashes: &[u64], overlap: usize) {
+        if self.cost.keep_credit > 0.0 {
+            self.heat.record(&hashes[..overlap.min(hashes.len())]);
+        }
     }
 
     /// Apply one batch of `worker`'s KV events to the index (see [`KvIndex::apply`]); from
@@ -215,6 +302,22 @@ impl KvSelector {
         busy_threshold: Option<u64>,
         random: u64,
     ) -> Choice {
+        let base = candidates
+            .iter()
+            .map(|&(id, booked)| Candidate::new(id, 0, booked));
+        self.select_among(hashes, tokens, base, busy_threshold, random)
+    }
+
+    /// [`select`](Self::select) over `base` candidates (id, booked and recent work; their
+    /// overlap and coldness are filled in here).
+    fn select_among(
+        &self,
+        hashes: &[u64],
+        tokens: u64,
+        base: impl Iterator<Item = Candidate> + Clone,
+        busy_threshold: Option<u64>,
+        random: u64,
+    ) -> Choice {
         // Sparse overlaps from the index, sorted by worker; predicted ones (at most
         // MAX_WORKERS_PER_BLOCK) for the workers that publish nothing.
         let mut indexed = Vec::new();
@@ -224,7 +327,13 @@ impl KvSelector {
         // Candidates usually come by ascending id (the routable view's order): a cursor over
         // `indexed` then finds each in amortised O(1); out of order, a binary search.
         let mut cursor = 0;
-        let scored = candidates.iter().map(|&(id, booked)| {
+        // The least booked work matters only to the balance slack.
+        let least = self
+            .cost
+            .balance_slack
+            .and_then(|_| base.clone().map(|c| c.booked).min());
+        let scored = base.map(|c| {
+            let id = c.id;
             if cursor > 0 && indexed[cursor - 1].0 >= id {
                 cursor = indexed.partition_point(|o| o.0 < id);
             } else {
@@ -240,33 +349,29 @@ impl KvSelector {
                 _ => predicted.iter().find(|p| p.0 == id).map_or(0, |p| p.1),
             };
             Candidate {
-                id,
                 overlap,
-                booked,
+                ..c.with_coldness(self.coldness(hashes, overlap))
             }
         });
-        // The least booked work matters only to the balance slack.
-        let least = self
-            .cost
-            .balance_slack
-            .and_then(|_| candidates.iter().map(|c| c.1).min());
         let limit = self.cost.limit(busy_threshold, least);
         self.choose(hashes, tokens, scored, limit, random)
     }
 
-    /// [`select`](Self::select) over the members of `board` (their booked work its own) minus
-    /// `excluded`, without a pass over the pool: with a positive overlap weight and
+    /// [`select`](Self::select) over the members of `board` (their booked and recent work its
+    /// own) minus `excluded`, without a pass over the pool: with a positive overlap weight and
     /// temperature 0, a worker's cost is at least [`KvCost::floor`] of its load and the most
-    /// overlap it can have, so this costs (1) the workers holding the request's blocks from its
-    /// first *narrowly* held block `k` on (held by at most the deep limit of workers;
-    /// [`KvIndex::deep_overlaps`]), exactly, (2) the prediction's workers, and (3) the members
-    /// in ascending load order ([`LoadBoard::walk_by_load`]) with overlaps up to `k`, stopping
-    /// as soon as the floor at `k` blocks cannot beat the best so far, or the load reaches the
-    /// busy threshold. Every unlisted worker holds at most `k` leading blocks, so the stop is
-    /// exact. Without a widely held prefix (`k = 0`) the walk stops after one least-loaded
-    /// member: O(B + holders + |excluded|); a prefix the whole pool holds costs O(B + k ×
-    /// (members walked)), typically a handful. Otherwise (a sampling temperature, or a weight
-    /// that does not reward overlap) it costs every member, as [`select`](Self::select) does.
+    /// overlap and keep credit it can have, so this costs (1) the workers holding the request's
+    /// blocks from its first *narrowly* held block `k` on (held by at most the deep limit of
+    /// workers; [`KvIndex::deep_overlaps`]), exactly, (2) the prediction's workers, and (3) the
+    /// members in ascending load order ([`LoadBoard::walk_by_load`]; within a load, ascending
+    /// recent work) with overlaps up to `k`, skipping the rest of a load as soon as the floor
+    /// with the recent work reached cannot beat the best so far, and stopping as soon as the
+    /// floor of a load cannot, or the load reaches the busy threshold. Every unlisted worker
+    /// holds at most `k` leading blocks, so the stops are exact. Without a widely held prefix
+    /// (`k = 0`) the walk stops after one least-loaded member: O(B + holders + |excluded|); a
+    /// prefix the whole pool holds costs O(B + k × (members walked)), typically a handful.
+    /// Otherwise (a sampling temperature, or a weight that does not reward overlap) it costs
+    /// every member, as [`select`](Self::select) does.
     ///
     /// The pick's cost equals the best cost over the usable members; among equal costs the
     /// candidates differ from [`select`](Self::select)'s (ties between non-holders go to the
@@ -281,14 +386,13 @@ impl KvSelector {
         random: u64,
     ) -> Choice {
         if self.cost.temperature > 0.0 || self.cost.overlap_weight <= 0.0 {
-            let candidates: Vec<(InstanceId, u64)> = board
+            let base = board
                 .members()
                 .iter()
                 .map(|i| i.instance_id)
                 .filter(|id| !excluded.contains(id))
-                .map(|id| (id, board.load(id)))
-                .collect();
-            return self.select(hashes, tokens, &candidates, busy_threshold, random);
+                .map(|id| Candidate::new(id, 0, board.load(id)).with_recent(board.recent(id)));
+            return self.select_among(hashes, tokens, base, busy_threshold, random);
         }
         let salt = tie_salt(hashes, random);
         // The least booked work matters only to the balance slack: no lookup without it.
@@ -308,69 +412,73 @@ impl KvSelector {
         holders.extend(predicted);
         let mut scored = Vec::with_capacity(holders.len() + 1);
         board.members_of(&holders, indexed, excluded, &mut scored);
+        for c in &mut scored {
+            c.coldness = self.coldness(hashes, c.overlap);
+        }
         let mut any = !scored.is_empty();
-        let candidate = |(id, booked, overlap): (InstanceId, u64, usize)| Candidate {
-            id,
-            overlap,
-            booked,
-        };
+        let max_kept = self.max_kept(hashes, k);
         let mut best = scored
             .iter()
-            .filter(|s| !is_busy(s.1, busy_threshold))
-            .map(|&s| self.cost.cost(tokens, &candidate(s)))
+            .filter(|c| !is_busy(c.booked, busy_threshold))
+            .map(|c| self.cost.cost(tokens, c))
             .reduce(f64::min);
         // The shallow part: every member's credit up to `k` blocks, least loaded first.
         let shallow = &hashes[..k];
-        let mut walked: Option<(InstanceId, u64, usize)> = None;
-        board.walk_by_load(salt, excluded, |id, load| {
+        let mut walked: Option<Candidate> = None;
+        board.walk_by_load(salt, excluded, |id, load, recent| {
             any = true;
-            if is_busy(load, busy_threshold)
-                || best.is_some_and(|b| self.cost.floor(tokens, k, load) >= b)
-            {
-                return false;
+            if is_busy(load, busy_threshold) {
+                return Walk::Stop;
+            }
+            if let Some(b) = best {
+                if self.cost.floor(tokens, k, max_kept, load, 0.0) >= b {
+                    return Walk::Stop;
+                }
+                if self.cost.floor(tokens, k, max_kept, load, recent) >= b {
+                    #[cfg(test)]
+                    if self.mutant == Some(CostMutant::RecentStopsWalk) {
+                        return Walk::Stop;
+                    }
+                    return Walk::NextLoad;
+                }
             }
             let overlap = self.index.overlap(shallow, id);
             #[cfg(test)]
             let overlap = if self.ignore_shallow { 0 } else { overlap };
-            let c = self.cost.cost(tokens, &candidate((id, load, overlap)));
-            if best.is_none_or(|b| c < b) {
-                best = Some(c);
-                walked = Some((id, load, overlap));
+            let c = Candidate::new(id, overlap, load)
+                .with_recent(recent)
+                .with_coldness(self.coldness(hashes, overlap));
+            let cost = self.cost.cost(tokens, &c);
+            if best.is_none_or(|b| cost < b) {
+                best = Some(cost);
+                walked = Some(c);
             }
-            true
+            Walk::Next
         });
         if let Some(w) = walked {
-            if !scored.iter().any(|s| s.0 == w.0) {
+            if !scored.iter().any(|s| s.id == w.id) {
                 scored.push(w);
             }
         }
-        match self.choose(
-            hashes,
-            tokens,
-            scored.into_iter().map(candidate),
-            busy_threshold,
-            random,
-        ) {
+        match self.choose(hashes, tokens, scored.into_iter(), busy_threshold, random) {
             Choice::Empty if any => Choice::Overloaded,
             choice => choice,
         }
     }
 
-    /// The cost rule of [`select`](Self::select) over overlaps the caller supplies
-    /// (`(id, booked, overlap)`): for baselines that read the caches some other way (the trace
-    /// replay's oracle).
+    /// The cost rule of [`select`](Self::select) over candidates whose overlap (and booked
+    /// and recent work) the caller supplies, their coldness from this selector's heat: for
+    /// baselines that read the caches some other way (the trace replay's oracle).
     pub fn select_scored(
         &self,
         hashes: &[u64],
         tokens: u64,
-        candidates: &[(InstanceId, u64, usize)],
+        candidates: &[Candidate],
         random: u64,
     ) -> Choice {
-        let candidates = candidates.iter().map(|&(id, booked, overlap)| Candidate {
-            id,
-            overlap,
-            booked,
-        });
+        let candidates = candidates
+            .iter()
+            .map(|c| c.with_coldness(self.coldness(hashes, c.overlap)));
         self.choose(hashes, tokens, candidates, None, random)
     }
 
@@ -489,8 +597,16 @@ mod tests {
         }
     }
 
+    /// Overlap against booked work alone: no keep credit, no recent work.
+    fn plain() -> KvRouterConfig {
+        KvRouterConfig {
+            prefill_load_scale: 0.5,
+            ..KvRouterConfig::load_only()
+        }
+    }
+
     fn selector() -> KvSelector {
-        KvSelector::new(4, &KvRouterConfig::default(), 1024)
+        KvSelector::new(4, &plain(), 1024)
     }
 
     fn stored(seq: u64, blocks: &[u64]) -> EventBatch {
@@ -533,6 +649,41 @@ mod tests {
         assert_eq!(
             picked(kv.select(&hashes, 4 * hashes.len() as u64, &[(1, 0), (2, 0)], None, 0)),
             Some((2, 2))
+        );
+    }
+
+    /// Where a hot prefix sends a request, and whether a cold one stays: worker 1 holds an
+    /// 8-block prefix and has 100 tokens booked, worker 2 holds nothing and is idle.
+    fn hot_and_cold_picks(mutant: Option<CostMutant>) -> (Option<InstanceId>, Option<InstanceId>) {
+        let mut kv = KvSelector::new(4, &KvRouterConfig::default(), 1024);
+        if let Some(m) = mutant {
+            kv = kv.with_cost_mutant(m);
+        }
+        let prefix: Vec<u64> = (1..=8).collect();
+        kv.apply_events(1, &stored(0, &prefix));
+        let request: Vec<u64> = prefix.iter().copied().chain([100]).collect();
+        let pick = |kv: &KvSelector| {
+            picked(kv.select(&request, 36, &[(1, 100), (2, 0)], None, 0)).map(|p| p.0)
+        };
+        let cold = pick(&kv);
+        for _ in 0..20 {
+            kv.record_credit(&request, 8);
+        }
+        (cold, pick(&kv))
+    }
+
+    #[test]
+    fn a_cold_prefix_keeps_its_request_and_a_hot_one_spreads_by_load() {
+        // Cold: 8 kept blocks (31 each) outweigh 25 blocks booked. Hot: the keep credit has
+        // faded, and the idle worker is cheaper than waiting behind the booked work.
+        assert_eq!(hot_and_cold_picks(None), (Some(1), Some(2)));
+    }
+
+    #[test]
+    fn the_mutant_whose_prefixes_never_heat_up_is_caught() {
+        assert_ne!(
+            hot_and_cold_picks(Some(CostMutant::IgnoresHeat)),
+            hot_and_cold_picks(None)
         );
     }
 

@@ -7,31 +7,62 @@
 //! members sit in buckets by load (an ordered map of loads, one vector each), and a change of
 //! load moves one worker between two buckets, O(log distinct loads).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Bound;
 use std::sync::Arc;
 
+use super::select::Candidate;
 use crate::discovery::{Instance, InstanceId};
 use crate::kv_events::{mix, MixState};
+
+/// Half-life of a worker's recent work, in picks noted on the board.
+pub const RECENT_WORK_HALF_LIFE: u32 = 256;
+
+/// Once the scale of stored recent work passes `2^RESCALE_EXP`, every value is rescaled.
+const RESCALE_EXP: f64 = 256.0;
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {
     load: u64,
-    /// Index in `members` and position in `buckets[load]`; `None` for a worker that is not a
-    /// member but still has work booked (it left the routable set mid-request).
-    member: Option<(usize, usize)>,
+    /// Recent work, scaled by `2^((tick − base) / half-life)` at the time it was added (so
+    /// that the decay, the same for every worker, never reorders them); see
+    /// [`LoadBoard::recent`].
+    scaled: f64,
+    /// Index in `members`; `None` for a worker that is not a member but still has work booked
+    /// (it left the routable set mid-request).
+    member: Option<usize>,
 }
 
-/// Prefill work booked per worker (tokens, or requests for callers that book 1 each), and the
-/// routable members bucketed by that load.
+/// What a [`LoadBoard::walk_by_load`] visitor asks for next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Walk {
+    /// The next member.
+    Next,
+    /// Skip the rest of this load (every later member of it has at least as much recent
+    /// work), go on with the next load.
+    NextLoad,
+    /// Stop the walk.
+    Stop,
+}
+
+/// Prefill work booked per worker (tokens, or requests for callers that book 1 each), the
+/// work recently placed on each, and the routable members bucketed by booked load.
 ///
 /// Loads are kept for every worker with work booked; only members (the routable set last given
 /// to [`set_members`](Self::set_members)) are candidates for
 /// [`least_loaded`](Self::least_loaded).
+///
+/// *Recent work* ([`note_work`](Self::note_work)) is the work placed on a worker, decaying by
+/// half every [`RECENT_WORK_HALF_LIFE`] picks: it stays after the prefill ended, so at a low
+/// request rate, where bookings are empty almost all the time, it still tells the workers
+/// that sessions (and their later turns) were placed on from those that idled. Within a load,
+/// members are ordered by it.
 #[derive(Default)]
 pub struct LoadBoard {
     slots: HashMap<InstanceId, Slot, MixState>,
-    /// `buckets[l]`: the members with load `l`, in no particular order; never an empty vector.
-    buckets: BTreeMap<u64, Vec<InstanceId>>,
+    /// `buckets[l]`: the members with load `l`, by ascending (scaled recent work bits, id);
+    /// never an empty set.
+    buckets: BTreeMap<u64, BTreeSet<(u64, InstanceId)>>,
     members: Option<Arc<[Arc<Instance>]>>,
     /// `member_ids[i]`, `member_loads[i]`: the id and load of `members[i]` (dense copies, so a
     /// merge walk touches no `Instance`).
@@ -41,6 +72,9 @@ pub struct LoadBoard {
     sorted: bool,
     /// Booked work over every worker, members or not.
     total: u64,
+    /// Picks noted, and the pick at which the recent-work scale was 1.
+    tick: u64,
+    base: u64,
     /// The mutant of the booking properties: a release on a worker that is no longer a member
     /// is lost (its work stays booked forever).
     #[cfg(test)]
@@ -55,6 +89,12 @@ impl std::fmt::Debug for LoadBoard {
             .field("total", &self.total)
             .finish()
     }
+}
+
+/// The bucket key of a member: its scaled recent work (non-negative, so its bits order as
+/// the value does) and its id.
+fn key(slot: &Slot, id: InstanceId) -> (u64, InstanceId) {
+    (slot.scaled.to_bits(), id)
 }
 
 impl LoadBoard {
@@ -75,12 +115,12 @@ impl LoadBoard {
             .is_some_and(|m| Arc::ptr_eq(m, members))
     }
 
-    /// Make `members` the candidates, keeping every worker's load. O(members).
+    /// Make `members` the candidates, keeping every worker's load (and a remaining member's
+    /// recent work). O(members).
     pub fn set_members(&mut self, members: Arc<[Arc<Instance>]>) {
-        self.slots.retain(|_, s| {
-            s.member = None;
-            s.load > 0
-        });
+        for slot in self.slots.values_mut() {
+            slot.member = None;
+        }
         self.buckets.clear();
         self.member_loads.clear();
         self.member_loads.resize(members.len(), 0);
@@ -94,16 +134,21 @@ impl LoadBoard {
             let id = instance.instance_id;
             let slot = self.slots.entry(id).or_insert(Slot {
                 load: 0,
+                scaled: 0.0,
                 member: None,
             });
             if slot.member.is_some() {
                 continue; // a duplicate id: the first entry stands
             }
-            let bucket = self.buckets.entry(slot.load).or_default();
-            slot.member = Some((i, bucket.len()));
+            slot.member = Some(i);
             self.member_loads[i] = slot.load;
-            bucket.push(id);
+            self.buckets
+                .entry(slot.load)
+                .or_default()
+                .insert(key(slot, id));
         }
+        // A worker that left keeps only what it has booked (its recent work goes with it).
+        self.slots.retain(|_, s| s.member.is_some() || s.load > 0);
         self.members = Some(members);
     }
 
@@ -114,7 +159,7 @@ impl LoadBoard {
 
     /// The member `id`, if it is one. O(1).
     pub fn member(&self, id: InstanceId) -> Option<&Arc<Instance>> {
-        let (i, _) = self.slots.get(&id)?.member?;
+        let i = self.slots.get(&id)?.member?;
         self.members.as_ref()?.get(i)
     }
 
@@ -128,22 +173,74 @@ impl LoadBoard {
         self.total
     }
 
-    /// Book `amount` more work on `id`. O(log distinct loads).
+    /// The scale of stored recent work now.
+    #[allow(clippy::cast_precision_loss)] // pick counts far below 2^52
+    fn scale(&self) -> f64 {
+        ((self.tick - self.base) as f64 / f64::from(RECENT_WORK_HALF_LIFE)).exp2()
+    }
+
+    /// The recent work of `id` now (tokens, decayed; see the type's docs).
+    pub fn recent(&self, id: InstanceId) -> f64 {
+        self.slots.get(&id).map_or(0.0, |s| s.scaled / self.scale())
+    }
+
+    /// Note one pick that placed `amount` of work on `id`: its recent work grows by `amount`
+    /// and everyone's decays by one pick. O(log members).
+    #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
+    pub fn note_work(&mut self, id: InstanceId, amount: u64) {
+        self.tick += 1;
+        let scale = self.scale();
+        if scale.log2() > RESCALE_EXP {
+            self.rescale();
+        }
+        let scale = self.scale();
+        let Some(slot) = self.slots.get_mut(&id) else {
+            return; // not a member and nothing booked: nothing to order
+        };
+        let before = key(slot, id);
+        slot.scaled += amount as f64 * scale;
+        let (after, load, member) = (key(slot, id), slot.load, slot.member.is_some());
+        if member {
+            if let Some(bucket) = self.buckets.get_mut(&load) {
+                bucket.remove(&before);
+                bucket.insert(after);
+            }
+        }
+    }
+
+    /// Bring the scale back to 1 (every stored value divided by it; the order is unchanged).
+    fn rescale(&mut self) {
+        let scale = self.scale();
+        self.base = self.tick;
+        for slot in self.slots.values_mut() {
+            slot.scaled /= scale;
+        }
+        for bucket in self.buckets.values_mut() {
+            let ids: Vec<InstanceId> = bucket.iter().map(|k| k.1).collect();
+            bucket.clear();
+            for id in ids {
+                if let Some(slot) = self.slots.get(&id) {
+                    bucket.insert(key(slot, id));
+                }
+            }
+        }
+    }
+
+    /// Book `amount` more work on `id`. O(log members).
     pub fn acquire(&mut self, id: InstanceId, amount: u64) {
         let slot = self.slots.entry(id).or_insert(Slot {
             load: 0,
+            scaled: 0.0,
             member: None,
         });
         let from = slot.load;
         slot.load = from.saturating_add(amount);
-        let (to, member) = (slot.load, slot.member.is_some());
+        let to = slot.load;
         self.total = self.total.saturating_add(to - from);
-        if member {
-            self.shift(id, from, to);
-        }
+        self.shift(id, from, to);
     }
 
-    /// Release `amount` of the work booked on `id` (never below zero). O(log distinct loads).
+    /// Release `amount` of the work booked on `id` (never below zero). O(log members).
     pub fn release(&mut self, id: InstanceId, amount: u64) {
         let Some(slot) = self.slots.get_mut(&id) else {
             return;
@@ -163,54 +260,40 @@ impl LoadBoard {
         }
     }
 
-    /// Move member `id` from bucket `from` to bucket `to`.
+    /// Move member `id` from bucket `from` to bucket `to` (nothing for a non-member).
     fn shift(&mut self, id: InstanceId, from: u64, to: u64) {
         if from == to {
             return;
         }
-        let Some((index, pos)) = self.slots.get(&id).and_then(|s| s.member) else {
+        let Some(slot) = self.slots.get(&id) else {
             return;
         };
+        let Some(index) = slot.member else {
+            return;
+        };
+        let k = key(slot, id);
         if let Some(l) = self.member_loads.get_mut(index) {
             *l = to;
         }
         if let Some(bucket) = self.buckets.get_mut(&from) {
-            bucket.swap_remove(pos);
-            if let Some(&moved) = bucket.get(pos) {
-                if let Some(Slot {
-                    member: Some((_, p)),
-                    ..
-                }) = self.slots.get_mut(&moved)
-                {
-                    *p = pos;
-                }
-            }
+            bucket.remove(&k);
             if bucket.is_empty() {
                 self.buckets.remove(&from);
             }
         }
-        let bucket = self.buckets.entry(to).or_default();
-        let at = bucket.len();
-        bucket.push(id);
-        if let Some(Slot {
-            member: Some((_, p)),
-            ..
-        }) = self.slots.get_mut(&id)
-        {
-            *p = at;
-        }
+        self.buckets.entry(to).or_default().insert(k);
     }
 
     /// For `holders` (`(id, overlap)`, the first `sorted_prefix` of them by ascending id), append
-    /// `(id, load, overlap)` to `out` for each that is a member not in `excluded`. A long sorted
-    /// run against sorted members is a merge walk over the dense loads (no hashing per holder);
-    /// otherwise one hash lookup per holder.
+    /// a [`Candidate`] (load, recent work, overlap; coldness left at 1) to `out` for each that
+    /// is a member not in `excluded`. A long sorted run against sorted members is a merge walk
+    /// over the dense loads; otherwise one hash lookup per holder.
     pub fn members_of(
         &self,
         holders: &[(InstanceId, usize)],
         sorted_prefix: usize,
         excluded: &[InstanceId],
-        out: &mut Vec<(InstanceId, u64, usize)>,
+        out: &mut Vec<Candidate>,
     ) {
         let ids = &self.member_ids;
         let (run, rest) = holders.split_at(sorted_prefix.min(holders.len()));
@@ -221,56 +304,79 @@ impl LoadBoard {
                     j += 1;
                 }
                 if j < ids.len() && ids[j] == id && !excluded.contains(&id) {
-                    out.push((id, self.member_loads[j], overlap));
+                    out.push(
+                        Candidate::new(id, overlap, self.member_loads[j])
+                            .with_recent(self.recent(id)),
+                    );
                 }
             }
             rest
         } else {
             holders
         };
+        let scale = self.scale();
         for &(id, overlap) in lookups {
-            if let Some(Slot {
-                load,
-                member: Some(_),
-            }) = self.slots.get(&id)
-            {
-                if !excluded.contains(&id) {
-                    out.push((id, *load, overlap));
+            if let Some(slot) = self.slots.get(&id) {
+                if slot.member.is_some() && !excluded.contains(&id) {
+                    out.push(
+                        Candidate::new(id, overlap, slot.load).with_recent(slot.scaled / scale),
+                    );
                 }
             }
         }
     }
 
-    /// Visit the members not in `excluded` in order of ascending load, until `visit` returns
-    /// false; within a load, from a position chosen by `salt` (as
-    /// [`least_loaded`](Self::least_loaded), whose member is visited first). A visit that stops
-    /// at once costs O(1 + |excluded|).
+    /// Visit the members not in `excluded` (`visit(id, load, recent work)`) by ascending load,
+    /// and within a load by ascending recent work, until `visit` says [`Walk::Stop`];
+    /// [`Walk::NextLoad`] skips to the next load. The members tied for the least recent work
+    /// of a load are visited from a position chosen by `salt` (as
+    /// [`least_loaded`](Self::least_loaded), whose member is visited first), so equal workers
+    /// share a stream. A visit that stops at once costs O(log members + |excluded|).
     pub fn walk_by_load(
         &self,
         salt: u64,
         excluded: &[InstanceId],
-        mut visit: impl FnMut(InstanceId, u64) -> bool,
+        mut visit: impl FnMut(InstanceId, u64, f64) -> Walk,
     ) {
+        let scale = self.scale();
+        // A member's id as the pivot: ids are sparse, so a random number would nearly always
+        // fall past every id and start at the lowest.
+        #[allow(clippy::cast_possible_truncation)] // reduced modulo a usize
+        let pivot = match self.member_ids.len() {
+            0 => 0,
+            n => self.member_ids[(mix(salt) % n as u64) as usize],
+        };
         for (&load, bucket) in &self.buckets {
-            #[allow(clippy::cast_possible_truncation)] // reduced modulo a usize
-            let start = (mix(salt) % bucket.len() as u64) as usize;
-            for k in 0..bucket.len() {
-                let id = bucket[(start + k) % bucket.len()];
-                if !excluded.contains(&id) && !visit(id, load) {
-                    return;
+            let Some(&(front, _)) = bucket.first() else {
+                continue;
+            };
+            // The tied front from the salted pivot round, then everything after it.
+            let tied = bucket
+                .range((front, pivot)..=(front, InstanceId::MAX))
+                .chain(bucket.range((front, 0)..(front, pivot)));
+            let rest = bucket.range((Bound::Excluded((front, InstanceId::MAX)), Bound::Unbounded));
+            for &(bits, id) in tied.chain(rest) {
+                if excluded.contains(&id) {
+                    continue;
+                }
+                match visit(id, load, f64::from_bits(bits) / scale) {
+                    Walk::Next => {}
+                    Walk::NextLoad => break,
+                    Walk::Stop => return,
                 }
             }
         }
     }
 
-    /// A least-loaded member not in `excluded`, with its load: within the lowest bucket, the
-    /// one at a position chosen by `salt` (deterministic for a request, spread across
-    /// requests). O(1 + |excluded|) when the lowest buckets are not all excluded.
+    /// A least-loaded member not in `excluded`, with its load: within the lowest load, one
+    /// with the least recent work (among ties, the one at a position chosen by `salt`:
+    /// deterministic for a request, spread across requests). O(log members + |excluded|)
+    /// when the lowest loads are not all excluded.
     pub fn least_loaded(&self, salt: u64, excluded: &[InstanceId]) -> Option<(InstanceId, u64)> {
         let mut first = None;
-        self.walk_by_load(salt, excluded, |id, load| {
+        self.walk_by_load(salt, excluded, |id, load, _| {
             first = Some((id, load));
-            false
+            Walk::Stop
         });
         first
     }
@@ -331,9 +437,9 @@ mod tests {
             }
             // The walk: every usable member once, by ascending load, the least loaded first.
             let mut walked = Vec::new();
-            board.walk_by_load(rng, &excluded, |id, load| {
+            board.walk_by_load(rng, &excluded, |id, load, _| {
                 walked.push((id, load));
-                true
+                Walk::Next
             });
             assert_eq!(walked.first().copied(), got, "step {step}");
             assert!(walked.windows(2).all(|w| w[0].1 <= w[1].1), "step {step}");

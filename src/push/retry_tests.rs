@@ -66,10 +66,9 @@ async fn overloaded_best_worker(mutant: bool) -> (Result<InstanceId, PushError>,
         view.clone(),
         PushMode::Kv {
             block_size: 16,
-            config: KvRouterConfig {
-                router_temperature: 0.0,
-                ..KvRouterConfig::default()
-            },
+            // Overlap against load alone (no keep credit, no recent work): a retry on the
+            // failed worker would pick it again, which is what the mutant check needs.
+            config: KvRouterConfig::load_only(),
         },
         PushConfig::default(),
     );

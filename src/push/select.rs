@@ -5,17 +5,28 @@
 //! its first token on that worker:
 //!
 //! ```text
-//! cost(w) = overlap_score_weight × uncached_blocks(w) + prefill_load_scale × booked_blocks(w)
+//! cost(w) = overlap_score_weight × uncached_blocks(w)
+//!         + prefill_load_scale × (booked_blocks(w) + recent_work_weight × recent_blocks(w))
+//!         − prefill_keep_credit × coldness(w) × cached_blocks(w)
 //! ```
 //!
 //! - `uncached_blocks(w)`: the request's prompt blocks that `w` does not hold (its overlap is
 //!   the credit: each cached block is one block less to compute);
 //! - `booked_blocks(w)`: the uncached prompt work of the requests already selected for `w` and
-//!   not yet prefilled (booked at the pick, released when that prefill ends or fails).
+//!   not yet prefilled (booked at the pick, released when that prefill ends or fails);
+//! - `cached_blocks(w)`: its overlap, credited once more (the keep credit) in proportion to how
+//!   *cold* the deepest of those blocks is ([`super::heat`]): moving a conversation's next turn
+//!   away from the worker that holds its history recomputes work nobody else will reuse, while
+//!   a hot prefix (a system prompt every request carries) is worth replicating, so its stream
+//!   spreads by load;
+//! - `recent_blocks(w)`: the work recently placed on `w`, kept after its prefill ended and
+//!   decaying by picks ([`super::LoadBoard::recent`]): at a low request rate, where bookings are
+//!   nearly always empty, the load signal that still spreads new sessions.
 //!
-//! With both weights 1 this is the expected wait: the prefill work queued on `w` plus this
-//! request's own. Overlap and load are in one unit, so a long shared prefix no longer outweighs
-//! any queue (the old `overlap − requests in flight` score did: docs/router.md).
+//! With both weights 1 and no keep credit this is the expected wait: the prefill work queued
+//! on `w` plus this request's own. Overlap and load are in one unit, so a long shared prefix no
+//! longer outweighs any queue (the old `overlap − requests in flight` score did:
+//! docs/router.md).
 //!
 //! A busy threshold (tokens of booked work) removes a worker from the candidates; when every
 //! candidate is over it the pick is [`Choice::Overloaded`], never a health failure.
@@ -41,15 +52,21 @@ pub struct KvCost {
     /// candidate is not a candidate (`None`: no slack rule). It bounds how far a cached prefix
     /// can pull a stream onto one worker, whatever the overlap weight.
     pub balance_slack: Option<u64>,
+    /// Extra credit per cached block of a *cold* prefix (finite, ≥ 0; 0: none), scaled by the
+    /// candidate's [`Candidate::coldness`].
+    pub keep_credit: f64,
+    /// Weight of a worker's recent work ([`Candidate::recent`]) next to its booked work
+    /// (finite, ≥ 0; 0: none).
+    pub recent_weight: f64,
     /// The mutant of the selection properties: the cost ignores booked work (as the old
     /// score's load term did whenever requests rarely overlap in time).
     #[cfg(test)]
     pub(crate) ignore_load: bool,
 }
 
-/// One candidate worker: its id, the leading blocks of the request it is credited with, and
-/// the prefill work booked on it (tokens).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One candidate worker: its id, the leading blocks of the request it is credited with, the
+/// prefill work booked on it (tokens) and how cold the deepest of those blocks is.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Candidate {
     /// The worker.
     pub id: InstanceId,
@@ -57,10 +74,54 @@ pub struct Candidate {
     pub overlap: usize,
     /// Uncached prompt tokens booked on it and not yet prefilled.
     pub booked: u64,
+    /// The coldness of its deepest credited block, in `[0, 1]` ([`super::heat::PrefixHeat`]:
+    /// 1 when no recent pick was credited with it); it scales the keep credit.
+    pub coldness: f64,
+    /// Work recently placed on it (tokens, decayed by picks; [`super::LoadBoard::recent`]),
+    /// finite and ≥ 0: the load a low request rate leaves no booking of.
+    pub recent: f64,
+}
+
+impl Candidate {
+    /// A candidate whose credited prefix counts as fully cold (no heat known).
+    pub fn new(id: InstanceId, overlap: usize, booked: u64) -> Self {
+        Candidate {
+            id,
+            overlap,
+            booked,
+            coldness: 1.0,
+            recent: 0.0,
+        }
+    }
+
+    /// The same candidate with `recent` tokens of recent work (non-finite or negative: 0).
+    #[must_use]
+    pub fn with_recent(mut self, recent: f64) -> Self {
+        self.recent = finite_or(recent, 0.0);
+        self
+    }
+
+    /// Its load in tokens as the cost weighs it: booked work plus `recent_weight` × recent.
+    pub fn load(&self, recent_weight: f64) -> f64 {
+        #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
+        let booked = self.booked as f64;
+        booked + recent_weight * self.recent
+    }
+
+    /// The same candidate with coldness `coldness` (clamped to `[0, 1]`; NaN counts as 0).
+    #[must_use]
+    pub fn with_coldness(mut self, coldness: f64) -> Self {
+        self.coldness = if coldness.is_nan() {
+            0.0
+        } else {
+            coldness.clamp(0.0, 1.0)
+        };
+        self
+    }
 }
 
 /// The outcome of a pick.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Choice {
     /// The chosen worker, with the tokens it must compute for this request (what to book).
     Picked {
@@ -94,6 +155,8 @@ impl KvCost {
             temperature: finite_or(temperature, 0.0),
             request_overhead: 0,
             balance_slack: None,
+            keep_credit: 0.0,
+            recent_weight: 0.0,
             #[cfg(test)]
             ignore_load: false,
         }
@@ -103,6 +166,22 @@ impl KvCost {
     #[must_use]
     pub fn with_request_overhead(mut self, tokens: u64) -> Self {
         self.request_overhead = tokens;
+        self
+    }
+
+    /// The same terms with a keep credit of `blocks` per cached block of a cold prefix
+    /// (non-finite or negative: none).
+    #[must_use]
+    pub fn with_keep_credit(mut self, blocks: f64) -> Self {
+        self.keep_credit = finite_or(blocks, 0.0);
+        self
+    }
+
+    /// The same terms weighing recent work by `weight` next to booked work (non-finite or
+    /// negative: 0).
+    #[must_use]
+    pub fn with_recent_weight(mut self, weight: f64) -> Self {
+        self.recent_weight = finite_or(weight, 0.0);
         self
     }
 
@@ -148,23 +227,30 @@ impl KvCost {
     pub fn cost(&self, request_tokens: u64, candidate: &Candidate) -> f64 {
         let block = f64::from(self.block_size);
         let uncached = self.uncached(request_tokens, candidate.overlap) as f64 / block;
-        let booked = candidate.booked as f64 / block;
+        let booked = candidate.load(self.recent_weight) / block;
         #[cfg(test)]
         let booked = if self.ignore_load { 0.0 } else { booked };
         self.overlap_weight * uncached + self.load_scale * booked
+            - self.keep_credit * candidate.coldness * candidate.overlap as f64
     }
 
-    /// A lower bound of the cost of any worker with `booked` tokens booked and at most
-    /// `max_overlap` leading blocks: what lets the dispatcher stop its walk over the pool early.
-    pub fn floor(&self, request_tokens: u64, max_overlap: usize, booked: u64) -> f64 {
-        self.cost(
-            request_tokens,
-            &Candidate {
-                id: 0,
-                overlap: max_overlap,
-                booked,
-            },
-        )
+    /// A lower bound of the cost of any worker with `booked` tokens booked, at least `recent`
+    /// recent work and at most `max_overlap` leading blocks, whose coldness × overlap is at
+    /// most `max_kept`: what lets the dispatcher stop its walk over the pool early.
+    #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
+    pub fn floor(
+        &self,
+        request_tokens: u64,
+        max_overlap: usize,
+        max_kept: f64,
+        booked: u64,
+        recent: f64,
+    ) -> f64 {
+        let kept = max_kept.min(max_overlap as f64);
+        let bare = Candidate::new(0, max_overlap, booked)
+            .with_coldness(0.0)
+            .with_recent(recent);
+        self.cost(request_tokens, &bare) - self.keep_credit * kept
     }
 
     /// The same cost with the mutant that ignores booked work.
@@ -277,11 +363,7 @@ mod tests {
         proptest::collection::vec((0..6usize, 0..5_000u64), 1..10).prop_map(|v| {
             v.into_iter()
                 .enumerate()
-                .map(|(i, (overlap, booked))| Candidate {
-                    id: i as u64,
-                    overlap,
-                    booked,
-                })
+                .map(|(i, (overlap, booked))| Candidate::new(i as u64, overlap, booked))
                 .collect()
         })
     }
@@ -299,11 +381,7 @@ mod tests {
         let cs: Vec<Candidate> = booked
             .iter()
             .enumerate()
-            .map(|(i, &b)| Candidate {
-                id: i as u64,
-                overlap,
-                booked: b,
-            })
+            .map(|(i, &b)| Candidate::new(i as u64, overlap, b))
             .collect();
         let pick = picked(choose(cost, 96, cs.iter().copied(), None, 7, 0))?;
         let least = cs.iter().map(|c| c.booked).min()?;
@@ -320,12 +398,30 @@ mod tests {
         }
 
         #[test]
+        fn equal_overlaps_never_pick_a_worker_with_strictly_more_load(
+            loads in proptest::collection::vec((0..10_000u64, 0.0..20_000.0f64), 1..12),
+            overlap in 0..6usize,
+            weight in 0.0..2.0f64,
+            keep in 0.0..40.0f64,
+        ) {
+            // Load = booked + weight × recent work; the same deepest block, so the same
+            // coldness and keep credit for all.
+            let cost = unit().with_recent_weight(weight).with_keep_credit(keep);
+            let cs: Vec<Candidate> = loads.iter().enumerate()
+                .map(|(i, &(b, r))| Candidate::new(i as u64, overlap, b).with_recent(r).with_coldness(0.5))
+                .collect();
+            let pick = picked(choose(&cost, 96, cs.iter().copied(), None, 7, 0)).unwrap();
+            let least = cs.iter().map(|c| c.load(weight)).fold(f64::INFINITY, f64::min);
+            prop_assert!(pick.load(weight) <= least + 1e-6, "{:?} vs {}", pick, least);
+        }
+
+        #[test]
         fn a_prefix_every_worker_holds_is_decided_by_load(
             booked in proptest::collection::vec(0..10_000u64, 2..12),
             salt in any::<u64>(),
         ) {
             // Every worker holds the same 5-block prefix of a 6-block prompt.
-            let cs = booked.iter().enumerate().map(|(i, &b)| Candidate { id: i as u64, overlap: 5, booked: b });
+            let cs = booked.iter().enumerate().map(|(i, &b)| Candidate::new(i as u64, 5, b));
             let pick = picked(choose(&unit(), 96, cs, None, salt, 0)).unwrap();
             prop_assert_eq!(pick.booked, *booked.iter().min().unwrap());
         }
@@ -351,13 +447,19 @@ mod tests {
         }
 
         #[test]
-        fn the_floor_bounds_every_worker_with_less_overlap_and_more_load(
+        fn the_floor_bounds_every_worker_with_less_overlap_more_load_and_less_kept_credit(
             request in 0..200u64, k in 0..8usize, load in 0..1_000u64,
             overlap in 0..8usize, extra in 0..1_000u64,
+            keep in 0.0..8.0f64, coldness in 0.0..=1.0f64, slack in 0.0..4.0f64,
+            recent in 0.0..10_000.0f64, more in 0.0..10_000.0f64, weight in 0.0..2.0f64,
         ) {
-            let cost = unit();
-            let c = Candidate { id: 1, overlap: overlap.min(k), booked: load + extra };
-            prop_assert!(cost.cost(request, &c) >= cost.floor(request, k, load));
+            let cost = unit().with_keep_credit(keep);
+            let c = Candidate::new(1, overlap.min(k), load + extra).with_coldness(coldness);
+            let kept = coldness * overlap.min(k) as f64 + slack;
+            prop_assert!(cost.cost(request, &c) >= cost.floor(request, k, kept, load, 0.0));
+            let busy = c.with_recent(recent + more);
+            let cost = cost.with_recent_weight(weight);
+            prop_assert!(cost.cost(request, &busy) >= cost.floor(request, k, kept, load, recent));
         }
     }
 
@@ -379,16 +481,8 @@ mod tests {
         let cost = unit();
         // A 30-block shared prefix: the holder with 2 blocks' work booked beats an idle
         // worker that must compute all 32 blocks; with 40 blocks booked it no longer does.
-        let holder = |booked| Candidate {
-            id: 1,
-            overlap: 30,
-            booked,
-        };
-        let idle = Candidate {
-            id: 2,
-            overlap: 0,
-            booked: 0,
-        };
+        let holder = |booked| Candidate::new(1, 30, booked);
+        let idle = Candidate::new(2, 0, 0);
         let pick = |h| picked(choose(&cost, 32 * 16, [h, idle], None, 0, 0)).map(|c| c.id);
         assert_eq!(pick(holder(2 * 16)), Some(1));
         assert_eq!(pick(holder(40 * 16)), Some(2));
@@ -397,18 +491,7 @@ mod tests {
     #[test]
     fn every_candidate_busy_is_overloaded_and_an_idle_worker_never_is() {
         let cost = unit();
-        let cs = [
-            Candidate {
-                id: 1,
-                overlap: 0,
-                booked: 500,
-            },
-            Candidate {
-                id: 2,
-                overlap: 0,
-                booked: 800,
-            },
-        ];
+        let cs = [Candidate::new(1, 0, 500), Candidate::new(2, 0, 800)];
         assert_eq!(choose(&cost, 10, cs, Some(500), 0, 0), Choice::Overloaded);
         assert_eq!(choose(&cost, 10, [], Some(500), 0, 0), Choice::Empty);
         assert!(!is_busy(0, Some(0)));
@@ -421,18 +504,7 @@ mod tests {
     #[test]
     fn a_temperature_samples_every_candidate_and_prefers_the_cheap_one() {
         let cost = KvCost::new(16, 1.0, 1.0, 4.0);
-        let cs = [
-            Candidate {
-                id: 1,
-                overlap: 0,
-                booked: 0,
-            },
-            Candidate {
-                id: 2,
-                overlap: 0,
-                booked: 64,
-            },
-        ];
+        let cs = [Candidate::new(1, 0, 0), Candidate::new(2, 0, 64)];
         let mut counts = [0u32; 3];
         let mut r = 1u64;
         for _ in 0..2_000 {

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 
-use super::select::{is_busy, Candidate, Choice};
+use super::kv::CostMutant;
+use super::select::{is_busy, Choice};
 use super::{KvSelector, LoadBoard};
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceId};
@@ -53,6 +54,14 @@ enum Step {
     Acquire(u64),
     Release(u64),
     Members(Vec<u64>),
+    /// A pick was credited with the first `overlap` blocks of a chain (its heat grows).
+    Credit {
+        chain: u64,
+        len: usize,
+        overlap: usize,
+    },
+    /// A pick placed `amount` tokens of work on a worker (its recent work grows).
+    Note(u64, u64),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -75,6 +84,12 @@ fn step() -> impl Strategy<Value = Step> {
         (0..12u64).prop_map(Step::Acquire),
         (0..12u64).prop_map(Step::Release),
         proptest::collection::vec(0..12u64, 0..12).prop_map(Step::Members),
+        (0..8u64, 1..6usize, 0..6usize).prop_map(|(chain, len, overlap)| Step::Credit {
+            chain,
+            len,
+            overlap
+        }),
+        (0..12u64, 1..40u64).prop_map(|(w, amount)| Step::Note(w, amount)),
     ]
 }
 
@@ -99,14 +114,23 @@ fn publishes(worker: u64) -> bool {
     worker < 6
 }
 
-fn build(steps: &[Step]) -> (KvSelector, LoadBoard) {
-    build_with(steps, crate::push::DEEP_HOLDERS_LIMIT, false)
+/// Overlap against booked work alone (no keep credit, no recent work), at load scale 0.5.
+fn plain() -> KvRouterConfig {
+    KvRouterConfig {
+        prefill_load_scale: 0.5,
+        ..KvRouterConfig::load_only()
+    }
 }
 
 /// `deep_limit`: list holders from the first block held by at most this many workers;
-/// `mutant`: the walk ignores the shallow blocks.
-fn build_with(steps: &[Step], deep_limit: usize, mutant: bool) -> (KvSelector, LoadBoard) {
-    let mut kv = KvSelector::new(4, &KvRouterConfig::default(), 64).with_deep_limit(deep_limit);
+/// `mutant`: the walk ignores the shallow blocks; the KV terms of `config`.
+fn build_on(
+    steps: &[Step],
+    deep_limit: usize,
+    mutant: bool,
+    config: &KvRouterConfig,
+) -> (KvSelector, LoadBoard) {
+    let mut kv = KvSelector::new(4, config, 64).with_deep_limit(deep_limit);
     if mutant {
         kv = kv.ignoring_shallow_blocks();
     }
@@ -163,6 +187,12 @@ fn build_with(steps: &[Step], deep_limit: usize, mutant: bool) -> (KvSelector, L
             } if !publishes(*worker) => {
                 kv.record(&chain(*c, *len), *worker);
             }
+            Step::Credit {
+                chain: c,
+                len,
+                overlap,
+            } => kv.record_credit(&chain(*c, *len), *overlap),
+            Step::Note(w, amount) => board.note_work(*w, *amount),
             Step::Acquire(w) => board.acquire(*w, BOOKING),
             Step::Release(w) => board.release(*w, BOOKING),
             Step::Members(ids) => {
@@ -191,11 +221,8 @@ fn check(
     let cost = |id: InstanceId| {
         kv.cost().cost(
             tokens(hashes),
-            &Candidate {
-                id,
-                overlap: kv.overlap(hashes, id),
-                booked: board.load(id),
-            },
+            &kv.candidate(hashes, id, board.load(id))
+                .with_recent(board.recent(id)),
         )
     };
     let usable: Vec<InstanceId> = board
@@ -232,24 +259,100 @@ fn check(
     }
 }
 
+/// One case of the `select_on` property: a history, a request, exclusions, a tie salt, a deep
+/// limit, a busy threshold and the KV terms (overlap weight, keep credit, recent-work weight,
+/// heat half-life).
+type Case = (
+    Vec<Step>,
+    (u64, usize),
+    Vec<u64>,
+    u64,
+    usize,
+    Option<u64>,
+    (f64, f64, f64, u32),
+);
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        proptest::collection::vec(step(), 0..80),
+        (0..10u64, 0..7usize),
+        proptest::collection::vec(0..12u64, 0..3),
+        any::<u64>(),
+        // Small limits make the shared prefix (chains 0..4) "widely held": the walk's path.
+        prop_oneof![0..4usize, Just(crate::push::DEEP_HOLDERS_LIMIT)],
+        proptest::option::of(1..24u64),
+        (
+            prop_oneof![Just(0.25), Just(1.0)],
+            prop_oneof![Just(0.0), Just(31.0), Just(2.0)],
+            prop_oneof![Just(0.0), Just(0.3), Just(1.5)],
+            prop_oneof![Just(1u32), Just(32)],
+        ),
+    )
+}
+
+/// The property on one case, for the selector with `mutant` (none: the real one).
+fn property(case: &Case, mutant: Option<CostMutant>) -> Result<(), String> {
+    let (steps, request, excluded, random, deep_limit, threshold, terms) = case;
+    let config = KvRouterConfig {
+        overlap_score_weight: terms.0,
+        prefill_keep_credit: terms.1,
+        prefill_recent_work_weight: terms.2,
+        prefill_heat_half_life: terms.3,
+        ..KvRouterConfig::default()
+    };
+    let (mut kv, board) = build_on(steps, *deep_limit, false, &config);
+    if let Some(m) = mutant {
+        kv = kv.with_cost_mutant(m);
+    }
+    let hashes = chain(request.0, request.1);
+    let pick = kv.select_on(
+        &hashes,
+        tokens(&hashes),
+        &board,
+        excluded,
+        *threshold,
+        *random,
+    );
+    check(&kv, &board, excluded, &hashes, *threshold, pick)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
-    fn select_on_picks_a_best_scoring_member(
-        steps in proptest::collection::vec(step(), 0..80),
-        request in (0..10u64, 0..7usize),
-        excluded in proptest::collection::vec(0..12u64, 0..3),
-        random in any::<u64>(),
-        deep_limit in prop_oneof![0..4usize, Just(crate::push::DEEP_HOLDERS_LIMIT)],
-        threshold in proptest::option::of(1..24u64),
-    ) {
-        // Small limits make the shared prefix (chains 0..4) "widely held": the walk's path.
-        let (kv, board) = build_with(&steps, deep_limit, false);
-        let hashes = chain(request.0, request.1);
-        let pick = kv.select_on(&hashes, tokens(&hashes), &board, &excluded, threshold, random);
-        prop_assert_eq!(check(&kv, &board, &excluded, &hashes, threshold, pick), Ok(()));
+    fn select_on_picks_a_best_scoring_member(case in case()) {
+        prop_assert_eq!(property(&case, None), Ok(()));
     }
+}
+
+/// Whether the property finds a case the selector with `mutant` gets wrong (a seeded search,
+/// as the proptest runs it).
+fn caught(mutant: CostMutant) -> bool {
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 4_096,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    runner
+        .run(&case(), |case| {
+            prop_assert_eq!(property(&case, Some(mutant)), Ok(()));
+            Ok(())
+        })
+        .is_err()
+}
+
+/// The property bites on the walk's keep-credit bound: a floor that forgets the keep credit
+/// stops before a cold shallow holder that would have won.
+#[test]
+fn the_check_catches_a_floor_that_ignores_the_keep_credit() {
+    assert!(caught(CostMutant::FloorIgnoresKeep));
+}
+
+/// The property bites on the walk's recent-work order: ending the whole walk where only the
+/// rest of one load was beaten misses a cheaper member of a later load.
+#[test]
+fn the_check_catches_a_walk_that_stops_on_recent_work() {
+    assert!(caught(CostMutant::RecentStopsWalk));
 }
 
 /// The check bites: a fast path that scores only the holders (forgetting that an idle worker
@@ -267,7 +370,7 @@ fn the_check_catches_a_pick_that_ignores_the_least_loaded_worker() {
         Step::Acquire(1),
         Step::Members(vec![1, 2]),
     ];
-    let (kv, board) = build(&steps);
+    let (kv, board) = build_on(&steps, crate::push::DEEP_HOLDERS_LIMIT, false, &plain());
     let hashes = chain(5, 1);
     let holders_only = kv.select(&hashes, tokens(&hashes), &[(1, board.load(1))], None, 0);
     assert!(check(&kv, &board, &[], &hashes, None, holders_only).is_err());
@@ -310,12 +413,12 @@ fn the_check_catches_a_walk_that_ignores_the_widely_held_prefix() {
     // Limit 1: blocks 1000 and 1001 (3 holders) are shallow, block 2 (1 holder) is deep, so
     // k = 2; worker 2 (nothing booked, 2 blocks held) costs 1.5 blocks, worker 1 (5 blocks
     // booked at scale 0.5, 3 held) 2.5, idle non-holders 3.5.
-    let (kv, board) = build_with(&steps, 1, false);
+    let (kv, board) = build_on(&steps, 1, false, &plain());
     assert_eq!(kv.index().deep_overlaps(&hashes, 1, &mut Vec::new()), 2);
     let pick = kv.select_on(&hashes, tokens(&hashes), &board, &[], None, 0);
     assert_eq!(check(&kv, &board, &[], &hashes, None, pick), Ok(()));
     assert_eq!(picked(pick), Some((2, 2)));
-    let (mutant, board) = build_with(&steps, 1, true);
+    let (mutant, board) = build_on(&steps, 1, true, &plain());
     let pick = mutant.select_on(&hashes, tokens(&hashes), &board, &[], None, 0);
     assert!(
         check(&mutant, &board, &[], &hashes, None, pick).is_err(),

@@ -1,6 +1,8 @@
 //! The routable-instance view.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 
 use futures_core::Stream;
@@ -39,6 +41,10 @@ struct State {
     tasks: Tasks,
     /// `discovered` with a closed breaker, by id, rebuilt on each change so reads only copy it.
     usable: Arc<[Arc<Instance>]>,
+    /// Instances that announced a drain on a connection to this address: left out of
+    /// `usable` (no failure, no breaker) until discovery removes them or lists them at
+    /// another address.
+    draining: BTreeMap<InstanceId, SocketAddr>,
 }
 
 impl State {
@@ -46,7 +52,9 @@ impl State {
         self.usable = self
             .discovered
             .iter()
-            .filter(|(id, _)| self.health.is_routable(id))
+            .filter(|(id, i)| {
+                self.health.is_routable(id) && self.draining.get(id) != Some(&i.address)
+            })
             .map(|(_, i)| Arc::clone(i))
             .collect();
     }
@@ -168,6 +176,7 @@ impl RoutableView {
                     health: Machine::new(health, HEALTH_SEED),
                     tasks: Tasks::new(tasks.clone(), prober),
                     usable: Arc::default(),
+                    draining: BTreeMap::new(),
                 }),
                 admission,
                 filtered: Mutex::new(None),
@@ -206,10 +215,19 @@ impl RoutableView {
                     // A repeated Added (a lease refresh) keeps the breaker: only the probe, or a
                     // removal, clears what the machine learned. Added yields no action.
                     let _ = state.health.handle(Input::Added(id));
+                    // A drain mark names an address: the instance back elsewhere is new.
+                    if state
+                        .draining
+                        .get(&id)
+                        .is_some_and(|addr| *addr != instance.address)
+                    {
+                        state.draining.remove(&id);
+                    }
                     state.discovered.insert(id, Arc::new(instance));
                 }
                 InstanceEvent::Removed(id) => {
                     state.discovered.remove(&id);
+                    state.draining.remove(&id);
                     // Removed yields at most a CancelTimer; a probe in flight is stopped too.
                     let _ = state.health.handle(Input::Removed(id));
                     state.tasks.forget(id);
@@ -267,6 +285,61 @@ impl RoutableView {
         if changed {
             self.inner.epoch.send_modify(|e| *e += 1);
         }
+    }
+
+    /// The instance `id` at `address` announced it is draining (it is stopping and finishes
+    /// the requests it has): leave it out of the routable set without counting a failure or
+    /// opening its breaker, until discovery removes it or lists it at another address.
+    /// Ignored when discovery does not list `id` at `address` (it left already, or this is an
+    /// old incarnation's connection). [`status`](Self::status) still reports it `Routable`:
+    /// a direct send reaches it and is refused by the connection, typed.
+    pub fn mark_draining(&self, id: InstanceId, address: SocketAddr) {
+        let changed = {
+            let mut state = self.inner.state.write();
+            let listed = state
+                .discovered
+                .get(&id)
+                .is_some_and(|i| i.address == address);
+            if listed && state.draining.insert(id, address) != Some(address) {
+                state.rebuild();
+                true
+            } else {
+                false
+            }
+        };
+        if changed {
+            tracing::info!(instance = id, %address, "worker draining: no new requests go to it");
+            self.inner.epoch.send_modify(|e| *e += 1);
+        }
+    }
+
+    /// Whether `id` announced a drain (see [`mark_draining`](Self::mark_draining)) and is
+    /// still listed at that address.
+    pub fn is_draining(&self, id: InstanceId) -> bool {
+        let state = self.inner.state.read();
+        match (state.draining.get(&id), state.discovered.get(&id)) {
+            (Some(addr), Some(instance)) => *addr == instance.address,
+            _ => false,
+        }
+    }
+
+    /// Mark `id` at `address` draining once `notice` resolves to `true` (a connection's
+    /// [`drain_notice`](crate::transport::Connection::drain_notice)), on a task that holds the
+    /// view weakly and ends with the connection.
+    pub(crate) fn mark_draining_on(
+        &self,
+        id: InstanceId,
+        address: SocketAddr,
+        notice: impl Future<Output = bool> + Send + 'static,
+    ) {
+        let view = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            if notice.await {
+                if let Some(inner) = view.upgrade() {
+                    RoutableView { inner }.mark_draining(id, address);
+                }
+            }
+        });
     }
 
     /// The breaker of `id`; `None` when discovery does not list it.

@@ -22,12 +22,12 @@ use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::advert::{self, DecodeDefaults};
 use crate::binding::TokenLoad;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
-use crate::kv_events::EventBatch;
+use crate::kv_events::{mix, EventBatch};
 use crate::mock::BlockCache;
-use crate::push::select::Choice;
+use crate::push::select::{Candidate, Choice};
 use crate::push::{
-    mix, AffinityCounts, Dispatcher, KvSelector, PushConfig, PushError, PushMode, RoutableView,
-    Selection,
+    AffinityCounts, Dispatcher, KvSelector, LoadBoard, PushConfig, PushError, PushMode,
+    RoutableView, Selection,
 };
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
@@ -262,7 +262,8 @@ pub(crate) struct ReplayBinding {
     view: RoutableView,
     push: Arc<Dispatcher>,
     /// The scoring rule of the oracle policy (the binding's resolved KV tuning).
-    oracle: KvSelector,
+    /// With the recent work of the oracle's picks (its bookings are the workers' own).
+    oracle: Mutex<(KvSelector, LoadBoard)>,
     /// Ends the view's task when the binding drops.
     view_cancel: CancellationToken,
     /// Uncached prompt tokens picked on this binding and not yet prefilled (the conditional
@@ -322,7 +323,7 @@ impl ReplayBinding {
             shared,
             view,
             push,
-            oracle,
+            oracle: Mutex::new((oracle, LoadBoard::default())),
             view_cancel,
             inflight_tokens: Arc::default(),
         })
@@ -351,25 +352,40 @@ impl ReplayBinding {
     /// overlap each routable worker's cache really holds, read directly.
     fn oracle_pick(&self, index: usize) -> Option<InstanceId> {
         let keys = self.shared.keys.get(index)?;
+        let mut oracle = self.oracle.lock();
+        let (selector, recent) = &mut *oracle;
+        let routable = self.view.routable();
+        if !recent.has_members(&routable) {
+            recent.set_members(Arc::clone(&routable));
+        }
         let workers = self.shared.workers.lock();
-        let candidates: Vec<(InstanceId, u64, usize)> = self
-            .view
-            .routable()
+        let candidates: Vec<Candidate> = routable
             .iter()
             .filter_map(|i| {
                 let w = workers.get(&i.instance_id)?;
                 let overlap = w.cache.lock().leading_hits(keys);
-                Some((i.instance_id, w.booked.load(Ordering::Relaxed), overlap))
+                let booked = w.booked.load(Ordering::Relaxed);
+                Some(
+                    Candidate::new(i.instance_id, overlap, booked)
+                        .with_recent(recent.recent(i.instance_id)),
+                )
             })
             .collect();
-        let tokens = self.shared.trace.get(index).map_or(0, |r| r.input_length);
-        match self.oracle.select_scored(
+        let tokens = u64::from(self.shared.trace.get(index).map_or(0, |r| r.input_length));
+        match selector.select_scored(
             keys,
-            u64::from(tokens),
+            tokens,
             &candidates,
             mix(self.shared.seed ^ index as u64),
         ) {
-            Choice::Picked { candidate, .. } => Some(candidate.id),
+            Choice::Picked {
+                candidate,
+                uncached,
+            } => {
+                selector.record_credit(keys, candidate.overlap);
+                recent.note_work(candidate.id, selector.cost().booking(uncached));
+                Some(candidate.id)
+            }
             Choice::Overloaded | Choice::Empty => None,
         }
     }
@@ -568,7 +584,7 @@ impl Prefill for ReplayBinding {
         let Some(keys) = self.shared.keys.get(index) else {
             return failed(format!("no block keys for record {index}"));
         };
-        let booked = self.oracle.cost().booking(held.uncached);
+        let booked = self.oracle.lock().0.cost().booking(held.uncached);
         worker.booked.fetch_add(booked, Ordering::Relaxed);
         worker
             .pending_prefill_tokens

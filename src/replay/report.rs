@@ -178,7 +178,7 @@ impl fmt::Display for ReplayReport {
             f,
             "{:<11} requests {:>6} lost {} shed {} | hit rate {:.2}% (ceiling {:.2}%, {:.1}% of it) | \
              TTFT ms p50 {:.0} p90 {:.0} p99 {:.0} | queue ms p50 {:.0} p99 {:.0} | \
-             imbalance {:.3} | {:.2} s wall, {:.0} req/s",
+             imbalance {:.3} (work % {}) | {:.2} s wall, {:.0} req/s",
             self.policy,
             self.requests,
             self.lost,
@@ -192,6 +192,11 @@ impl fmt::Display for ReplayReport {
             self.queue_ms.p50,
             self.queue_ms.p99,
             self.work_imbalance,
+            self.work_share
+                .iter()
+                .map(|s| format!("{:.1}", s * 100.0))
+                .collect::<Vec<_>>()
+                .join("/"),
             self.wall_s,
             self.requests_per_s,
         )?;

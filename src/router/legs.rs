@@ -93,27 +93,13 @@ pub enum PrefillError {
 }
 
 impl PrefillError {
-    /// Whether the prefill failed for want of any reachable worker: none was routable
-    /// ([`PushError::NoRoutableInstances`]), or every attempt failed at the connection (refused,
-    /// reset, a dead stream: the failures that say a worker is dead). A worker that answered
-    /// (rejected the request, was overloaded) or a deadline is not this. The router sends such
-    /// a request to decode whole when the fallback policy bypasses.
+    /// Whether the prefill leg failed for want of any reachable prefill worker (see
+    /// [`PushError::no_reachable_worker`]): the case a fallback to decode is for, as opposed to
+    /// a worker that answered with an error.
     pub fn no_reachable_worker(&self) -> bool {
-        fn unreachable(error: &PushError) -> bool {
-            match error {
-                PushError::NoRoutableInstances => true,
-                PushError::Transport { source, .. } => {
-                    crate::push::failure_class(source).counts_against_health()
-                }
-                PushError::Exhausted { attempts } => attempts
-                    .iter()
-                    .all(|a| a.class.counts_against_health() || unreachable(&a.error)),
-                _ => false,
-            }
-        }
         match self {
-            PrefillError::Push(error) => unreachable(error),
-            _ => false,
+            PrefillError::Push(error) => error.no_reachable_worker(),
+            PrefillError::NoResponse | PrefillError::Failed { .. } => false,
         }
     }
 }

@@ -1,40 +1,39 @@
 //! The in-memory side of the request path: a binding factory whose builds a seeded RNG
-//! makes succeed, fail, hang or outlive their cancellation; bindings that pick workers with
-//! the real [`RoutableView`] and [`Dispatcher`] and "send" to simulated workers that answer,
-//! reject, crash mid-stream or hang; and a decode hop that streams tokens or crashes.
+//! makes succeed, fail, hang or outlive their cancellation; bindings that route with the real
+//! [`RoutableView`] and [`Dispatcher`] (its pick, booking, retry elsewhere and release) and
+//! send through the in-memory [`SimLink`] to simulated workers that answer, reject, crash
+//! mid-stream or hang; and a decode hop that streams tokens or crashes.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::{self, BoxFuture};
 use futures_util::FutureExt;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::conditional;
 use super::config::{timing, Mutant};
 use super::kv_events;
+use super::link::{SimLink, Tried};
 use super::oracle::Violation;
 use super::sessions;
 use super::world::{InFlight, Probe, World};
 use crate::advert::{self, DecodeDefaults};
 use crate::discovery::InstanceId;
-use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
+use crate::health::FailureClass;
+use crate::push::{failure_class, Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
     PrefillOutcome, PrefillPick, PrefillProbe, WorkerSetTarget,
 };
-use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
+use crate::transport::{FinishReason, GenerateRequest, GenerateResponse};
 
-/// The request id the simulator writes into `GenerateRequest::request_id` (the session key
-/// is left to session affinity).
-pub(crate) fn request_id(request: &GenerateRequest) -> u64 {
-    request.request_id.unwrap_or(u64::MAX)
-}
+pub(crate) use super::link::request_id;
 
-/// Keys of the decision streams (see `World::keyed`).
+/// Keys of the decision streams (see `World::keyed`; the workers' is the link's).
 const STREAM_BUILD: u64 = 1;
 const STREAM_PUSH: u64 = 2;
-const STREAM_WORKER: u64 = 3;
 const STREAM_DECODE: u64 = 4;
 
 /// What a build will do, drawn when the router asks for it.
@@ -117,9 +116,7 @@ impl BindingFactory for SimFactory {
 /// workers.
 pub struct SimBinding {
     probe: Arc<Probe>,
-    push: Arc<Dispatcher>,
-    /// The KV block size when the run has KV events (the bindings then route in KV mode).
-    kv_block: Option<u32>,
+    push: Arc<Dispatcher<SimLink>>,
     view: RoutableView,
     target: WorkerSetTarget,
     world: Arc<World>,
@@ -129,8 +126,8 @@ pub struct SimBinding {
     /// Prompt tokens of the requests picked on this binding and not finished (the conditional
     /// policy's pool load).
     inflight_tokens: Arc<std::sync::atomic::AtomicU64>,
-    /// The dispatcher's session-affinity table (runs with sessions).
-    affinity: Option<Arc<crate::push::AffinityTable>>,
+    /// The workers each request in flight here went to (shared with the link).
+    tried: Tried,
 }
 
 /// What a simulated pick holds: the serial of the binding that made it and the request's share
@@ -200,17 +197,30 @@ impl SimBinding {
         let probe = world.new_probe(target.id.clone(), cancel);
         let seed = world.keyed(&[STREAM_PUSH, probe.serial]).next_u64();
         let affinity = sessions::table_for_binding(&world, mutant);
-        let push = Arc::new(
-            Dispatcher::new(
-                view.clone(),
-                mode,
-                PushConfig {
-                    seed,
-                    ..PushConfig::default()
-                },
-            )
-            .with_affinity_table(affinity.clone()),
-        );
+        let tried = Tried::default();
+        let config = PushConfig {
+            seed,
+            // One deadline per prefill, over all its attempts, as in production.
+            request_timeout: Some(timing::PREFILL_TIMEOUT),
+            retry_budget: timing::RETRY_BUDGET,
+            ..PushConfig::default()
+        };
+        let push = Arc::new_cyclic(|dispatcher| {
+            let link = SimLink {
+                world: Arc::clone(&world),
+                serial: probe.serial,
+                target: probe.target.clone(),
+                admitted: target.admitted.clone(),
+                view: view.clone(),
+                mutant,
+                kv_block,
+                dispatcher: dispatcher.clone(),
+                affinity: affinity.clone(),
+                tried: Arc::clone(&tried),
+            };
+            Dispatcher::with_link(view.clone(), mode, config, link)
+                .with_affinity_table(affinity.map(|a| a.table))
+        });
         if kv_on {
             kv_events::subscribe(&world, &push);
         }
@@ -222,14 +232,13 @@ impl SimBinding {
         Ok(SimBinding {
             probe,
             push,
-            kv_block,
             view,
             target,
             world,
             mutant,
             view_cancel,
             inflight_tokens: Arc::default(),
-            affinity,
+            tried,
         })
     }
 
@@ -263,138 +272,7 @@ impl Drop for SimBinding {
     }
 }
 
-/// What a worker does with one prefill.
-enum WorkerPlan {
-    Answer(Duration),
-    Reject,
-    /// Fails after `Duration`; the worker is down from then on.
-    Crash(Duration),
-    Hang,
-    /// The worker is down: connection refused.
-    Refused,
-}
-
 impl SimBinding {
-    /// Pick a worker for one attempt of request `id` (never one in `tried`, unless the
-    /// mutant reuses the failed worker), check the admission oracle, and draw what the worker
-    /// does with it.
-    fn attempt(
-        &self,
-        id: u64,
-        request: &GenerateRequest,
-        tried: &[InstanceId],
-    ) -> Result<(InstanceId, WorkerPlan), PushError> {
-        let reuse = self.mutant == Some(Mutant::RetryReusesFailedWorker);
-        let worker = match (tried.last(), reuse) {
-            (Some(&last), true) => last,
-            _ => self.pick_with_affinity(id, request, tried)?,
-        };
-        let admitted = self.target.admitted.borrow().clone();
-        if !admitted.contains(&worker) {
-            self.world.violate(Violation::DispatchOutsideAdmission {
-                request: id,
-                worker,
-                target: self.probe.target.clone(),
-                admitted,
-            });
-        }
-        self.world.trace(&[3, id, worker, self.probe.serial]);
-        // The first attempt keeps the draws it always had; retries draw from their own keys.
-        let mut rng = match tried.len() {
-            0 => self.world.keyed(&[STREAM_WORKER, id]),
-            n => self.world.keyed(&[STREAM_WORKER, id, n as u64]),
-        };
-        let plan = self.world.with(|s| {
-            s.stats.dispatches += 1;
-            if !World::reachable(s, worker) {
-                return WorkerPlan::Refused;
-            }
-            if !s.faults {
-                return WorkerPlan::Answer(Duration::from_millis(rng.between(1, 10)));
-            }
-            match rng.below(100) {
-                0..=84 => WorkerPlan::Answer(Duration::from_millis(
-                    rng.between(1, timing::PREFILL_MAX_MS),
-                )),
-                85..=89 => WorkerPlan::Reject,
-                90..=93 => {
-                    s.stats.crashes += 1;
-                    WorkerPlan::Crash(Duration::from_millis(rng.between(1, 20)))
-                }
-                _ => WorkerPlan::Hang,
-            }
-        });
-        Ok((worker, plan))
-    }
-
-    /// The block hashes of `request` in KV runs (what the workers' caches are keyed by).
-    fn kv_hashes(&self, request: &GenerateRequest) -> Option<Vec<u64>> {
-        self.kv_block
-            .map(|b| crate::push::block_hashes(&request.token_ids, b))
-    }
-
-    /// The dispatcher's pick, under the stale-credit oracle in KV runs.
-    fn select(
-        &self,
-        id: u64,
-        request: &GenerateRequest,
-        tried: &[InstanceId],
-    ) -> Result<InstanceId, PushError> {
-        let (instance, credited) = self.push.select_excluding_with_overlap(request, tried)?;
-        if let Some(hashes) = self.kv_hashes(request) {
-            kv_events::picked(
-                &self.world,
-                id,
-                &self.push,
-                instance.instance_id,
-                &hashes,
-                credited,
-            );
-        }
-        Ok(instance.instance_id)
-    }
-
-    /// The dispatcher's pick, judged by the affinity oracles when the run has sessions.
-    fn pick_with_affinity(
-        &self,
-        id: u64,
-        request: &GenerateRequest,
-        tried: &[InstanceId],
-    ) -> Result<InstanceId, PushError> {
-        let Some(table) = &self.affinity else {
-            return self.select(id, request, tried);
-        };
-        // Read in the same poll as the pick: what the dispatcher picks from.
-        let routable: Vec<InstanceId> =
-            self.view.routable().iter().map(|i| i.instance_id).collect();
-        let before = table.counts().snapshot();
-        let mut worker = self.select(id, request, tried)?;
-        let mut outcomes = sessions::outcome_between(before, table.counts().snapshot());
-        let session = request.session.as_deref();
-        if self.mutant == Some(Mutant::AffinityIgnoresRoutable) {
-            // The broken dispatcher: a live entry wins, routable or not.
-            if let Some(remembered) =
-                session.and_then(|s| sessions::live_entry(&self.world, self.serial(), s))
-            {
-                worker = remembered;
-                outcomes = vec![crate::push::AffinityOutcome::Hit];
-            }
-        }
-        sessions::picked(
-            &self.world,
-            &sessions::Pick {
-                request: id,
-                serial: self.serial(),
-                session,
-                routable: &routable,
-                tried,
-                worker,
-                outcomes,
-            },
-        );
-        Ok(worker)
-    }
-
     /// Oracle: a prefill that failed on connection failures after trying fewer distinct
     /// workers than the budget allows had no admitted, reachable, routable worker left.
     fn check_no_healthy_worker_left(&self, request: u64, tried: &[InstanceId]) {
@@ -421,92 +299,42 @@ impl SimBinding {
 }
 
 impl Prefill for SimBinding {
+    /// The real dispatcher's `generate` (pick, booking, retries elsewhere within the one
+    /// deadline, release) through the in-memory link.
     fn prefill(
         &self,
         request: GenerateRequest,
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
         let id = request_id(&request);
         // Synchronous part: the router called us in the same poll in which it loaded the
-        // route, so the world is exactly as it was at the load.
+        // route, so the world is exactly as it was at the load. The dispatcher's first pick
+        // comes in this poll too: the router polls the prefill at once.
         self.check_admission_to_binding(id);
         self.world.with(|s| s.prefilled.insert(id));
         let in_flight = InFlight::enter(&self.probe);
-        let first = match self.attempt(id, &request, &[]) {
-            Ok(first) => first,
-            Err(e) => {
-                self.world.trace(&[3, id, u64::MAX]);
-                return future::ready(Err(PrefillError::Push(e))).boxed();
-            }
+        let tried = TriedEntry {
+            tried: Arc::clone(&self.tried),
+            id,
         };
-        let enforce_deadline = self.mutant != Some(Mutant::NoPrefillTimeout);
-        let first_worker = first.0;
         async move {
             let _in_flight = in_flight;
-            // Retries as the dispatcher's: a connection failure before any output (refused,
-            // or a crash before the response) moves to another worker, at most RETRY_BUDGET
-            // times, all within the one prefill deadline.
-            let work = async {
-                let mut tried: Vec<InstanceId> = Vec::new();
-                let (mut worker, mut plan) = first;
-                loop {
-                    tried.push(worker);
-                    let failure = match plan {
-                        WorkerPlan::Answer(d) => {
-                            tokio::time::sleep(d).await;
-                            if let Some(hashes) = self.kv_hashes(&request) {
-                                kv_events::prefilled(&self.world, worker, &hashes);
-                            }
-                            return Ok(outcome(worker, &request));
-                        }
-                        WorkerPlan::Reject => {
-                            return Err(PrefillError::Failed {
-                                message: format!("worker {worker} rejected the request"),
-                            })
-                        }
-                        WorkerPlan::Hang => return future::pending().await,
-                        WorkerPlan::Refused => {
-                            // What the real dispatcher does after a connection failure.
-                            self.view.report_failure(
-                                worker,
-                                crate::health::FailureClass::ConnectionRefused,
-                            );
-                            format!("worker {worker}: connection refused")
-                        }
-                        WorkerPlan::Crash(d) => {
-                            tokio::time::sleep(d).await;
-                            self.world.crash(worker);
-                            self.view
-                                .report_failure(worker, crate::health::FailureClass::StreamDead);
-                            format!("worker {worker} crashed mid-stream")
-                        }
-                    };
-                    let next = if tried.len() > timing::RETRY_BUDGET as usize {
-                        None
-                    } else {
-                        self.attempt(id, &request, &tried).ok()
-                    };
-                    match next {
-                        Some(next) => {
-                            self.world.with(|s| s.stats.retries += 1);
-                            (worker, plan) = next;
-                        }
-                        None => {
-                            self.check_no_healthy_worker_left(id, &tried);
-                            return Err(PrefillError::Failed { message: failure });
-                        }
-                    }
-                }
+            let deadline = Instant::now() + timing::PREFILL_TIMEOUT;
+            let error = match self.push.generate(request).await {
+                Ok(stream) => return PrefillOutcome::collect(stream.instance_id(), stream).await,
+                Err(error) => error,
             };
-            if enforce_deadline {
-                match tokio::time::timeout(timing::PREFILL_TIMEOUT, work).await {
-                    Ok(result) => result,
-                    Err(_) => Err(PrefillError::Push(PushError::Timeout {
-                        instance: first_worker,
-                    })),
-                }
-            } else {
-                work.await
+            let tried = tried.take();
+            if tried.is_empty() {
+                // Nothing routable for the first pick.
+                self.world.trace(&[3, id, u64::MAX]);
+            } else if last_class(&error).is_some_and(FailureClass::retry_elsewhere)
+                && Instant::now() < deadline
+            {
+                // The dispatcher stopped retrying a connection failure with time left: for
+                // want of budget or of another routable worker.
+                self.check_no_healthy_worker_left(id, &tried);
             }
+            Err(PrefillError::Push(error))
         }
         .boxed()
     }
@@ -572,23 +400,35 @@ impl SimBinding {
     }
 }
 
-fn outcome(worker: InstanceId, request: &GenerateRequest) -> PrefillOutcome {
-    let first = request
-        .token_ids
-        .last()
-        .copied()
-        .unwrap_or(0)
-        .wrapping_add(1);
-    PrefillOutcome {
-        worker,
-        tokens: vec![first],
-        finish: Some(FinishReason::Length),
-        handoff: Some(PrefillInfo {
-            worker,
-            prompt_tokens: u32::try_from(request.token_ids.len()).unwrap_or(u32::MAX),
-            cached_blocks: 0,
-            block_size: 16,
-        }),
+/// The class of the last attempt's failure (`None`: no attempt was made).
+fn last_class(error: &PushError) -> Option<FailureClass> {
+    match error {
+        PushError::Exhausted { attempts } => attempts.last().map(|a| a.class),
+        PushError::Transport { source, .. } => Some(failure_class(source)),
+        PushError::Timeout { .. } => Some(FailureClass::Deadline),
+        // A connection failure on a worker that has left discovery meanwhile.
+        PushError::InstanceGone(_) => Some(FailureClass::ConnectionReset),
+        _ => None,
+    }
+}
+
+/// A request's entry in the binding's record of tried workers, removed when the prefill ends
+/// or is dropped.
+struct TriedEntry {
+    tried: Tried,
+    id: u64,
+}
+
+impl TriedEntry {
+    /// The workers the request went to so far.
+    fn take(&self) -> Vec<InstanceId> {
+        self.tried.lock().remove(&self.id).unwrap_or_default()
+    }
+}
+
+impl Drop for TriedEntry {
+    fn drop(&mut self) {
+        self.tried.lock().remove(&self.id);
     }
 }
 

@@ -24,12 +24,16 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::config::Mutant;
+use super::link::SimLink;
 use super::oracle::Violation;
 use super::world::World;
 use crate::discovery::InstanceId;
 use crate::kv_events::{EventBatch, KvEvent};
 use crate::mock::BlockCache;
 use crate::push::Dispatcher;
+
+/// A binding's dispatcher (sending through the in-memory link).
+type SimDispatcher = Dispatcher<SimLink>;
 
 /// Blocks each simulated worker's cache holds: small, so evictions (removals) are frequent.
 pub const CACHE_BLOCKS: usize = 8;
@@ -60,7 +64,7 @@ pub(crate) struct Ledger {
     /// Whether the run has KV events.
     pub(crate) on: bool,
     caches: BTreeMap<InstanceId, BlockCache>,
-    subscribers: Vec<Weak<Dispatcher>>,
+    subscribers: Vec<Weak<SimDispatcher>>,
     lag: BTreeMap<InstanceId, Lag>,
     /// Batches published so far (numbers the fate draws).
     published: u64,
@@ -68,7 +72,7 @@ pub(crate) struct Ledger {
 
 /// A new binding's dispatcher receives the workers' batches from now on (no snapshot: its
 /// index starts empty, as after a rebuild in production).
-pub(crate) fn subscribe(world: &World, dispatcher: &Arc<Dispatcher>) {
+pub(crate) fn subscribe(world: &World, dispatcher: &Arc<SimDispatcher>) {
     world.with(|s| {
         s.kv.subscribers.retain(|d| d.strong_count() > 0);
         s.kv.subscribers.push(Arc::downgrade(dispatcher));
@@ -141,7 +145,7 @@ pub(crate) fn prefilled(world: &Arc<World>, worker: InstanceId, hashes: &[u64]) 
 
 /// Apply `batch` to every live subscriber, then close the lag window it ends.
 fn deliver(world: &World, worker: InstanceId, batch: &EventBatch, late: bool) {
-    let subscribers: Vec<Arc<Dispatcher>> =
+    let subscribers: Vec<Arc<SimDispatcher>> =
         world.with(|s| s.kv.subscribers.iter().filter_map(Weak::upgrade).collect());
     // Outside the world's lock: the dispatcher takes its own.
     for d in &subscribers {
@@ -165,7 +169,7 @@ fn deliver(world: &World, worker: InstanceId, batch: &EventBatch, late: bool) {
 pub(crate) fn picked(
     world: &World,
     request: u64,
-    dispatcher: &Dispatcher,
+    dispatcher: &SimDispatcher,
     worker: InstanceId,
     hashes: &[u64],
     credited: Option<usize>,

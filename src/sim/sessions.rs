@@ -48,35 +48,51 @@ pub(crate) struct Ledger {
     /// `(binding serial, session)` → the worker its table remembers and when it last used it.
     remembered: BTreeMap<(u64, String), (InstanceId, Instant)>,
     /// The `AffinityInheritedByRebuild` mutant's table, shared by every binding.
-    shared: Option<Arc<AffinityTable>>,
+    shared: Option<Table>,
+}
+
+/// A binding dispatcher's affinity table, and its counters as of its latest pick: what one
+/// pick counted is the difference (the table's counters move only in picks, and the link
+/// reads them in the same poll as each pick, so no other pick comes between).
+#[derive(Clone, Debug)]
+pub(crate) struct Table {
+    pub(crate) table: Arc<AffinityTable>,
+    seen: Arc<parking_lot::Mutex<AffinityStats>>,
+}
+
+impl Table {
+    /// The outcomes counted since the previous call (on any binding sharing the table).
+    pub(crate) fn counted_since_last_pick(&self) -> Vec<AffinityOutcome> {
+        let now = self.table.counts().snapshot();
+        let before = std::mem::replace(&mut *self.seen.lock(), now);
+        outcome_between(before, now)
+    }
 }
 
 /// The affinity table of a new binding's dispatcher: a fresh one (`None` when the run has no
 /// sessions), or under the `AffinityInheritedByRebuild` mutant the first binding's.
-pub(crate) fn table_for_binding(
-    world: &World,
-    mutant: Option<Mutant>,
-) -> Option<Arc<AffinityTable>> {
+pub(crate) fn table_for_binding(world: &World, mutant: Option<Mutant>) -> Option<Table> {
     world.with(|s| {
         if !s.sessions.on {
             return None;
         }
-        let fresh = || {
-            Arc::new(AffinityTable::new(
+        let fresh = || Table {
+            table: Arc::new(AffinityTable::new(
                 TTL,
                 DEFAULT_AFFINITY_CAPACITY,
                 Arc::default(),
-            ))
+            )),
+            seen: Arc::default(),
         };
         if mutant == Some(Mutant::AffinityInheritedByRebuild) {
-            return Some(Arc::clone(s.sessions.shared.get_or_insert_with(fresh)));
+            return Some(s.sessions.shared.get_or_insert_with(fresh).clone());
         }
         Some(fresh())
     })
 }
 
 /// The affinity outcome of one pick, from the binding's counters before and after it.
-pub(crate) fn outcome_between(before: AffinityStats, after: AffinityStats) -> Vec<AffinityOutcome> {
+fn outcome_between(before: AffinityStats, after: AffinityStats) -> Vec<AffinityOutcome> {
     let mut outcomes = Vec::new();
     for (outcome, b, a) in [
         (AffinityOutcome::Hit, before.hits, after.hits),

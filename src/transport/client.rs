@@ -72,6 +72,8 @@ struct Shared {
     slots: Arc<Semaphore>,
     /// Cancelled when the connection is finished, by either task or by the last handle.
     closed: CancellationToken,
+    /// Cancelled when the worker announced a drain ([`Frame::Draining`]): no new requests.
+    draining: CancellationToken,
 }
 
 impl Shared {
@@ -194,6 +196,7 @@ impl Connection {
             }),
             next_id: AtomicU64::new(1),
             closed,
+            draining: CancellationToken::new(),
         });
         let connection = Connection {
             handle: Arc::new(Handle {
@@ -228,6 +231,27 @@ impl Connection {
         self.handle.shared.closed.is_cancelled()
     }
 
+    /// Whether the worker announced it is draining ([`Frame::Draining`]): the connection then
+    /// refuses new requests with [`TransportError::Draining`] (send them to another worker),
+    /// while the requests already sent on it continue to their end.
+    pub fn is_draining(&self) -> bool {
+        self.handle.shared.draining.is_cancelled()
+    }
+
+    /// Resolves to `true` when the worker announces a drain, or `false` when the connection
+    /// closes without one. Holds no handle: waiting on it does not keep the connection open.
+    pub fn drain_notice(&self) -> impl std::future::Future<Output = bool> + Send + 'static {
+        let draining = self.handle.shared.draining.clone();
+        let closed = self.handle.shared.closed.clone();
+        async move {
+            tokio::select! {
+                biased;
+                _ = draining.cancelled() => true,
+                _ = closed.cancelled() => draining.is_cancelled(),
+            }
+        }
+    }
+
     /// Send `request`; its responses arrive on the returned stream. With a `deadline`, the
     /// stream fails with [`TransportError::Timeout`] once it passes and the worker is told to
     /// stop; the worker also receives the remaining budget and stops on its own.
@@ -239,6 +263,9 @@ impl Connection {
         let shared = &self.handle.shared;
         if shared.closed.is_cancelled() {
             return Err(shared.failure());
+        }
+        if shared.draining.is_cancelled() {
+            return Err(TransportError::Draining);
         }
         let permit = Arc::clone(&shared.slots)
             .acquire_owned()
@@ -269,9 +296,24 @@ impl Connection {
             }
             pending.streams.insert(id, tx);
         }
-        if !shared.writer.send(bytes).await {
-            shared.pending.lock().streams.remove(&id);
-            return Err(shared.failure());
+        // Checked under the write lock: the reader sets `draining` before it writes the
+        // acknowledgement under the same lock, so this request is either on the wire before the
+        // acknowledgement (and served) or not sent at all.
+        let draining = &shared.draining;
+        match shared
+            .writer
+            .send_unless(bytes, || draining.is_cancelled())
+            .await
+        {
+            Some(true) => {}
+            Some(false) => {
+                shared.pending.lock().streams.remove(&id);
+                return Err(TransportError::Draining);
+            }
+            None => {
+                shared.pending.lock().streams.remove(&id);
+                return Err(shared.failure());
+            }
         }
         Ok(ResponseStream {
             conn: self.clone(),
@@ -321,7 +363,20 @@ async fn read_loop(rd: OwnedReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
                 }
                 continue;
             }
-            Ok(Frame::Request { .. } | Frame::Cancel { .. } | Frame::KvSubscribe) => {
+            Ok(Frame::Draining) => {
+                if !shared.draining.is_cancelled() {
+                    shared.draining.cancel();
+                    tracing::debug!(addr = %shared.addr, "worker draining: no new requests on this connection");
+                    let ack = bytes::Bytes::from(wire::encode_frame(&Frame::DrainAck));
+                    // Written after `draining` is set (see `generate`); a failed write closes
+                    // the connection, and the loop then ends on `closed`.
+                    shared.writer.send(ack).await;
+                }
+                continue;
+            }
+            Ok(
+                Frame::Request { .. } | Frame::Cancel { .. } | Frame::KvSubscribe | Frame::DrainAck,
+            ) => {
                 break TransportError::Frame(FrameError::Unexpected {
                     reason: "worker sent a client frame".into(),
                 })

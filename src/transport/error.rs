@@ -48,6 +48,11 @@ pub enum RemoteError {
     /// A response was too large to frame.
     #[error("response exceeds the maximum frame length")]
     ResponseTooLarge,
+    /// The worker is draining (stopping) and took no new request on this connection: the
+    /// request was not started, so it may go to another worker. Appended: the encoding of the
+    /// earlier variants is unchanged.
+    #[error("worker draining: request not started")]
+    Draining,
 }
 
 /// Why a request on a connection failed.
@@ -89,4 +94,9 @@ pub enum TransportError {
     /// The request's deadline passed before its stream finished.
     #[error("request deadline exceeded")]
     Timeout,
+    /// The worker announced it is draining ([`Frame::Draining`](super::Frame::Draining)): this
+    /// connection takes no new request (the request was not sent; send it to another worker).
+    /// Its requests already in flight continue to their end.
+    #[error("worker draining: connection takes no new requests")]
+    Draining,
 }

@@ -11,6 +11,7 @@ use std::time::Duration;
 use futures_util::{FutureExt, StreamExt};
 use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
@@ -50,13 +51,38 @@ impl Default for ServerConfig {
 
 /// A running worker listener. Dropping it (or [`shutdown`](ServerHandle::shutdown)) stops
 /// accepting and closes every connection at once, without finishing streams: to clients it
-/// looks like the worker died.
+/// looks like the worker died. [`drain`](ServerHandle::drain) stops gracefully instead.
 #[derive(Debug)]
 pub struct ServerHandle {
     local_addr: SocketAddr,
     shutdown: CancellationToken,
-    connections: Arc<AtomicUsize>,
+    drain: CancellationToken,
+    connections: Arc<OpenCount>,
     task: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// How a [`ServerHandle::drain`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DrainReport {
+    /// How long the drain took.
+    pub elapsed: Duration,
+    /// Connections still open when the drain timeout passed, closed then with their requests
+    /// cut (0 when every connection drained in time).
+    pub cut_connections: usize,
+}
+
+impl DrainReport {
+    /// Whether every connection drained before the timeout (no request was cut).
+    pub fn complete(&self) -> bool {
+        self.cut_connections == 0
+    }
+}
+
+/// The open connections, and a wake-up for a drain waiting for them to close.
+#[derive(Debug, Default)]
+struct OpenCount {
+    count: AtomicUsize,
+    closed: Notify,
 }
 
 impl ServerHandle {
@@ -67,7 +93,49 @@ impl ServerHandle {
 
     /// How many client connections are open now.
     pub fn open_connections(&self) -> usize {
-        self.connections.load(Ordering::Relaxed)
+        self.connections.count.load(Ordering::Acquire)
+    }
+
+    /// Stop gracefully: tell every connection the worker is draining ([`Frame::Draining`]),
+    /// serve the requests its client sent before acknowledging ([`Frame::DrainAck`]) to their
+    /// end, and close each connection once acknowledged and idle. Connections accepted
+    /// meanwhile are told at once (a client that had not yet heard of the stop is served, not
+    /// refused). When every connection has closed, or `timeout` passed (the rest are then
+    /// closed, their requests cut, and the report says how many), the listener closes.
+    ///
+    /// Deregister the worker from discovery first, so that no new client connects.
+    pub async fn drain(mut self, timeout: Duration) -> DrainReport {
+        let started = tokio::time::Instant::now();
+        self.drain.cancel();
+        let deadline = tokio::time::sleep(timeout);
+        tokio::pin!(deadline);
+        let cut_connections = loop {
+            // Registered before the check, so a close in between is not missed.
+            let closed = self.connections.closed.notified();
+            let open = self.connections.count.load(Ordering::Acquire);
+            if open == 0 {
+                break 0;
+            }
+            tokio::select! {
+                _ = closed => {}
+                _ = &mut deadline => break self.connections.count.load(Ordering::Acquire),
+            }
+        };
+        if cut_connections > 0 {
+            tracing::warn!(
+                open = cut_connections,
+                ?timeout,
+                "drain timeout passed; closing the remaining connections"
+            );
+        }
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        DrainReport {
+            elapsed: started.elapsed(),
+            cut_connections,
+        }
     }
 
     /// Stop accepting and close all connections (pending streams end without a final frame).
@@ -121,7 +189,8 @@ fn serve_inner(
 ) -> io::Result<ServerHandle> {
     let local_addr = listener.local_addr()?;
     let shutdown = CancellationToken::new();
-    let connections = Arc::new(AtomicUsize::new(0));
+    let drain = CancellationToken::new();
+    let connections = Arc::new(OpenCount::default());
     let hub = events.map(|source| {
         Hub::spawn(
             source,
@@ -135,12 +204,13 @@ fn serve_inner(
         engine,
         config,
         hub,
-        shutdown.clone(),
+        (shutdown.clone(), drain.clone()),
         Arc::clone(&connections),
     ));
     Ok(ServerHandle {
         local_addr,
         shutdown,
+        drain,
         connections,
         task: Some(task),
     })
@@ -151,8 +221,8 @@ async fn accept_loop(
     engine: Arc<dyn Engine>,
     config: ServerConfig,
     hub: Option<Arc<Hub>>,
-    shutdown: CancellationToken,
-    connections: Arc<AtomicUsize>,
+    (shutdown, drain): (CancellationToken, CancellationToken),
+    connections: Arc<OpenCount>,
 ) {
     loop {
         let accepted = tokio::select! {
@@ -161,19 +231,20 @@ async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
-                if connections.load(Ordering::Relaxed) >= config.max_connections {
+                if connections.count.load(Ordering::Acquire) >= config.max_connections {
                     tracing::warn!(%peer, "refusing connection: too many open");
                     continue;
                 }
-                connections.fetch_add(1, Ordering::Relaxed);
+                connections.count.fetch_add(1, Ordering::AcqRel);
                 let engine = Arc::clone(&engine);
                 let config = config.clone();
                 let token = shutdown.child_token();
                 let connections = Arc::clone(&connections);
                 let hub = hub.clone();
+                let drain = drain.clone();
                 tokio::spawn(async move {
                     let _open = OpenConnection(connections);
-                    serve_connection(stream, peer, engine, config, hub, token).await;
+                    serve_connection(stream, peer, engine, config, hub, (token, drain)).await;
                 });
             }
             Err(e) => {
@@ -186,11 +257,12 @@ async fn accept_loop(
 }
 
 /// Counts an open connection until dropped (also when its task panics).
-struct OpenConnection(Arc<AtomicUsize>);
+struct OpenConnection(Arc<OpenCount>);
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.count.fetch_sub(1, Ordering::AcqRel);
+        self.0.closed.notify_waiters();
     }
 }
 
@@ -225,6 +297,19 @@ enum Closed {
     Io(io::Error),
     Frame(FrameError),
     Shutdown,
+    /// Drained: the client acknowledged the drain and its requests finished.
+    Drained,
+}
+
+/// Where a connection stands in a drain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DrainState {
+    /// Serving as usual.
+    Serving,
+    /// `Draining` sent: requests the client sent before its acknowledgement are still served.
+    Told,
+    /// The client acknowledged: no new request is served; the connection closes when idle.
+    Acknowledged,
 }
 
 async fn serve_connection(
@@ -233,7 +318,7 @@ async fn serve_connection(
     engine: Arc<dyn Engine>,
     config: ServerConfig,
     hub: Option<Arc<Hub>>,
-    token: CancellationToken,
+    (token, drain): (CancellationToken, CancellationToken),
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(%peer, error = %e, "set_nodelay failed");
@@ -244,9 +329,25 @@ async fn serve_connection(
     let active: Arc<Mutex<HashMap<u64, CancellationToken>>> = Arc::default();
     let mut frames = FramedRead::new(rd, wire::codec(max));
     let mut subscribed = false;
+    let mut drain_state = DrainState::Serving;
+    // Woken when a spawned request ends, so an acknowledged drain closes once idle.
+    let finished = Arc::new(Notify::new());
     let closed = loop {
         let next = tokio::select! {
             _ = token.cancelled() => break Closed::Shutdown,
+            _ = drain.cancelled(), if drain_state == DrainState::Serving => {
+                drain_state = DrainState::Told;
+                if !send(&writer, Frame::Draining, max).await {
+                    break Closed::Shutdown;
+                }
+                continue;
+            }
+            _ = finished.notified(), if drain_state == DrainState::Acknowledged => {
+                if active.lock().is_empty() {
+                    break Closed::Drained;
+                }
+                continue;
+            }
             next = frames.next() => next,
         };
         let bytes = match next {
@@ -269,8 +370,13 @@ async fn serve_connection(
                     let table = active.lock();
                     if table.contains_key(&id) {
                         None
+                    } else if drain_state == DrainState::Acknowledged {
+                        // The client said it sends nothing more: refuse, untouched.
+                        Some(Err(RemoteError::Draining))
+                    } else if table.len() < config.max_in_flight {
+                        Some(Ok(()))
                     } else {
-                        Some(table.len() < config.max_in_flight)
+                        Some(Err(RemoteError::Overloaded))
                     }
                 };
                 match admit {
@@ -279,17 +385,14 @@ async fn serve_connection(
                             reason: format!("duplicate request id {id}"),
                         })
                     }
-                    Some(false) => {
-                        let frame = Frame::Error {
-                            id,
-                            error: RemoteError::Overloaded,
-                        };
+                    Some(Err(error)) => {
+                        let frame = Frame::Error { id, error };
                         if !send(&writer, frame, max).await {
                             break Closed::Shutdown;
                         }
                         continue;
                     }
-                    Some(true) => {}
+                    Some(Ok(())) => {}
                 }
                 let mut stream = start(engine.as_ref(), request);
                 // The prefill's cache changes are in the source now.
@@ -315,7 +418,7 @@ async fn serve_connection(
                     timeout_ms,
                     writer.clone(),
                     request_token,
-                    Arc::clone(&active),
+                    (Arc::clone(&active), Arc::clone(&finished)),
                     max,
                 ));
             }
@@ -334,11 +437,24 @@ async fn serve_connection(
                     }
                 }
             }
+            Ok(Frame::DrainAck) => {
+                if drain_state != DrainState::Told {
+                    break Closed::Frame(FrameError::Unexpected {
+                        reason: "drain acknowledged but not announced".into(),
+                    });
+                }
+                drain_state = DrainState::Acknowledged;
+                tracing::debug!(%peer, in_flight = active.lock().len(), "client acknowledged the drain");
+                if active.lock().is_empty() {
+                    break Closed::Drained;
+                }
+            }
             Ok(
                 Frame::Data { .. }
                 | Frame::End { .. }
                 | Frame::Error { .. }
-                | Frame::KvEvents { .. },
+                | Frame::KvEvents { .. }
+                | Frame::Draining,
             ) => {
                 break Closed::Frame(FrameError::Unexpected {
                     reason: "client sent a worker frame".into(),
@@ -348,6 +464,7 @@ async fn serve_connection(
     };
     match closed {
         Closed::Eof | Closed::Shutdown => tracing::debug!(%peer, "connection closed"),
+        Closed::Drained => tracing::debug!(%peer, "connection drained"),
         Closed::Io(e) => tracing::debug!(%peer, error = %e, "connection lost"),
         Closed::Frame(e) => {
             tracing::warn!(%peer, error = %e, "closing connection: bad frame from client")
@@ -382,7 +499,7 @@ async fn run_request(
     timeout_ms: Option<u64>,
     writer: Writer,
     token: CancellationToken,
-    active: Arc<Mutex<HashMap<u64, CancellationToken>>>,
+    (active, finished): (Arc<Mutex<HashMap<u64, CancellationToken>>>, Arc<Notify>),
     max: usize,
 ) {
     let deadline = tokio::time::sleep(timeout_ms.map_or(
@@ -413,6 +530,8 @@ async fn run_request(
     // Generation stops here (the engine stream is dropped) whatever ended the loop.
     drop(stream);
     active.lock().remove(&id);
+    // A permit is stored if the connection is not waiting now: it re-checks at its next wait.
+    finished.notify_one();
 }
 
 /// Send a frame, replacing a response too large to frame by an error; false when the

@@ -58,10 +58,23 @@ pub enum Frame {
         /// The encoded batch.
         payload: Vec<u8>,
     },
+    /// Worker to client: the worker is stopping. Requests already sent on this connection are
+    /// served to the end; the client sends no new ones after it answers [`Frame::DrainAck`],
+    /// and routes new work to other workers. Sent at most once; the worker closes the
+    /// connection once the client acknowledged and the in-flight requests finished (or its
+    /// drain timeout passed). Appended to the enum: the encoding of every earlier frame is
+    /// unchanged, and a client that predates it reads it as a malformed frame and closes the
+    /// connection, which is what a stopping worker did to it before.
+    Draining,
+    /// Client to worker: the answer to [`Frame::Draining`]. Every request the client sent on
+    /// this connection before it is served; a `Request` after it is refused with
+    /// [`RemoteError::Draining`]. Sent only in reply to `Draining`, so a worker that predates
+    /// the pair never receives it.
+    DrainAck,
 }
 
 impl Frame {
-    /// The request the frame belongs to (`None` for the KV event frames).
+    /// The request the frame belongs to (`None` for the KV event and drain frames).
     pub(crate) fn request_id(&self) -> Option<u64> {
         match self {
             Frame::Request { id, .. }
@@ -69,7 +82,7 @@ impl Frame {
             | Frame::Data { id, .. }
             | Frame::End { id }
             | Frame::Error { id, .. } => Some(*id),
-            Frame::KvSubscribe | Frame::KvEvents { .. } => None,
+            Frame::KvSubscribe | Frame::KvEvents { .. } | Frame::Draining | Frame::DrainAck => None,
         }
     }
 }

@@ -49,6 +49,34 @@ impl Writer {
         }
     }
 
+    /// [`send`](Self::send), unless `refuse` holds once the write lock is taken: then
+    /// nothing is written. `Some(true)` when written, `Some(false)` when refused, `None` when
+    /// the connection is closed.
+    pub(crate) async fn send_unless(
+        &self,
+        bytes: Bytes,
+        refuse: impl FnOnce() -> bool,
+    ) -> Option<bool> {
+        let write = async {
+            let mut sink = self.sink.lock().await;
+            if refuse() {
+                return Ok(false);
+            }
+            sink.send(bytes).await.map(|()| true)
+        };
+        tokio::select! {
+            _ = self.closed.cancelled() => None,
+            written = write => match written {
+                Ok(sent) => Some(sent),
+                Err(e) => {
+                    tracing::debug!(error = %e, "write failed; closing connection");
+                    self.closed.cancel();
+                    None
+                }
+            },
+        }
+    }
+
     /// Send from a context that cannot wait (a `Drop`): on a spawned task, if a runtime is
     /// there to run it.
     pub(crate) fn send_detached(&self, bytes: Bytes) {

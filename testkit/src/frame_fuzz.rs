@@ -75,6 +75,10 @@ pub enum FrameSeed {
     KvSubscribe,
     /// `Frame::KvEvents`, its payload (any bytes: the frame decoder does not look inside).
     KvEvents(Vec<u8>),
+    /// `Frame::Draining`.
+    Draining,
+    /// `Frame::DrainAck`.
+    DrainAck,
 }
 
 impl PrefillSeed {
@@ -134,19 +138,22 @@ impl FrameSeed {
             FrameSeed::End(id) => Frame::End { id: *id },
             FrameSeed::Error { id, kind, message } => Frame::Error {
                 id: *id,
-                error: match kind % 4 {
+                error: match kind % 5 {
                     0 => RemoteError::Engine {
                         message: message.clone(),
                     },
                     1 => RemoteError::Overloaded,
                     2 => RemoteError::DeadlineExceeded,
-                    _ => RemoteError::ResponseTooLarge,
+                    3 => RemoteError::ResponseTooLarge,
+                    _ => RemoteError::Draining,
                 },
             },
             FrameSeed::KvSubscribe => Frame::KvSubscribe,
             FrameSeed::KvEvents(payload) => Frame::KvEvents {
                 payload: payload.clone(),
             },
+            FrameSeed::Draining => Frame::Draining,
+            FrameSeed::DrainAck => Frame::DrainAck,
         }
     }
 }

@@ -35,6 +35,8 @@ const QUIET: Duration = Duration::from_millis(600);
 mod cases;
 mod child;
 #[cfg(feature = "etcd")]
+mod etcd_keepalive;
+#[cfg(feature = "etcd")]
 mod etcd_restart;
 mod file_store;
 mod harness;

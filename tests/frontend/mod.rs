@@ -107,6 +107,21 @@ impl Proc {
         }
     }
 
+    /// SIGTERM, wait (bounded) for its `stopped` event and its exit: the exit status and that
+    /// event.
+    pub fn stop(mut self) -> (std::process::ExitStatus, serde_json::Value) {
+        self.signal(libc::SIGTERM);
+        let deadline = Instant::now() + WAIT;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "{} ignored SIGTERM", self.name);
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        (status, self.wait_event("stopped"))
+    }
+
     /// SIGTERM, then wait for the exit (bounded by WAIT); the exit status and every stdout line
     /// printed (the reader thread is given a moment to catch up with the last ones).
     pub fn terminate_keeping_output(mut self) -> (std::process::ExitStatus, Vec<String>) {
@@ -195,6 +210,29 @@ impl Cluster {
             etcd: Some((format!("etcd://{host}"), root)),
             ..Cluster::new()
         })
+    }
+
+    /// On the etcd cluster whose client URLs are `urls` (`http://HOST:PORT` each), every
+    /// process given all of them (`etcd://H1:P1,H2:P2,...`), under a fresh key root.
+    pub fn on_etcd_members(urls: &[String]) -> Cluster {
+        let hosts: Vec<&str> = urls
+            .iter()
+            .map(|u| u.trim_start_matches("http://").trim_end_matches('/'))
+            .collect();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let root = format!("prefill-procs/{}-{nanos}/", std::process::id());
+        Cluster {
+            etcd: Some((format!("etcd://{}", hosts.join(",")), root)),
+            ..Cluster::new()
+        }
+    }
+
+    /// The etcd key root, when on etcd.
+    pub fn etcd_root(&self) -> Option<&str> {
+        self.etcd.as_ref().map(|(_, root)| root.as_str())
     }
 
     pub fn store(&self) -> String {

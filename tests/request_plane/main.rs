@@ -3,6 +3,7 @@
 //! `cargo test --test request_plane push_modes` runs what `--test push_modes` ran.
 //!
 //! - `transport_stream`: streaming, multiplexing, cancellation, deadlines, errors on loopback.
+//! - `transport_drain`: a stopping worker drains: in-flight streams finish, new work elsewhere.
 //! - `transport_garbage`: hostile peers (garbage, oversized frames).
 //! - `push_modes`: round robin, random, direct, KV on loopback workers.
 //! - `push_admission`: the routable view under admission and discovery changes.
@@ -19,5 +20,6 @@ mod push_kv_selector;
 mod push_modes;
 mod push_retry;
 mod support;
+mod transport_drain;
 mod transport_garbage;
 mod transport_stream;

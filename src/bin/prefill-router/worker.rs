@@ -20,19 +20,23 @@ use crate::store::{terminated, StoreSpec, DEFAULT_ETCD_ROOT};
 
 /// `worker` usage.
 pub const USAGE: &str = "\
-usage: prefill-router worker --role prefill|decode --discovery file://DIR|etcd://HOST:PORT
+usage: prefill-router worker --role prefill|decode --discovery file://DIR|etcd://HOST:PORT[,...]
                              --namespace NS [--card FILE] [--id N] [--listen 127.0.0.1:0]
 
 Runs a mock engine (no model, the timing shape of one) serving the request plane, registered
-in discovery as endpoint NS/prefill/generate or NS/decode/generate (lease with heartbeats);
-SIGTERM (or Ctrl-C) deregisters it and stops. Prints one JSON line per event on stdout:
+in discovery as endpoint NS/prefill/generate or NS/decode/generate (lease with heartbeats).
+SIGTERM (or Ctrl-C) deregisters it, then drains: frontends are told on every connection to
+send nothing new (they route new work to other workers, without counting a failure), the
+requests in flight finish, and the worker exits once they have or --drain-timeout-ms passed
+(a second signal stops at once). Prints one JSON line per event on stdout:
 {\"event\":\"ready\",...} once serving and registered, {\"event\":\"cancelled\",...} each time a
 request is cancelled before its end (the caller dropped it), {\"event\":\"stopped\",...} at exit;
 with --print-requests also {\"event\":\"request\",...} as each request starts.
 
 options:
   --role R               prefill or decode
-  --discovery SPEC       file://DIR (a directory shared on this host) or etcd://HOST:PORT
+  --discovery SPEC       file://DIR (a directory shared on this host) or
+                         etcd://HOST:PORT[,HOST:PORT...] (the members of one etcd cluster)
   --namespace NS         the deployment's namespace
   --card FILE            the model card to advertise (JSON); default: model `mock-llm`,
                          block size --block-size, prefill cards advertise KV routing; its
@@ -50,6 +54,9 @@ options:
   --block-cost-us N      prefill time per uncached block, microseconds (default 500)
   --token-interval-us N  decode time per token, microseconds (default 2000)
   --ttl-ms N             discovery lease TTL in milliseconds (default 10000)
+  --drain-timeout-ms N   on SIGTERM, how long in-flight requests may take to finish before
+                         their connections are closed (default 25000, under the 30 s grace
+                         period orchestrators usually give)
   --etcd-root PREFIX     etcd key root (default prefill-router/v1/instances/)
   --print-requests       print a `request` event as each request starts
   --no-kv-events         a prefill worker does not publish its KV cache events (by default
@@ -87,11 +94,15 @@ pub struct WorkerOptions {
     block_cost: Duration,
     token_interval: Duration,
     ttl: Duration,
+    drain_timeout: Duration,
     etcd_root: String,
     print_requests: bool,
     kv_events: bool,
     session_affinity_ttl_secs: Option<u64>,
 }
+
+/// How long a stopping worker lets its in-flight requests finish, by default.
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(25);
 
 impl WorkerOptions {
     /// Parse the arguments after `worker`.
@@ -110,6 +121,7 @@ impl WorkerOptions {
             block_cost: Duration::from_micros(500),
             token_interval: Duration::from_micros(2000),
             ttl: Duration::from_secs(10),
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
             print_requests: false,
             kv_events: true,
@@ -142,6 +154,9 @@ impl WorkerOptions {
                     options.token_interval = Duration::from_micros(flags.parsed(flag)?)
                 }
                 "--ttl-ms" => options.ttl = Duration::from_millis(flags.parsed(flag)?),
+                "--drain-timeout-ms" => {
+                    options.drain_timeout = Duration::from_millis(flags.parsed(flag)?)
+                }
                 "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
                 "--print-requests" => options.print_requests = true,
                 "--no-kv-events" => options.kv_events = false,
@@ -285,9 +300,25 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
         })
     );
     terminated().await;
-    // Deregister first (frontends stop routing here), then stop serving.
+    // Deregister first (frontends stop routing here), then drain: every connection is told,
+    // the requests in flight finish, and a second signal cuts the wait short.
     let deregistered = registration.deregister().await;
-    server.stop().await;
+    if let Err(error) = &deregistered {
+        tracing::warn!(%error, "deregistering failed; draining anyway");
+    }
+    tracing::info!(timeout = ?options.drain_timeout, "draining");
+    let open = server.open_connections();
+    let (report, interrupted) = {
+        let drain = server.drain(options.drain_timeout);
+        tokio::pin!(drain);
+        tokio::select! {
+            report = &mut drain => (Some(report), false),
+            _ = terminated() => (None, true),
+        }
+    };
+    if interrupted {
+        tracing::warn!("second signal: stopping without finishing the drain");
+    }
     println!(
         "{}",
         serde_json::json!({
@@ -295,6 +326,10 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
             "id": id,
             "deregistered": deregistered.is_ok(),
             "cancelled": cancelled.load(Ordering::Relaxed),
+            "connections_at_stop": open,
+            "drained": report.is_some_and(|r| r.complete()),
+            "drain_ms": report.map_or(0, |r| u64::try_from(r.elapsed.as_millis()).unwrap_or(u64::MAX)),
+            "cut_connections": report.map_or(open, |r| r.cut_connections),
         })
     );
     deregistered.map_err(|e| format!("deregistering: {e}"))

@@ -15,7 +15,7 @@ use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{Dispatcher, Pick};
+use super::{Dispatcher, Pick, WorkerLink};
 use crate::discovery::InstanceId;
 use crate::push::{LoadBoard, PushError};
 use crate::transport::GenerateRequest;
@@ -70,7 +70,8 @@ impl Bookings {
     }
 
     /// Book `amount` on `id` in the locked `board` (the pick's own lock), released when the
-    /// returned booking drops.
+    /// returned booking drops; it also counts as work recently placed there
+    /// ([`LoadBoard::note_work`]), which stays after the release and decays by picks.
     pub(crate) fn book(
         self: &Arc<Self>,
         board: &mut LoadBoard,
@@ -78,6 +79,7 @@ impl Bookings {
         amount: u64,
     ) -> Booking {
         board.acquire(id, amount);
+        board.note_work(id, amount);
         Booking {
             bookings: Arc::clone(self),
             id,
@@ -152,7 +154,7 @@ impl Drop for Booking {
     }
 }
 
-impl Dispatcher {
+impl<L: WorkerLink> Dispatcher<L> {
     /// A pick as [`select_with_overlap`](Self::select_with_overlap), waiting for room while
     /// every routable worker is over the busy threshold (earliest deadline first, up to
     /// [`PushConfig::overload_wait`] and never past `deadline`), then failing with

@@ -5,14 +5,14 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::booking::Booking;
-use super::{Candidates, Dispatcher, Pick, PushMode};
+use super::{Candidates, Dispatcher, Pick, PushMode, WorkerLink};
 use crate::discovery::Instance;
 use crate::push::affinity::{session_key, AffinityOutcome, AffinityTable};
 use crate::push::kv::block_hashes;
 use crate::push::select::is_busy;
 use crate::transport::GenerateRequest;
 
-impl Dispatcher {
+impl<L: WorkerLink> Dispatcher<L> {
     /// The pick for a request of `session`: its remembered worker if that is among
     /// `routable` (admitted, discovered, breaker closed, not already failed by this request),
     /// else the mode's pick, which the entry then moves to. The clock is tokio's, so a paused
@@ -90,6 +90,7 @@ impl Dispatcher {
         let overlap = kv.overlap(&hashes, id);
         let uncached = kv.cost().uncached(request.token_ids.len() as u64, overlap);
         kv.record(&hashes, id);
+        kv.record_credit(&hashes, overlap);
         let booked = kv.cost().booking(uncached);
         drop(kv);
         let booking = self.loads.book(&mut board, id, booked);

@@ -33,7 +33,7 @@ use traffic::{converse, Frontend, Tally, TrafficShape, DECODE_IDS};
 
 /// `demo` usage.
 pub const USAGE: &str = "\
-usage: prefill-router demo [--quick] [--discovery file|etcd://HOST:PORT] [--sessions N]
+usage: prefill-router demo [--quick] [--discovery file|etcd://HOST:PORT[,...]] [--sessions N]
 
 Runs the prefill-router story on loopback: the prefill pool appears, a new generation rolls
 out with another block size, a prefill worker is killed, the pool vanishes (bypass) and
@@ -42,7 +42,8 @@ traffic. Exits non-zero if a request was lost or routed outside its binding's ad
 
 options:
   --quick              a short run (a few seconds; for tests)
-  --discovery SPEC     `file` (a temporary directory, the default) or `etcd://HOST:PORT`
+  --discovery SPEC     `file` (a temporary directory, the default) or
+                       `etcd://HOST:PORT[,HOST:PORT...]` (the members of one etcd cluster)
   --sessions N         concurrent conversations (default 12)";
 
 /// Where discovery lives.
@@ -50,8 +51,8 @@ options:
 pub enum DiscoverySpec {
     /// A temporary directory (file store).
     File,
-    /// An etcd server at `host:port`.
-    Etcd(String),
+    /// The members of an etcd cluster, each `host:port`.
+    Etcd(Vec<String>),
 }
 
 /// Parsed `demo` options.
@@ -79,10 +80,12 @@ impl DemoOptions {
                     options.discovery = match spec {
                         "file" => DiscoverySpec::File,
                         _ => match spec.strip_prefix("etcd://") {
-                            Some(addr) if !addr.is_empty() => DiscoverySpec::Etcd(addr.to_owned()),
-                            _ => {
+                            Some(list) => crate::store::parse_etcd_members(list)
+                                .map(DiscoverySpec::Etcd)
+                                .map_err(|e| CliError::Usage(format!("--discovery: {e}")))?,
+                            None => {
                                 return Err(CliError::Usage(format!(
-                                "--discovery: expected `file` or `etcd://HOST:PORT`, got `{spec}`"
+                                "--discovery: expected `file` or `etcd://HOST:PORT[,HOST:PORT...]`, got `{spec}`"
                             )))
                             }
                         },
@@ -139,18 +142,18 @@ async fn open_discovery(
             Ok((Arc::new(discovery), Some(dir)))
         }
         #[cfg(feature = "etcd")]
-        DiscoverySpec::Etcd(addr) => {
+        DiscoverySpec::Etcd(members) => {
             use prefill_router::discovery::{EtcdConfig, EtcdDiscovery};
             // A fresh key root per run: records of an earlier run cannot leak into this one.
             let nanos = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos());
             let root = format!("prefill-router-demo/{}-{nanos}/", std::process::id());
-            let config = EtcdConfig::new([format!("http://{addr}")])
+            let config = EtcdConfig::new(members.iter().map(|m| format!("http://{m}")))
                 .with_ttl(ttl)
                 .with_root(root.clone());
             let discovery = EtcdDiscovery::connect(config).await?;
-            println!("discovery: etcd at {addr}, key root {root}");
+            println!("discovery: etcd at {}, key root {root}", members.join(","));
             Ok((Arc::new(discovery), None))
         }
         #[cfg(not(feature = "etcd"))]

@@ -1,0 +1,188 @@
+//! The dispatcher's send step: the one seam between choosing a worker and reaching it.
+//!
+//! Everything the dispatcher decides (the pick, the booking, the retry elsewhere, the release,
+//! the breaker report) happens on its side of [`WorkerLink::open`]; the link only carries one
+//! attempt of a request to one instance and hands back its responses or a typed
+//! [`TransportError`], whose [`failure_class`](crate::push::failure_class) the dispatcher
+//! reads. Production dispatchers send over [`TcpLink`] (the request plane's connection pool);
+//! the simulator supplies an in-memory link to simulated workers, so it exercises this same
+//! select → book → send → retry → release loop instead of a copy of it.
+//!
+//! Cost: static dispatch. [`Dispatcher`] is generic over its link, with [`TcpLink`] as the
+//! default type parameter, so `Dispatcher` still names the production dispatcher and its send
+//! compiles to a direct call into the connection pool: no vtable, and no boxed future or
+//! stream per request (an `Arc<dyn WorkerLink>` would need one box per request for the
+//! future, since a trait object's async method cannot return an unsized future unboxed).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+
+use futures_core::Stream;
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::Dispatcher;
+use crate::discovery::{Instance, InstanceId};
+use crate::push::affinity::AffinityOutcome;
+use crate::push::kv_feed::KvFeed;
+use crate::push::RoutableView;
+use crate::transport::{
+    ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
+};
+
+/// How a [`Dispatcher`] reaches a worker: open one request's response stream on one instance.
+///
+/// Implementations carry, they do not decide: they must not retry, pick another instance or
+/// report to the view's breakers (the dispatcher does all three, from the error's
+/// [`failure_class`](crate::push::failure_class)). A deadline, when given, is the request's:
+/// the returned stream should end with [`TransportError::Timeout`] once it passes (the
+/// dispatcher also bounds `open` itself by it).
+pub trait WorkerLink: Send + Sync + 'static {
+    /// The responses of one request; dropping it before its end cancels the request.
+    type Stream: Stream<Item = Result<GenerateResponse, TransportError>> + Send + Unpin + 'static;
+
+    /// Send `request` to `dispatch.instance` and return its response stream, or why it could
+    /// not be sent. Called in the same poll as the pick it carries.
+    fn open(
+        &self,
+        dispatch: Dispatch<'_>,
+        request: GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<Self::Stream, TransportError>> + Send;
+
+    /// Drop whatever the link keeps for `instance` (it left discovery). Nothing by default.
+    fn forget(&self, instance: InstanceId) {
+        let _ = instance;
+    }
+}
+
+/// One attempt of a routed request as the dispatcher hands it to its [`WorkerLink`]: where it
+/// goes, and what the pick that chose it knew. Only the dispatcher builds one.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct Dispatch<'a> {
+    /// The instance the attempt goes to.
+    pub instance: &'a Arc<Instance>,
+    /// 0 for a request's first attempt, then 1, 2... for its retries elsewhere.
+    pub attempt: u32,
+    /// The instances this request already failed on, oldest first (excluded from this pick).
+    pub failed: &'a [InstanceId],
+    /// In KV mode, the leading blocks of the request the selector credited the instance with.
+    pub expected_overlap_blocks: Option<usize>,
+    /// How session affinity decided the pick (`None`: no session key, or affinity off).
+    pub affinity: Option<AffinityOutcome>,
+}
+
+/// The production link: one multiplexed request-plane [`Connection`] per instance, opened on
+/// first use and replaced when it closed or the instance moved. In KV mode each connection
+/// also carries its worker's KV cache events into the dispatcher's index.
+pub struct TcpLink {
+    client: ClientConfig,
+    view: RoutableView,
+    connections: Mutex<HashMap<InstanceId, Connection>>,
+    /// Where the connections' KV events go (KV mode only).
+    kv_feed: Option<Arc<KvFeed>>,
+}
+
+impl std::fmt::Debug for TcpLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpLink")
+            .field("connections", &self.connections.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TcpLink {
+    pub(super) fn new(
+        client: ClientConfig,
+        view: RoutableView,
+        kv_feed: Option<Arc<KvFeed>>,
+    ) -> Self {
+        TcpLink {
+            client,
+            view,
+            connections: Mutex::new(HashMap::new()),
+            kv_feed,
+        }
+    }
+
+    /// Send KV events of new connections to `feed` from now on (the tests' mutant feeds).
+    #[cfg(test)]
+    pub(super) fn set_kv_feed(&mut self, feed: Option<Arc<KvFeed>>) {
+        self.kv_feed = feed;
+    }
+
+    /// The open connection to `instance`, or a new one.
+    async fn connection(&self, instance: &Instance) -> Result<Connection, TransportError> {
+        let id = instance.instance_id;
+        {
+            let conns = self.connections.lock();
+            if let Some(c) = conns.get(&id) {
+                // A draining connection takes nothing new: a fresh one is served until its
+                // own drain notice (see docs/transport.md, "Draining").
+                if !c.is_closed() && !c.is_draining() && c.peer_addr() == instance.address {
+                    return Ok(c.clone());
+                }
+            }
+        }
+        let client = self.client.clone();
+        let (fresh, generation) = match &self.kv_feed {
+            // KV mode: the connection carries the worker's KV events too.
+            Some(feed) => {
+                let (sink, generation) = feed.sink(id);
+                let conn =
+                    Connection::connect_with_kv_events(instance.address, client, sink).await?;
+                (conn, Some(generation))
+            }
+            None => (Connection::connect(instance.address, client).await?, None),
+        };
+        let mut conns = self.connections.lock();
+        // Drop connections of instances that left discovery, so the pool stays bounded by the
+        // discovered set.
+        conns.retain(|k, c| !c.is_closed() && self.view.is_discovered(*k));
+        match conns.get(&id) {
+            // Another caller connected concurrently: share theirs, ours closes on drop (and its
+            // event stream, never adopted, changes nothing).
+            Some(c) if !c.is_closed() && !c.is_draining() && c.peer_addr() == instance.address => {
+                Ok(c.clone())
+            }
+            _ => {
+                conns.insert(id, fresh.clone());
+                self.view
+                    .mark_draining_on(id, instance.address, fresh.drain_notice());
+                // A new connection starts the worker's index entries afresh: events between
+                // the old stream's end and this one's start may be lost.
+                if let (Some(feed), Some(generation)) = (&self.kv_feed, generation) {
+                    feed.adopt(id, generation);
+                }
+                Ok(fresh)
+            }
+        }
+    }
+}
+
+impl WorkerLink for TcpLink {
+    type Stream = ResponseStream;
+
+    async fn open(
+        &self,
+        dispatch: Dispatch<'_>,
+        request: GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> Result<ResponseStream, TransportError> {
+        let conn = self.connection(dispatch.instance).await?;
+        conn.generate(request, deadline).await
+    }
+
+    fn forget(&self, instance: InstanceId) {
+        self.connections.lock().remove(&instance);
+    }
+}
+
+impl<L: WorkerLink> Dispatcher<L> {
+    /// The link this dispatcher sends through.
+    pub fn link(&self) -> &L {
+        &self.link
+    }
+}

@@ -1,0 +1,184 @@
+//! What a dispatch hands back: a held pick ([`Selection`]) and a routed request's responses
+//! ([`RoutedStream`]), and how a link's failure becomes a router error.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures_core::Stream;
+
+use super::booking::Booking;
+use super::Pick;
+use crate::discovery::{Instance, InstanceId};
+use crate::health::FailureClass;
+use crate::push::affinity::AffinityOutcome;
+use crate::push::health::failure_class;
+use crate::push::{PushError, RoutableView};
+use crate::transport::{GenerateResponse, ResponseStream, TransportError};
+
+/// Map a transport failure to a router error and its class, and report it to the instance's
+/// breaker (which opens only on a connection-level failure, per [`failure_class`]).
+pub(super) fn classify(
+    view: &RoutableView,
+    instance: InstanceId,
+    error: TransportError,
+) -> (PushError, FailureClass) {
+    let class = failure_class(&error);
+    view.report_failure(instance, class);
+    let error = match error {
+        TransportError::Timeout => PushError::Timeout { instance },
+        TransportError::Remote(_) | TransportError::RequestTooLarge { .. } => {
+            PushError::Transport {
+                instance,
+                source: error,
+            }
+        }
+        _ => {
+            if view.is_discovered(instance) {
+                PushError::Transport {
+                    instance,
+                    source: error,
+                }
+            } else {
+                PushError::InstanceGone(instance)
+            }
+        }
+    };
+    (error, class)
+}
+
+/// A pick of [`Dispatcher::select_held`](super::Dispatcher::select_held): the instance, and the work booked on it until
+/// dropped.
+pub struct Selection {
+    instance: Arc<Instance>,
+    overlap: Option<usize>,
+    affinity: Option<AffinityOutcome>,
+    booking: Option<Booking>,
+}
+
+impl From<Pick> for Selection {
+    fn from(pick: Pick) -> Self {
+        Selection {
+            instance: pick.instance,
+            overlap: pick.overlap,
+            affinity: pick.affinity,
+            booking: pick.booking,
+        }
+    }
+}
+
+impl std::fmt::Debug for Selection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Selection")
+            .field("instance", &self.instance.instance_id)
+            .field("overlap", &self.overlap)
+            .finish()
+    }
+}
+
+impl Selection {
+    /// The picked instance.
+    pub fn instance(&self) -> &Arc<Instance> {
+        &self.instance
+    }
+
+    /// In KV mode, the leading blocks the selector expected the worker to have cached.
+    pub fn expected_overlap_blocks(&self) -> Option<usize> {
+        self.overlap
+    }
+
+    /// How session affinity decided the pick (`None`: no session key, or affinity off).
+    pub fn affinity(&self) -> Option<AffinityOutcome> {
+        self.affinity
+    }
+
+    /// The prefill work (uncached prompt tokens) this pick booked on the instance (KV mode).
+    pub fn booked_work(&self) -> Option<u64> {
+        self.booking.as_ref().map(Booking::amount)
+    }
+}
+
+/// The responses of a routed request, and which instance serves it. Dropping it cancels the
+/// request at the worker and releases the work the pick booked there. `S` is the link's
+/// stream ([`WorkerLink::Stream`](super::WorkerLink::Stream)): the request plane's by default.
+pub struct RoutedStream<S = ResponseStream> {
+    pub(super) instance: InstanceId,
+    pub(super) overlap: Option<usize>,
+    pub(super) affinity: Option<AffinityOutcome>,
+    pub(super) inner: S,
+    pub(super) view: RoutableView,
+    /// The first item, read ahead by a retrying `generate` (`Some(None)`: the stream ended).
+    pub(super) peeked: Option<Option<Result<GenerateResponse, PushError>>>,
+    /// Released when the stream drops: the request ended, failed or was cancelled.
+    pub(super) _booking: Option<Booking>,
+}
+
+impl<S> std::fmt::Debug for RoutedStream<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoutedStream")
+            .field("instance", &self.instance)
+            .field("overlap", &self.overlap)
+            .finish()
+    }
+}
+
+impl<S> RoutedStream<S> {
+    /// The instance serving this request.
+    pub fn instance_id(&self) -> InstanceId {
+        self.instance
+    }
+
+    /// In KV mode, the leading blocks the selector expected the worker to have cached.
+    pub fn expected_overlap_blocks(&self) -> Option<usize> {
+        self.overlap
+    }
+
+    /// How session affinity decided the pick (`None`: no session key, or affinity off).
+    pub fn affinity(&self) -> Option<AffinityOutcome> {
+        self.affinity
+    }
+}
+
+impl<S> RoutedStream<S>
+where
+    S: Stream<Item = Result<GenerateResponse, TransportError>> + Unpin,
+{
+    /// Read the first item ahead. An error is returned with its class (the stream is then
+    /// spent); a response or the end is kept for the caller.
+    pub(super) async fn peek(&mut self) -> Option<(PushError, FailureClass)> {
+        use futures_util::StreamExt;
+        match self.inner.next().await {
+            Some(Err(e)) => Some(classify(&self.view, self.instance, e)),
+            Some(Ok(response)) => {
+                self.peeked = Some(Some(Ok(response)));
+                None
+            }
+            None => {
+                self.peeked = Some(None);
+                None
+            }
+        }
+    }
+}
+
+impl<S> Stream for RoutedStream<S>
+where
+    S: Stream<Item = Result<GenerateResponse, TransportError>> + Unpin,
+{
+    type Item = Result<GenerateResponse, PushError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if let Some(first) = this.peeked.take() {
+            return Poll::Ready(first);
+        }
+        match Pin::new(&mut this.inner).poll_next(cx) {
+            Poll::Ready(Some(Err(e))) => {
+                Poll::Ready(Some(Err(classify(&this.view, this.instance, e).0)))
+            }
+            Poll::Ready(Some(Ok(r))) => Poll::Ready(Some(Ok(r))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
