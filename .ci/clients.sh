@@ -13,6 +13,10 @@ work="$(mktemp -d)"
 pids=()
 cleanup() {
     for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+    # Processes started inside $(...) (serve) could not add to `pids`: they left a pid file.
+    for file in "$work"/*.pid; do
+        [[ -e "$file" ]] && kill -9 "$(cat "$file")" 2>/dev/null || true
+    done
     rm -rf "$work"
 }
 trap cleanup EXIT
@@ -43,6 +47,7 @@ start() {
     shift
     "$bin" "$@" >"$work/$name.log" 2>"$work/$name.err" &
     pids+=("$!")
+    echo "$!" >"$work/$name.pid"
     eval "pid_$name=$!"
 }
 
@@ -101,6 +106,28 @@ out="$(curl -s -m 5 "$base/v1/models")"
 code="$(curl -s -m 5 -o "$work/bad.json" -w '%{http_code}' "$base/v1/chat/completions" -d '{"model": ')"
 [[ "$code" == 400 ]] && grep -q '"type":"invalid_request_error"' "$work/bad.json" \
     && pass "curl: malformed body is a 400 with an OpenAI error" || fail "curl: malformed: $code $(cat "$work/bad.json")"
+out="$(curl -sN -m 20 "$base/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"mock-llm","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true,"stream_options":{"include_usage":true}}')"
+[[ "$(grep -c '^data: {' <<<"$out")" == 4 && "$(grep '^data: {' <<<"$out" | tail -n1)" == *'"choices":[]'*'"completion_tokens":3'* ]] \
+    && pass "curl: include_usage adds a usage chunk" || fail "curl: include_usage: $out"
+code="$(curl -s -m 5 -o "$work/405.json" -D "$work/405.head" -w '%{http_code}' "$base/v1/chat/completions")"
+[[ "$code" == 405 ]] && grep -qi '^allow: POST' "$work/405.head" && grep -q '"code":"method_not_allowed"' "$work/405.json" \
+    && pass "curl: GET on a POST route is a 405 with Allow and an OpenAI error" || fail "curl: 405: $code $(cat "$work/405.json")"
+# A client that sends half its headers and stalls is closed at the header timeout (10 s).
+if python3 - "$addr" <<'PY'
+import socket, sys, time
+host, port = sys.argv[1].rsplit(":", 1)
+s = socket.create_connection((host, int(port)))
+s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+s.settimeout(30)
+start = time.time()
+try:
+    data = s.recv(100)
+except OSError:
+    data = b""
+sys.exit(0 if data == b"" and time.time() - start < 30 else 1)
+PY
+then pass "a stalled client is closed at the header timeout"; else fail "stalled client kept open"; fi
 code="$(curl -s -m 5 -o /dev/null -w '%{http_code}' "$base/health")"
 [[ "$code" == 200 ]] && pass "curl: /health" || fail "curl: health $code"
 

@@ -400,7 +400,6 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<Str
             std::future::pending(),
         )
         .await
-        .unwrap()
     });
     let floor_addr = floor_server().await;
 

@@ -5,13 +5,18 @@
 //! true`: server-sent events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`,
 //! `GET /ready` (200 only when a request would be served), `GET /metrics` (the router's
 //! Prometheus metrics and the HTTP counters). Errors are OpenAI-style JSON bodies. Prompts go
-//! through the built-in [`tokenizer`]. See `docs/frontend.md`.
+//! through the built-in [`tokenizer`]. [`serve`] runs its own accept loop over hyper's
+//! HTTP/1.1 connections: header, body, idle and request timeouts, a connection cap, and an
+//! ordered shutdown (drain delay with `/ready` 503, then a bounded drain). See
+//! `docs/frontend.md`.
 
+mod conn;
 mod openai;
 mod server;
 mod session;
 pub mod tokenizer;
 
+pub use conn::ServeSummary;
 pub use openai::ApiError;
 pub use server::{router, serve, HttpConfig};
 pub use session::{MAX_SESSION_LEN, SESSION_HEADER};

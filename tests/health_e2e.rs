@@ -2,7 +2,8 @@
 //! binding factory, a memory discovery store and mock prefill workers serving over TCP.
 //!
 //! - leg coupling: a request dropped mid-prefill cancels the prefill at the worker, and a
-//!   failed prefill never calls decode;
+//!   failed prefill never calls decode (a dead pool follows the fallback policy: under
+//!   `Decode`, decode runs the request whole);
 //! - the drain cap: a prefill on a retired binding is cut off after the cap (and without a cap
 //!   runs to completion);
 //! - a prefill worker killed under steady traffic fails no request and gets traffic again
@@ -27,8 +28,8 @@ use prefill_router::health::BackoffPolicy;
 use prefill_router::mock::{MockConfig, MockPrefill, MockStats};
 use prefill_router::push::PushConfig;
 use prefill_router::router::{
-    Decode, DecodeError, DecodeStream, GenerateError, PrefillOutcome, PrefillRouter,
-    PrefillRouterConfig, WorkerSetTarget, WorkerSetTargetId,
+    Decode, DecodeError, DecodeStream, FallbackPolicy, GenerateError, PrefillOutcome,
+    PrefillRouter, PrefillRouterConfig, WorkerSetTarget, WorkerSetTargetId,
 };
 use prefill_router::transport::{
     serve, FinishReason, GenerateRequest, GenerateResponse, ServerConfig, ServerHandle,
@@ -160,6 +161,15 @@ async fn hop(
     admitted: &[InstanceId],
     drain_cap: Option<Duration>,
 ) -> Hop {
+    hop_with(discovery, admitted, drain_cap, FallbackPolicy::default()).await
+}
+
+async fn hop_with(
+    discovery: &Arc<dyn Discovery>,
+    admitted: &[InstanceId],
+    drain_cap: Option<Duration>,
+    fallback: FallbackPolicy,
+) -> Hop {
     let factory = DefaultBindingFactory::new(
         Arc::clone(discovery),
         FactoryConfig {
@@ -175,6 +185,7 @@ async fn hop(
         factory,
         PrefillRouterConfig {
             drain_cap,
+            fallback,
             ..PrefillRouterConfig::default()
         },
     );
@@ -241,41 +252,68 @@ async fn a_request_dropped_mid_prefill_cancels_the_prefill_at_the_worker() {
     );
 }
 
+/// The only prefill worker dies (its registration stays). Under policy `Reject` its prefills
+/// fail and decode is never called; under `Decode` (the default) a prefill that finds no
+/// reachable worker follows the policy: decode runs the whole request (no prefill outcome is
+/// ever handed to it from a failed prefill).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_prefill_never_calls_decode() {
-    let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
-    let (server, _stats) = worker(1, mock(Duration::from_micros(100))).await;
-    let _reg = register(&discovery, 1, server.local_addr()).await;
-    let hop = hop(&discovery, &[1], None).await;
-    let decode = RecordingDecode::default();
-    let _served = hop
-        .router
-        .generate(GenerateRequest::new(prompt(0), 4), &decode)
-        .await
-        .expect("served");
-    assert_eq!(decode.calls.load(Ordering::SeqCst), 1);
-    // The only worker dies (its registration stays): prefills fail, decode is never called.
-    server.stop().await;
-    for i in 1..=5 {
-        let result = timeout(
-            WAIT,
-            hop.router
-                .generate(GenerateRequest::new(prompt(i), 4), &decode),
-        )
-        .await
-        .expect("in time");
-        assert!(
-            matches!(result, Err(GenerateError::Prefill(_))),
-            "{:?}",
-            result.err()
+async fn a_failed_prefill_never_calls_decode_unless_the_policy_bypasses_a_dead_pool() {
+    for fallback in [FallbackPolicy::Reject, FallbackPolicy::Decode] {
+        let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
+        let (server, _stats) = worker(1, mock(Duration::from_micros(100))).await;
+        let _reg = register(&discovery, 1, server.local_addr()).await;
+        let hop = hop_with(&discovery, &[1], None, fallback).await;
+        let decode = RecordingDecode::default();
+        let _served = hop
+            .router
+            .generate(GenerateRequest::new(prompt(0), 4), &decode)
+            .await
+            .expect("served");
+        assert_eq!(decode.calls.load(Ordering::SeqCst), 1);
+        server.stop().await;
+        for i in 1..=5 {
+            let result = timeout(
+                WAIT,
+                hop.router
+                    .generate(GenerateRequest::new(prompt(i), 4), &decode),
+            )
+            .await
+            .expect("in time");
+            match fallback {
+                FallbackPolicy::Reject => assert!(
+                    matches!(&result, Err(GenerateError::Prefill(e)) if e.no_reachable_worker()),
+                    "{:?}",
+                    result.err()
+                ),
+                _ => assert!(result.is_ok(), "{:?}", result.err()),
+            }
+        }
+        let counters = hop.router.status().counters;
+        match fallback {
+            FallbackPolicy::Reject => {
+                assert_eq!(
+                    decode.calls.load(Ordering::SeqCst),
+                    1,
+                    "decode after a failed prefill"
+                );
+                assert_eq!(counters.prefill_errors, 5);
+            }
+            _ => {
+                assert_eq!(
+                    decode.calls.load(Ordering::SeqCst),
+                    6,
+                    "decode ran them whole"
+                );
+                assert_eq!(counters.unreachable_bypassed, 5);
+                assert_eq!(counters.prefill_errors, 0);
+            }
+        }
+        assert_eq!(
+            *decode.workers.lock(),
+            vec![1],
+            "only the served request handed decode a prefill outcome"
         );
     }
-    assert_eq!(
-        decode.calls.load(Ordering::SeqCst),
-        1,
-        "decode after a failed prefill"
-    );
-    assert_eq!(hop.router.status().counters.prefill_errors, 5);
 }
 
 /// Starts one slow prefill on a one-worker hop, retires the binding (the router shuts down)

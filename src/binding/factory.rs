@@ -251,12 +251,15 @@ impl Prefill for PrefillBinding {
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
         async move {
             let before = self.admitted.borrow().clone();
-            if !before.is_empty() && self.router.view().routable().is_empty() {
+            let view = self.router.view();
+            if view.routable().is_empty() && before.iter().any(|id| !view.is_discovered(*id)) {
                 // Admitted instances this view's own discovery watch has not shown yet: the
                 // watcher (namespace watch) and the view (endpoint watch) read two streams with
                 // no common order, e.g. a returning pool re-activates the reused binding first.
-                // Wait briefly for the view to catch up; an empty admission set never waits.
-                let view = self.router.view();
+                // Wait briefly for the view to catch up; an empty admission set never waits,
+                // and neither does a pool whose admitted instances are all discovered but
+                // unroutable (every breaker open: the pool died): that fails at once, and the
+                // router applies the fallback policy.
                 let _ = tokio::time::timeout(
                     DISCOVERY_CATCH_UP,
                     view.wait_for(|routable| !routable.is_empty()),
@@ -369,6 +372,7 @@ impl Prefill for PrefillBinding {
         )
         .with_affinity(self.stats.affinity.snapshot())
         .with_overload(self.router.overload_stats())
+        .with_routable(self.router.view().routable().len())
     }
 }
 
@@ -493,7 +497,9 @@ mod tests {
         .unwrap();
         assert_eq!(
             binding.health(),
-            BindingHealth::default().with_zero_retries()
+            BindingHealth::default()
+                .with_zero_retries()
+                .with_routable(2)
         );
         // Worker 1 stops (its registration stays): the next prefills all succeed on worker 2,
         // one of them after a retry that opened worker 1's breaker.

@@ -24,6 +24,10 @@ pub enum NotReady {
         /// The prefill hop's lifecycle.
         lifecycle: Lifecycle,
     },
+    /// The prefill hop is Active but its binding has no routable worker (every one's breaker
+    /// open after failures, or none admitted), and the fallback policy does not let requests
+    /// bypass.
+    NoReachablePrefill,
     /// The hop was shut down.
     ShutDown,
 }
@@ -35,6 +39,9 @@ impl fmt::Display for NotReady {
             NotReady::PrefillNotActive { lifecycle } => write!(
                 f,
                 "prefill not active ({lifecycle}) and the fallback policy forbids bypass"
+            ),
+            NotReady::NoReachablePrefill => f.write_str(
+                "no reachable prefill worker (every breaker open) and the fallback policy forbids bypass",
             ),
             NotReady::ShutDown => f.write_str("shut down"),
         }
@@ -91,15 +98,20 @@ pub(crate) fn readiness(
     decode: bool,
     policy: FallbackPolicy,
     shut_down: bool,
+    routable: Option<usize>,
 ) -> Readiness {
     if shut_down {
         Readiness::NotReady(NotReady::ShutDown)
     } else if !decode {
         Readiness::NotReady(NotReady::NoDecodeSet)
-    } else if lifecycle == Lifecycle::Active || allows_bypass(policy) {
+    } else if allows_bypass(policy) {
         Readiness::Ready
-    } else {
+    } else if lifecycle != Lifecycle::Active {
         Readiness::NotReady(NotReady::PrefillNotActive { lifecycle })
+    } else if routable == Some(0) {
+        Readiness::NotReady(NotReady::NoReachablePrefill)
+    } else {
+        Readiness::Ready
     }
 }
 
@@ -116,7 +128,13 @@ pub(crate) fn compute(
     HopStatus {
         lifecycle: status.lifecycle,
         target: topology.target.clone(),
-        readiness: readiness(status.lifecycle, decode.is_some(), policy, shut_down),
+        readiness: readiness(
+            status.lifecycle,
+            decode.is_some(),
+            policy,
+            shut_down,
+            status.health.routable,
+        ),
         decode,
         shut_down,
         store: store.clone(),

@@ -182,12 +182,13 @@ fn readiness_rule_matches_the_fallback_policy() {
         then,
     };
     for lifecycle in [Lifecycle::Pending, Lifecycle::Unavailable] {
-        assert!(readiness(lifecycle, true, FallbackPolicy::Decode, false).is_ready());
+        assert!(readiness(lifecycle, true, FallbackPolicy::Decode, false, None).is_ready());
         assert!(readiness(
             lifecycle,
             true,
             wait(crate::router::AfterWait::Decode),
-            false
+            false,
+            None
         )
         .is_ready());
         for policy in [
@@ -195,18 +196,50 @@ fn readiness_rule_matches_the_fallback_policy() {
             wait(crate::router::AfterWait::Reject),
         ] {
             assert_eq!(
-                readiness(lifecycle, true, policy, false),
+                readiness(lifecycle, true, policy, false, None),
                 Readiness::NotReady(NotReady::PrefillNotActive { lifecycle })
             );
         }
     }
-    assert!(readiness(Lifecycle::Active, true, FallbackPolicy::Reject, false).is_ready());
+    assert!(readiness(Lifecycle::Active, true, FallbackPolicy::Reject, false, None).is_ready());
     assert_eq!(
-        readiness(Lifecycle::Active, false, FallbackPolicy::Decode, false),
+        readiness(
+            Lifecycle::Active,
+            false,
+            FallbackPolicy::Decode,
+            false,
+            None
+        ),
         Readiness::NotReady(NotReady::NoDecodeSet)
     );
     assert_eq!(
-        readiness(Lifecycle::Active, true, FallbackPolicy::Decode, true),
+        readiness(Lifecycle::Active, true, FallbackPolicy::Decode, true, None),
         Readiness::NotReady(NotReady::ShutDown)
+    ); // Active with no reachable worker: ready only when the policy bypasses.
+    assert_eq!(
+        readiness(
+            Lifecycle::Active,
+            true,
+            FallbackPolicy::Reject,
+            false,
+            Some(0)
+        ),
+        Readiness::NotReady(NotReady::NoReachablePrefill)
     );
+    assert!(readiness(
+        Lifecycle::Active,
+        true,
+        FallbackPolicy::Reject,
+        false,
+        Some(1)
+    )
+    .is_ready());
+    assert!(readiness(
+        Lifecycle::Active,
+        true,
+        FallbackPolicy::Decode,
+        false,
+        Some(0)
+    )
+    .is_ready());
 }

@@ -7,9 +7,9 @@ use serde::{Deserialize, Serialize};
 use crate::push::PushError;
 use crate::router::{DecodeError, GenerateError, PrefillError};
 
-/// `prompt` of `/v1/completions`: a string, a one-element array of strings, or token ids.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+/// `prompt` of `/v1/completions`, as OpenAI accepts it: a string, an array of strings, an
+/// array of token ids, or an array of token-id arrays. One prompt per request is served.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Prompt {
     /// Text, tokenized by the built-in tokenizer.
     Text(String),
@@ -17,6 +17,119 @@ pub enum Prompt {
     Texts(Vec<String>),
     /// Token ids, sent as they are.
     Tokens(Vec<u32>),
+    /// An array of token-id arrays (exactly one is supported).
+    TokenLists(Vec<Vec<u32>>),
+}
+
+fn invalid_prompt(message: impl Into<String>) -> ApiError {
+    ApiError::bad_request("invalid_prompt", message)
+}
+
+fn token_ids(items: &[serde_json::Value]) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .map(|item| {
+            item.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| {
+                    invalid_prompt(format!(
+                        "token ids must be integers from 0 to {}, got {item}",
+                        u32::MAX
+                    ))
+                })
+        })
+        .collect()
+}
+
+impl Prompt {
+    /// Read `prompt` from its JSON value, with a message naming what is wrong.
+    pub fn from_json(value: &serde_json::Value) -> Result<Prompt, ApiError> {
+        use serde_json::Value;
+        let shape = || {
+            invalid_prompt(
+                "prompt must be a string, an array of strings, an array of token ids, or an array of token-id arrays",
+            )
+        };
+        match value {
+            Value::String(text) => Ok(Prompt::Text(text.clone())),
+            Value::Array(items) => match items.first() {
+                None => Err(ApiError::bad_request(
+                    "unsupported_prompt",
+                    "prompt must not be empty",
+                )),
+                Some(Value::String(_)) => items
+                    .iter()
+                    .map(|item| item.as_str().map(str::to_owned).ok_or_else(shape))
+                    .collect::<Result<_, _>>()
+                    .map(Prompt::Texts),
+                Some(Value::Array(_)) => items
+                    .iter()
+                    .map(|item| match item {
+                        Value::Array(ids) => token_ids(ids),
+                        _ => Err(shape()),
+                    })
+                    .collect::<Result<_, _>>()
+                    .map(Prompt::TokenLists),
+                Some(_) => token_ids(items).map(Prompt::Tokens),
+            },
+            _ => Err(shape()),
+        }
+    }
+
+    /// The one prompt's token ids (text through the built-in tokenizer); several prompts are
+    /// `unsupported_prompt`.
+    pub fn into_tokens(self) -> Result<Vec<u32>, ApiError> {
+        let several = |n: usize| {
+            ApiError::bad_request(
+                "unsupported_prompt",
+                format!("exactly one prompt per request is supported, got {n}"),
+            )
+        };
+        match self {
+            Prompt::Text(text) => Ok(super::tokenizer::tokenize(&text)),
+            Prompt::Tokens(ids) => Ok(ids),
+            Prompt::Texts(texts) => match <[String; 1]>::try_from(texts) {
+                Ok([text]) => Ok(super::tokenizer::tokenize(&text)),
+                Err(texts) => Err(several(texts.len())),
+            },
+            Prompt::TokenLists(lists) => match <[Vec<u32>; 1]>::try_from(lists) {
+                Ok([ids]) => Ok(ids),
+                Err(lists) => Err(several(lists.len())),
+            },
+        }
+    }
+}
+
+/// The token ids of a completion request's `prompt` (see [`Prompt`]).
+pub(crate) fn prompt_tokens(value: &serde_json::Value) -> Result<Vec<u32>, ApiError> {
+    Prompt::from_json(value)?.into_tokens()
+}
+
+/// A `max_tokens`-like field (`name`): absent or null is `None`; an integer from 1 to `limit`
+/// is taken; anything else is 400 `invalid_max_tokens` with a message naming the field.
+pub(crate) fn max_tokens_field(
+    name: &str,
+    value: Option<&serde_json::Value>,
+    limit: u32,
+) -> Result<Option<u32>, ApiError> {
+    let Some(value) = value.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    match value.as_u64().and_then(|n| u32::try_from(n).ok()) {
+        Some(n) if (1..=limit).contains(&n) => Ok(Some(n)),
+        _ => Err(ApiError::bad_request(
+            "invalid_max_tokens",
+            format!("{name} must be an integer between 1 and {limit}, got {value}"),
+        )),
+    }
+}
+
+/// `stream_options` of a streaming request.
+#[derive(Clone, Copy, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` and empty `choices` before `[DONE]`.
+    #[serde(default)]
+    pub include_usage: bool,
 }
 
 /// The body of `POST /v1/completions` (fields not listed are ignored).
@@ -24,14 +137,17 @@ pub enum Prompt {
 pub struct CompletionRequest {
     /// The model name (echoed back).
     pub model: String,
-    /// The prompt.
-    pub prompt: Prompt,
-    /// Tokens to generate.
+    /// The prompt (read by [`Prompt::from_json`]).
+    pub prompt: serde_json::Value,
+    /// Tokens to generate (checked by the handler: an integer from 1 to the limit).
     #[serde(default)]
-    pub max_tokens: Option<u32>,
+    pub max_tokens: Option<serde_json::Value>,
     /// Stream server-sent events.
     #[serde(default)]
     pub stream: bool,
+    /// Options of a stream.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
     /// Session id for affinity (OpenAI's `user`).
     #[serde(default)]
     pub user: Option<String>,
@@ -75,15 +191,18 @@ pub struct ChatRequest {
     pub model: String,
     /// The conversation so far.
     pub messages: Vec<Message>,
-    /// Tokens to generate (the newer name).
+    /// Tokens to generate (the newer name; checked by the handler).
     #[serde(default)]
-    pub max_completion_tokens: Option<u32>,
-    /// Tokens to generate.
+    pub max_completion_tokens: Option<serde_json::Value>,
+    /// Tokens to generate (checked by the handler).
     #[serde(default)]
-    pub max_tokens: Option<u32>,
+    pub max_tokens: Option<serde_json::Value>,
     /// Stream server-sent events.
     #[serde(default)]
     pub stream: bool,
+    /// Options of a stream.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
     /// Session id for affinity.
     #[serde(default)]
     pub user: Option<String>,
@@ -232,6 +351,14 @@ impl From<&GenerateError> for ApiError {
                 code: "prefill_not_active",
                 message,
             },
+            // No prefill worker could be reached (and the policy does not bypass): the pool is
+            // unavailable, not a worker failing this request.
+            GenerateError::Prefill(e) if e.no_reachable_worker() => ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                kind: "service_unavailable",
+                code: "no_routable_instances",
+                message,
+            },
             GenerateError::Prefill(PrefillError::Push(e))
             | GenerateError::Decode(DecodeError::Push(e)) => push_error(e, message),
             _ => ApiError {
@@ -262,6 +389,68 @@ impl From<&DecodeError> for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_openai_prompt_form_is_read_and_several_prompts_are_refused() {
+        use serde_json::json;
+        let tokens = |v: serde_json::Value| prompt_tokens(&v);
+        assert_eq!(tokens(json!([1, 2, 3])).unwrap(), vec![1, 2, 3]);
+        assert_eq!(tokens(json!([[1, 2, 3]])).unwrap(), vec![1, 2, 3]);
+        assert_eq!(
+            tokens(json!("hello world")).unwrap(),
+            tokens(json!(["hello world"])).unwrap()
+        );
+        for (bad, code) in [
+            (json!([[1], [2]]), "unsupported_prompt"),
+            (json!(["a", "b"]), "unsupported_prompt"),
+            (json!([]), "unsupported_prompt"),
+            (json!([1, -2]), "invalid_prompt"),
+            (json!([1, 4_294_967_296u64]), "invalid_prompt"),
+            (json!([[1], "a"]), "invalid_prompt"),
+            (json!(["a", 1]), "invalid_prompt"),
+            (json!(7), "invalid_prompt"),
+            (json!({"text": "a"}), "invalid_prompt"),
+        ] {
+            let error = tokens(bad.clone()).unwrap_err();
+            assert_eq!(
+                (error.status, error.code),
+                (StatusCode::BAD_REQUEST, code),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn max_tokens_out_of_range_is_invalid_max_tokens_in_words() {
+        use serde_json::json;
+        assert_eq!(max_tokens_field("max_tokens", None, 10).unwrap(), None);
+        assert_eq!(
+            max_tokens_field("max_tokens", Some(&json!(null)), 10).unwrap(),
+            None
+        );
+        assert_eq!(
+            max_tokens_field("max_tokens", Some(&json!(10)), 10).unwrap(),
+            Some(10)
+        );
+        for bad in [
+            json!(0),
+            json!(11),
+            json!(-1),
+            json!(5_000_000_000u64),
+            json!(1.5),
+            json!("3"),
+        ] {
+            let error = max_tokens_field("max_completion_tokens", Some(&bad), 10).unwrap_err();
+            assert_eq!(error.code, "invalid_max_tokens", "{bad}");
+            assert!(
+                error
+                    .message
+                    .starts_with("max_completion_tokens must be an integer between 1 and 10"),
+                "{}",
+                error.message
+            );
+        }
+    }
 
     #[test]
     fn an_overload_is_a_503_with_retry_after_and_an_openai_body() {

@@ -1,12 +1,12 @@
 //! The axum application: routes, request handling, SSE, metrics.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, StatusCode, Uri};
+use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,7 +20,8 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
-use super::openai::{ApiError, ChatRequest, CompletionRequest, Content, Prompt, Usage};
+use super::conn::{DropReason, RequestStart, ServeSummary};
+use super::openai::{max_tokens_field, ApiError, ChatRequest, CompletionRequest, Content, Usage};
 use super::tokenizer::{chat_prompt, render, tokenize, Turn};
 use crate::hop::{PrefillHop, Readiness};
 use crate::router::DecodeStream;
@@ -40,6 +41,23 @@ pub struct HttpConfig {
     pub default_max_tokens: u32,
     /// Largest `max_tokens` accepted; more is a 400.
     pub max_tokens_limit: u32,
+    /// A request's headers must arrive within this, from its first byte (or, on a new
+    /// connection, from the accept); past it the connection is closed.
+    pub header_timeout: Duration,
+    /// A request's body must arrive within this once its headers did; past it the answer is
+    /// 408 `body_timeout` and the connection is closed.
+    pub body_timeout: Duration,
+    /// A keep-alive connection with no request for this long is closed.
+    pub idle_timeout: Duration,
+    /// Most connections open at once; over it new connections wait in the listen backlog (not
+    /// accepted) until one closes.
+    pub max_connections: usize,
+    /// After the shutdown signal: `/ready` answers 503 and requests are still served for this
+    /// long (so load balancers see it and stop sending) before the listener closes.
+    pub drain_delay: Duration,
+    /// After the drain delay: how long in-flight requests may take to finish; then the
+    /// connections still open are closed (and the log says how many).
+    pub shutdown_timeout: Duration,
 }
 
 impl Default for HttpConfig {
@@ -50,6 +68,12 @@ impl Default for HttpConfig {
             request_timeout: Duration::from_secs(30),
             default_max_tokens: 16,
             max_tokens_limit: 4096,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(75),
+            max_connections: 1024,
+            drain_delay: Duration::from_secs(2),
+            shutdown_timeout: Duration::from_secs(20),
         }
     }
 }
@@ -58,10 +82,22 @@ type Labels = Vec<(&'static str, String)>;
 
 /// The frontend's own counters (exported next to the router's).
 #[derive(Debug, Default)]
-struct HttpMetrics {
+pub(super) struct HttpMetrics {
     requests: Family<Labels, Counter>,
     in_flight: Gauge,
     disconnects: Counter,
+    /// Open connections.
+    pub(super) connections: Gauge,
+    dropped: Family<Labels, Counter>,
+}
+
+impl HttpMetrics {
+    /// Count a connection the server closed on its own.
+    pub(super) fn dropped(&self, reason: DropReason) {
+        self.dropped
+            .get_or_create(&vec![("reason", reason.label().to_owned())])
+            .inc();
+    }
 }
 
 struct Inner {
@@ -70,81 +106,174 @@ struct Inner {
     metrics: HttpMetrics,
     registry: Registry,
     next_id: AtomicU64,
+    /// The shutdown signal came: `/ready` answers 503.
+    draining: AtomicBool,
+    /// The shutdown bound passed: requests cut off now are not clients going away.
+    closing: AtomicBool,
 }
 
 #[derive(Clone)]
-struct App(Arc<Inner>);
+pub(super) struct App(Arc<Inner>);
 
 /// The OpenAI-compatible application over `hop` (see `docs/frontend.md` for the surface).
+///
+/// Served by another server than [`serve`], it has no connection timeouts, cap or drain of its
+/// own, and its request deadline starts when a handler starts.
 pub fn router(hop: Arc<PrefillHop>, config: HttpConfig) -> axum::Router {
-    let metrics = HttpMetrics::default();
-    let mut registry = Registry::default();
-    hop.register_metrics(&mut registry);
-    {
-        let http = registry.sub_registry_with_prefix("prefill_router_http");
-        http.register(
-            "requests",
-            "HTTP requests answered, by route and status",
-            metrics.requests.clone(),
-        );
-        http.register(
-            "in_flight",
-            "HTTP requests being answered (streams included)",
-            metrics.in_flight.clone(),
-        );
-        http.register(
-            "client_disconnects",
-            "streams whose client went away before the end (the request is cancelled at its worker)",
-            metrics.disconnects.clone(),
-        );
-    }
-    let app = App(Arc::new(Inner {
-        hop,
-        config,
-        metrics,
-        registry,
-        next_id: AtomicU64::new(0),
-    }));
-    axum::Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics_text))
-        .fallback(not_found)
-        .with_state(app)
+    App::new(hop, config).router()
 }
 
-/// Serve [`router`] on `listener` until `shutdown` completes (then in-flight requests finish
-/// and the call returns). Connections get `TCP_NODELAY` (tokens are small writes).
+impl App {
+    fn new(hop: Arc<PrefillHop>, config: HttpConfig) -> App {
+        let metrics = HttpMetrics::default();
+        let mut registry = Registry::default();
+        hop.register_metrics(&mut registry);
+        {
+            let http = registry.sub_registry_with_prefix("prefill_router_http");
+            http.register(
+                "requests",
+                "HTTP requests answered, by route and status",
+                metrics.requests.clone(),
+            );
+            http.register(
+                "in_flight",
+                "HTTP requests being answered (streams included)",
+                metrics.in_flight.clone(),
+            );
+            http.register(
+                "client_disconnects",
+                "requests whose client went away before their end (cancelled at their worker)",
+                metrics.disconnects.clone(),
+            );
+            http.register(
+                "connections",
+                "open HTTP connections",
+                metrics.connections.clone(),
+            );
+            http.register(
+                "connections_dropped",
+                "connections the server closed on its own (timeouts, shutdown bound), by reason",
+                metrics.dropped.clone(),
+            );
+        }
+        App(Arc::new(Inner {
+            hop,
+            config,
+            metrics,
+            registry,
+            next_id: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+        }))
+    }
+
+    fn router(&self) -> axum::Router {
+        axum::Router::new()
+            .route(
+                "/v1/completions",
+                post(completions).fallback(wrong_method_on("completions", "POST")),
+            )
+            .route(
+                "/v1/chat/completions",
+                post(chat_completions).fallback(wrong_method_on("chat_completions", "POST")),
+            )
+            .route(
+                "/v1/models",
+                get(models).fallback(wrong_method_on("models", "GET, HEAD")),
+            )
+            .route(
+                "/health",
+                get(health).fallback(wrong_method_on("health", "GET, HEAD")),
+            )
+            .route(
+                "/ready",
+                get(ready).fallback(wrong_method_on("ready", "GET, HEAD")),
+            )
+            .route(
+                "/metrics",
+                get(metrics_text).fallback(wrong_method_on("metrics", "GET, HEAD")),
+            )
+            .fallback(not_found)
+            .with_state(self.clone())
+    }
+
+    pub(super) fn metrics(&self) -> &HttpMetrics {
+        &self.0.metrics
+    }
+
+    pub(super) fn config(&self) -> &HttpConfig {
+        &self.0.config
+    }
+
+    /// The shutdown signal came: `/ready` turns 503.
+    pub(super) fn start_draining(&self) {
+        self.0.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// The shutdown bound passed: what is cut off now is not counted as a client going away.
+    pub(super) fn start_closing(&self) {
+        self.0.closing.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The handler for a method `route` does not serve: OPTIONS is answered 204 with `Allow`,
+/// anything else 405 with `Allow` and an OpenAI error body; both are counted.
+fn wrong_method_on(
+    route: &'static str,
+    allow: &'static str,
+) -> impl Fn(State<App>, Method) -> std::future::Ready<Response> + Clone + Send + Sync + 'static {
+    move |State(app): State<App>, method: Method| {
+        let allowed = format!("{allow}, OPTIONS");
+        let mut response = if method == Method::OPTIONS {
+            StatusCode::NO_CONTENT.into_response()
+        } else {
+            ApiError {
+                status: StatusCode::METHOD_NOT_ALLOWED,
+                kind: "invalid_request_error",
+                code: "method_not_allowed",
+                message: format!("{method} is not allowed here; use {allow}"),
+            }
+            .into_response()
+        };
+        if let Ok(value) = HeaderValue::from_str(&allowed) {
+            response.headers_mut().insert(header::ALLOW, value);
+        }
+        std::future::ready(app.answer(route, response))
+    }
+}
+
+/// Serve [`router`] on `listener` (HTTP/1.1) until `shutdown` completes, then stop in order:
+/// `/ready` answers 503 while requests are still served for [`HttpConfig::drain_delay`]; the
+/// listener closes and in-flight requests may finish for [`HttpConfig::shutdown_timeout`];
+/// connections still open then are closed. Meanwhile each connection is held to the header,
+/// body, idle and request timeouts of `config`, and at most [`HttpConfig::max_connections`]
+/// are open at once. Connections get `TCP_NODELAY` (tokens are small writes).
 pub async fn serve(
     listener: TcpListener,
     hop: Arc<PrefillHop>,
     config: HttpConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        if let Err(error) = tcp.set_nodelay(true) {
-            tracing::debug!(%error, "setting TCP_NODELAY");
-        }
-    });
-    axum::serve(listener, router(hop, config))
-        .with_graceful_shutdown(shutdown)
-        .await
+) -> ServeSummary {
+    let app = App::new(hop, config);
+    let router = app.router();
+    super::conn::run(listener, app, router, shutdown).await
+}
+
+impl Inner {
+    fn count(&self, route: &'static str, status: &str) {
+        self.metrics
+            .requests
+            .get_or_create(&vec![
+                ("route", route.to_owned()),
+                ("status", status.to_owned()),
+            ])
+            .inc();
+    }
 }
 
 impl App {
     fn count(&self, route: &'static str, status: StatusCode) {
-        self.0
-            .metrics
-            .requests
-            .get_or_create(&vec![
-                ("route", route.to_owned()),
-                ("status", status.as_u16().to_string()),
-            ])
-            .inc();
+        self.0.count(route, status.as_str());
     }
 
     fn answer(&self, route: &'static str, response: Response) -> Response {
@@ -176,6 +305,14 @@ async fn ready(State(app): State<App>) -> Response {
         })
     };
     let response = match status.readiness {
+        _ if app.0.draining.load(Ordering::Relaxed) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(body(
+                false,
+                Some("draining: serve is shutting down".to_owned()),
+            )),
+        )
+            .into_response(),
         Readiness::Ready => (StatusCode::OK, Json(body(true, None))).into_response(),
         Readiness::NotReady(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -237,17 +374,16 @@ struct Parsed {
     token_ids: Vec<u32>,
     max_tokens: u32,
     stream: bool,
+    include_usage: bool,
     session: Option<String>,
 }
 
 async fn completions(State(app): State<App>, request: Request) -> Response {
-    let response = app.generate(Kind::Completion, request).await;
-    app.answer(Kind::Completion.route(), response)
+    app.answered(Kind::Completion, request).await
 }
 
 async fn chat_completions(State(app): State<App>, request: Request) -> Response {
-    let response = app.generate(Kind::Chat, request).await;
-    app.answer(Kind::Chat.route(), response)
+    app.answered(Kind::Chat, request).await
 }
 
 fn json_error(error: &serde_json::Error) -> ApiError {
@@ -260,7 +396,9 @@ fn json_error(error: &serde_json::Error) -> ApiError {
 }
 
 impl App {
-    async fn body(&self, request: Request) -> Result<axum::body::Bytes, ApiError> {
+    /// Read the body within `by` (the body timeout or the request deadline, whichever is
+    /// first): 408 `body_timeout` past it.
+    async fn body(&self, request: Request, by: Instant) -> Result<axum::body::Bytes, ApiError> {
         let limit = self.0.config.body_limit;
         let declared = request
             .headers()
@@ -270,55 +408,48 @@ impl App {
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(ApiError::too_large(limit));
         }
-        match Limited::new(request.into_body(), limit).collect().await {
-            Ok(collected) => Ok(collected.to_bytes()),
-            Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
+        let read = Limited::new(request.into_body(), limit).collect();
+        match tokio::time::timeout_at(by, read).await {
+            Err(_) => Err(ApiError {
+                status: StatusCode::REQUEST_TIMEOUT,
+                kind: "invalid_request_error",
+                code: "body_timeout",
+                message: format!(
+                    "the request body did not arrive in time (body timeout {} ms, request deadline {} ms)",
+                    self.0.config.body_timeout.as_millis(),
+                    self.0.config.request_timeout.as_millis()
+                ),
+            }),
+            Ok(Ok(collected)) => Ok(collected.to_bytes()),
+            Ok(Err(error)) if error.downcast_ref::<LengthLimitError>().is_some() => {
                 Err(ApiError::too_large(limit))
             }
-            Err(error) => Err(ApiError::bad_request(
+            Ok(Err(error)) => Err(ApiError::bad_request(
                 "body_unreadable",
                 format!("reading the request body: {error}"),
             )),
         }
     }
 
-    fn max_tokens(&self, asked: Option<u32>) -> Result<u32, ApiError> {
-        let n = asked.unwrap_or(self.0.config.default_max_tokens);
-        if n == 0 || n > self.0.config.max_tokens_limit {
-            return Err(ApiError::bad_request(
-                "invalid_max_tokens",
-                format!(
-                    "max_tokens must be between 1 and {}, got {n}",
-                    self.0.config.max_tokens_limit
-                ),
-            ));
-        }
-        Ok(n)
+    fn max_tokens(&self, asked: Option<u32>) -> u32 {
+        asked.unwrap_or(self.0.config.default_max_tokens)
     }
 
     fn parse(&self, kind: Kind, body: &[u8]) -> Result<Parsed, ApiError> {
+        let limit = self.0.config.max_tokens_limit;
         match kind {
             Kind::Completion => {
                 let request: CompletionRequest =
                     serde_json::from_slice(body).map_err(|e| json_error(&e))?;
-                let token_ids = match request.prompt {
-                    Prompt::Text(text) => tokenize(&text),
-                    Prompt::Tokens(ids) => ids,
-                    Prompt::Texts(texts) => match <[String; 1]>::try_from(texts) {
-                        Ok([text]) => tokenize(&text),
-                        Err(_) => {
-                            return Err(ApiError::bad_request(
-                                "unsupported_prompt",
-                                "exactly one prompt per request is supported",
-                            ))
-                        }
-                    },
-                };
+                let max_tokens =
+                    max_tokens_field("max_tokens", request.max_tokens.as_ref(), limit)?;
+                let token_ids = super::openai::prompt_tokens(&request.prompt)?;
                 Ok(Parsed {
                     model: request.model,
                     token_ids,
-                    max_tokens: self.max_tokens(request.max_tokens)?,
+                    max_tokens: self.max_tokens(max_tokens),
                     stream: request.stream,
+                    include_usage: request.stream_options.is_some_and(|o| o.include_usage),
                     session: request.user,
                 })
             }
@@ -331,6 +462,12 @@ impl App {
                         "messages must not be empty",
                     ));
                 }
+                let max_tokens = match &request.max_completion_tokens {
+                    Some(value) if !value.is_null() => {
+                        max_tokens_field("max_completion_tokens", Some(value), limit)?
+                    }
+                    _ => max_tokens_field("max_tokens", request.max_tokens.as_ref(), limit)?,
+                };
                 let mut texts = Vec::with_capacity(request.messages.len());
                 for message in &request.messages {
                     texts.push(match &message.content {
@@ -362,23 +499,57 @@ impl App {
                 Ok(Parsed {
                     model: request.model,
                     token_ids: tokenize(&prompt),
-                    max_tokens: self
-                        .max_tokens(request.max_completion_tokens.or(request.max_tokens))?,
+                    max_tokens: self.max_tokens(max_tokens),
                     stream: request.stream,
+                    include_usage: request.stream_options.is_some_and(|o| o.include_usage),
                     session: request.user,
                 })
             }
         }
     }
 
+    /// Answer a generation request and count it; a request dropped before its answer (the
+    /// client went away, or the connection was closed) is counted too (status 499).
+    async fn answered(&self, kind: Kind, request: Request) -> Response {
+        let mut pending = Unanswered {
+            app: Arc::clone(&self.0),
+            route: kind.route(),
+            answered: false,
+        };
+        let response = self.generate(kind, request).await;
+        pending.answered = true;
+        self.answer(kind.route(), response)
+    }
+
     async fn generate(&self, kind: Kind, request: Request) -> Response {
         let in_flight = InFlight::new(&self.0.metrics.in_flight);
         let timeout = self.0.config.request_timeout;
-        let deadline = Instant::now() + timeout;
+        // The deadline runs from the request's first byte when the connection layer saw it.
+        let start = request
+            .extensions()
+            .get::<RequestStart>()
+            .map_or_else(Instant::now, |s| s.0);
+        let deadline = start + timeout;
+        let body_by = deadline.min(Instant::now() + self.0.config.body_timeout);
         let headers = request.headers().clone();
-        let parsed = match self.body(request).await.and_then(|b| self.parse(kind, &b)) {
+        let parsed = match self
+            .body(request, body_by)
+            .await
+            .and_then(|b| self.parse(kind, &b))
+        {
             Ok(parsed) => parsed,
-            Err(error) => return error.into_response(),
+            Err(error) => {
+                // A body that did not arrive will not arrive: close the connection after the
+                // answer rather than wait for the rest of it.
+                let close = error.code == "body_timeout";
+                let mut response = error.into_response();
+                if close {
+                    response
+                        .headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                return response;
+            }
         };
         let session = match super::session::session_key(&headers, parsed.session) {
             Ok(session) => session,
@@ -418,6 +589,7 @@ impl App {
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            include_usage: parsed.include_usage,
         };
         let worker = first.prefill.as_ref().map(|p| p.worker);
         let mut response = if parsed.stream {
@@ -425,8 +597,8 @@ impl App {
                 reply,
                 first,
                 stream,
-                deadline,
-                timeout,
+                Limits { deadline, timeout },
+                prompt_tokens,
                 Disconnect::new(Arc::clone(&self.0), in_flight),
             );
             Sse::new(events).into_response()
@@ -440,6 +612,38 @@ impl App {
         }
         response
     }
+}
+
+/// A generation request not answered yet: dropped so (its handler future dropped because the
+/// connection closed), it is counted with status 499 and, unless serve itself is closing it
+/// at the end of the shutdown bound, as a client disconnect. Dropping the request future
+/// cancelled whichever leg was running at its worker.
+struct Unanswered {
+    app: Arc<Inner>,
+    route: &'static str,
+    answered: bool,
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        self.app.count(self.route, "499");
+        if !self.app.closing.load(Ordering::Relaxed) {
+            self.app.metrics.disconnects.inc();
+            tracing::info!(
+                route = self.route,
+                "client went away before the answer; request cancelled"
+            );
+        }
+    }
+}
+
+/// A request's deadline, and its length (for the error message).
+struct Limits {
+    deadline: Instant,
+    timeout: Duration,
 }
 
 /// One in-flight request in the gauge (until dropped; a stream carries it to its end).
@@ -478,7 +682,7 @@ impl Disconnect {
 
 impl Drop for Disconnect {
     fn drop(&mut self) {
-        if !self.finished {
+        if !self.finished && !self.app.closing.load(Ordering::Relaxed) {
             self.app.metrics.disconnects.inc();
             tracing::info!("client went away mid-stream; request cancelled");
         }
@@ -491,6 +695,9 @@ struct Reply {
     id: String,
     model: String,
     created: u64,
+    /// `stream_options.include_usage`: every chunk has `"usage": null`, and a last chunk
+    /// with empty `choices` carries the usage.
+    include_usage: bool,
 }
 
 fn finish_reason(finish: Option<FinishReason>) -> Option<&'static str> {
@@ -506,6 +713,34 @@ fn text_of(tokens: &[u32]) -> String {
 
 impl Reply {
     fn chunk(&self, text: &str, first: bool, finish: Option<&'static str>) -> serde_json::Value {
+        let mut chunk = self.bare_chunk(text, first, finish);
+        if self.include_usage {
+            chunk["usage"] = serde_json::Value::Null;
+        }
+        chunk
+    }
+
+    /// The final chunk of `stream_options.include_usage`: no choices, the usage.
+    fn usage_chunk(&self, usage: Usage) -> serde_json::Value {
+        serde_json::json!({
+            "id": self.id,
+            "object": match self.kind {
+                Kind::Completion => "text_completion",
+                Kind::Chat => "chat.completion.chunk",
+            },
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        })
+    }
+
+    fn bare_chunk(
+        &self,
+        text: &str,
+        first: bool,
+        finish: Option<&'static str>,
+    ) -> serde_json::Value {
         match self.kind {
             Kind::Completion => serde_json::json!({
                 "id": self.id,
@@ -598,9 +833,11 @@ struct SseState {
     reply: Reply,
     first: Option<GenerateResponse>,
     stream: DecodeStream,
-    deadline: Instant,
-    timeout: Duration,
+    limits: Limits,
+    prompt_tokens: usize,
+    completion_tokens: usize,
     sent_any: bool,
+    usage_sent: bool,
     finished: bool,
     disconnect: Disconnect,
 }
@@ -609,24 +846,27 @@ fn event(value: &serde_json::Value) -> Event {
     Event::default().data(value.to_string())
 }
 
-/// The SSE events of one reply: a chunk per response, a final chunk, `data: [DONE]`. An error
-/// or the deadline mid-stream sends one `{"error": ...}` event and ends the stream (dropping the
-/// decode stream cancels the request at the worker).
+/// The SSE events of one reply: a chunk per response, a final chunk, with
+/// `stream_options.include_usage` a usage chunk, then `data: [DONE]`. An error or the deadline
+/// mid-stream sends one `{"error": ...}` event and ends the stream (dropping the decode stream
+/// cancels the request at the worker).
 fn sse_events(
     reply: Reply,
     first: GenerateResponse,
     stream: DecodeStream,
-    deadline: Instant,
-    timeout: Duration,
+    limits: Limits,
+    prompt_tokens: usize,
     disconnect: Disconnect,
 ) -> impl futures_core::Stream<Item = Result<Event, std::convert::Infallible>> + Send {
     let state = SseState {
         reply,
         first: Some(first),
         stream,
-        deadline,
-        timeout,
+        limits,
+        prompt_tokens,
+        completion_tokens: 0,
         sent_any: false,
+        usage_sent: false,
         finished: false,
         disconnect,
     };
@@ -636,12 +876,12 @@ fn sse_events(
         }
         let item = match s.first.take() {
             Some(first) => Some(Ok(first)),
-            None => match tokio::time::timeout_at(s.deadline, s.stream.next()).await {
+            None => match tokio::time::timeout_at(s.limits.deadline, s.stream.next()).await {
                 Ok(item) => item,
                 Err(_) => {
                     s.finished = true;
                     s.disconnect.finished = true;
-                    let error = ApiError::deadline(s.timeout).body();
+                    let error = ApiError::deadline(s.limits.timeout).body();
                     return Some((Ok(event(&error)), s));
                 }
             },
@@ -649,15 +889,25 @@ fn sse_events(
         let out = match item {
             Some(Ok(response)) => {
                 let text = text_of(&response.token_ids);
+                s.completion_tokens += response.token_ids.len();
                 let finish = finish_reason(response.finish);
                 let chunk = s.reply.chunk(&text, !s.sent_any, finish);
                 s.sent_any = true;
                 if finish.is_some() {
-                    // The next poll sends [DONE].
-                    s.first = None;
+                    // The next poll sends the usage chunk (if asked for), then [DONE].
                     s.stream = Box::pin(futures_util::stream::empty());
                 }
                 event(&chunk)
+            }
+            None if s.reply.include_usage && !s.usage_sent => {
+                s.usage_sent = true;
+                s.stream = Box::pin(futures_util::stream::empty());
+                let usage = Usage {
+                    prompt_tokens: s.prompt_tokens,
+                    completion_tokens: s.completion_tokens,
+                    total_tokens: s.prompt_tokens + s.completion_tokens,
+                };
+                event(&s.reply.usage_chunk(usage))
             }
             None => {
                 s.finished = true;

@@ -13,7 +13,7 @@ use tokio_util::task::TaskTracker;
 use super::config::PrefillRouterConfig;
 use super::driver::{deadline_after, Driver};
 use super::error::{GenerateError, WaitError};
-use super::fallback::{Fallback, Final};
+use super::fallback::{AfterWait, Fallback, FallbackPolicy, Final};
 use super::legs::{BindingFactory, Decode, DecodeError, DecodeStream, Prefill as _, PrefillError};
 use super::metrics::{RouterCollector, StatusSource};
 use super::shared::{Announced, Msg, Shared};
@@ -145,7 +145,11 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// request to decode whole when the policy says skip; otherwise it prefills on that pick,
     /// on the same binding.
     ///
-    /// A prefill error fails the request ([`GenerateError::Prefill`]); decode is not tried.
+    /// A prefill error fails the request ([`GenerateError::Prefill`]); decode is not tried,
+    /// except when the prefill found no reachable worker
+    /// ([`PrefillError::no_reachable_worker`]) and the fallback policy bypasses (`Decode`, or
+    /// `WaitUpTo { then: Decode }`, without waiting): then decode runs the whole request, as
+    /// it would had the hop not been Active (counted in `unreachable_bypassed`).
     ///
     /// A request whose binding is retired between its route load and its pick of a worker,
     /// and whose admission set empties meanwhile (a retarget storm does it), would fail with
@@ -231,7 +235,9 @@ impl<F: BindingFactory> PrefillRouter<F> {
                 let pick = match binding.pick(&prefill_request) {
                     Ok(pick) => pick,
                     Err(error) => {
-                        return Err(self.prefill_failed(error, &binding, request, may_reroute))
+                        return self
+                            .prefill_failed(error, &binding, request, decode, may_reroute)
+                            .await
                     }
                 };
                 if let Some(skip) = policy.decide(pick.probe()) {
@@ -268,7 +274,11 @@ impl<F: BindingFactory> PrefillRouter<F> {
         };
         let outcome = match result {
             Ok(outcome) => outcome,
-            Err(error) => return Err(self.prefill_failed(error, &binding, request, may_reroute)),
+            Err(error) => {
+                return self
+                    .prefill_failed(error, &binding, request, decode, may_reroute)
+                    .await
+            }
         };
         // The binding is not needed for decode: release it so a retired one can go.
         drop(binding);
@@ -288,25 +298,43 @@ impl<F: BindingFactory> PrefillRouter<F> {
     }
 
     /// How a request whose prefill (or pick) on `binding` failed with `error` ends.
-    fn prefill_failed(
+    async fn prefill_failed(
         &self,
         error: PrefillError,
         binding: &Arc<F::Binding>,
         request: GenerateRequest,
+        decode: &dyn Decode,
         may_reroute: bool,
-    ) -> Failed {
+    ) -> Result<DecodeStream, Failed> {
         match error {
             // Nothing was sent: the binding lost its last admitted worker because it was
             // retired under this request. Route again on what is published now.
             PrefillError::Push(PushError::NoRoutableInstances)
                 if may_reroute && !self.serves(binding) =>
             {
-                Failed::Reroute(request)
+                Err(Failed::Reroute(request))
+            }
+            // No prefill worker could be reached: the hop is as good as not Active for this
+            // request, so the fallback policy decides.
+            error if error.no_reachable_worker() && self.bypasses_unreachable() => {
+                bump(&self.shared.tally.unreachable_bypassed);
+                tracing::debug!(router = %self.shared.config.name, %error, "no reachable prefill worker: decode runs the whole request");
+                Ok(decode.decode(request, None).await?)
             }
             error => {
                 bump(&self.shared.tally.prefill_errors);
-                GenerateError::Prefill(error).into()
+                Err(GenerateError::Prefill(error).into())
             }
+        }
+    }
+
+    /// Whether the fallback policy sends a request whose prefill found no reachable worker to
+    /// decode (it does not wait: the pool was there and is gone).
+    fn bypasses_unreachable(&self) -> bool {
+        match self.shared.config.fallback {
+            FallbackPolicy::Decode => true,
+            FallbackPolicy::Reject => false,
+            FallbackPolicy::WaitUpTo { then, .. } => then == AfterWait::Decode,
         }
     }
 

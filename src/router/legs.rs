@@ -244,6 +244,10 @@ pub struct BindingHealth {
     pub affinity: crate::push::AffinityStats,
     /// Booked prefill work and overload counters of the binding's dispatcher (KV mode).
     pub overload: crate::push::OverloadStats,
+    /// Instances the binding would route to now (discovered, admitted, breaker closed);
+    /// `None` when the binding does not know. `Some(0)` makes the hop not ready unless the
+    /// fallback policy bypasses.
+    pub routable: Option<usize>,
 }
 
 impl BindingHealth {
@@ -254,7 +258,15 @@ impl BindingHealth {
             retries,
             affinity: crate::push::AffinityStats::default(),
             overload: crate::push::OverloadStats::default(),
+            routable: None,
         }
+    }
+
+    /// This report with `routable` instances routable now.
+    #[must_use]
+    pub fn with_routable(mut self, routable: usize) -> Self {
+        self.routable = Some(routable);
+        self
     }
 
     /// This report with these booked-work and overload figures.

@@ -23,6 +23,7 @@
 //! | `waited_total` | counter | requests that waited for activation |
 //! | `drained_total` | counter | prefills cut off by the drain cap after their binding was retired |
 //! | `rerouted_total` | counter | requests routed again: their binding was retired before they picked a worker |
+//! | `unreachable_bypassed_total` | counter | requests whose prefill found no reachable worker (none routable, or every attempt failed to reach its worker) and that the fallback policy sent to decode whole |
 //! | `open_breakers` | gauge | the serving binding's instances whose health breaker is open (0 when not Active) |
 //! | `prefill_retries_total{class}` | counter | prefills retried on another worker, by the failure's class (the serving binding's; the default factory's bindings share one count) |
 //! | `affinity_total{outcome}` | counter | prefills of requests with a session key, by how session affinity decided them: `hit` (remembered worker), `miss` (no live entry), `repick` (remembered worker not routable; the entry moved) |
@@ -220,6 +221,12 @@ impl Collector for RouterCollector {
             "rerouted",
             "Requests routed again because their binding was retired before they picked a worker",
             c.rerouted,
+        )?;
+        counter(
+            e,
+            "unreachable_bypassed",
+            "Requests whose prefill found no reachable worker and that the fallback policy sent to decode whole",
+            c.unreachable_bypassed,
         )?;
         gauge(
             e,

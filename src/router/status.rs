@@ -65,6 +65,9 @@ pub struct RouterCounters {
     /// Requests routed again because their binding was retired, and its admission emptied,
     /// before they could pick a worker (see [`PrefillRouter::generate`](super::PrefillRouter::generate)).
     pub rerouted: u64,
+    /// Requests whose prefill found no reachable worker (none routable, or every attempt
+    /// failed to reach its worker) and that the fallback policy sent to decode whole.
+    pub unreachable_bypassed: u64,
 }
 
 /// A picture of the router, for status pages and tests.
@@ -111,6 +114,7 @@ pub(crate) struct Tally {
     pub(crate) waited: AtomicU64,
     pub(crate) drained: AtomicU64,
     pub(crate) rerouted: AtomicU64,
+    pub(crate) unreachable_bypassed: AtomicU64,
     bypassed: [AtomicU64; 5],
     rejected: [AtomicU64; 5],
     skipped: [AtomicU64; 2],
@@ -145,6 +149,7 @@ impl Tally {
         out.waited = get(&self.waited);
         out.drained = get(&self.drained);
         out.rerouted = get(&self.rerouted);
+        out.unreachable_bypassed = get(&self.unreachable_bypassed);
         out.bypassed = REASONS
             .iter()
             .map(|r| (*r, get(&self.bypassed[reason_index(*r)])))

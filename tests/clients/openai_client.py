@@ -65,6 +65,33 @@ def basic(args):
         chunks,
     )
 
+    # stream_options.include_usage: a last chunk with usage and no choices, as OpenAI sends.
+    stream = c.chat.completions.create(
+        model="mock-llm",
+        messages=messages,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    last = chunks[-1] if chunks else None
+    check(
+        "streaming chat with include_usage ends with a usage chunk",
+        len(chunks) == 5
+        and last.choices == []
+        and last.usage is not None
+        and last.usage.completion_tokens == 4
+        and last.usage.total_tokens == last.usage.prompt_tokens + 4
+        and all(ch.usage is None for ch in chunks[:-1]),
+        chunks,
+    )
+    done = c.completions.create(model="mock-llm", prompt=[[1, 2, 3]], max_tokens=2)
+    check(
+        "completion of a token-list prompt",
+        done.usage.prompt_tokens == 3 and done.usage.completion_tokens == 2,
+        done,
+    )
+
     # A second turn extends the first: its prompt shares the first's prefix blocks.
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "More?"}]
     raw = c.chat.completions.with_raw_response.create(

@@ -20,7 +20,11 @@ pub struct Proc {
 
 impl Proc {
     pub fn spawn(name: &str, args: &[&str]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_prefill-router"))
+        // `PREFILL_ROUTER_BIN` runs the tests against another build (e.g. the previous
+        // commit's, to see a test fail before its fix).
+        let bin = std::env::var_os("PREFILL_ROUTER_BIN")
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_prefill-router").into());
+        let mut child = Command::new(bin)
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -116,6 +120,35 @@ impl Proc {
             std::thread::sleep(Duration::from_millis(10));
         };
         (status, self.wait_event("stopped"))
+    }
+
+    /// SIGTERM, then wait for the exit (bounded by WAIT); the exit status and every stdout line
+    /// printed (the reader thread is given a moment to catch up with the last ones).
+    pub fn terminate_keeping_output(mut self) -> (std::process::ExitStatus, Vec<String>) {
+        self.signal(libc::SIGTERM);
+        let deadline = Instant::now() + WAIT;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "{} ignored SIGTERM", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        let lines = self.lines.lock().unwrap().clone();
+        (status, lines)
+    }
+
+    /// Wait for the process to exit on its own (bounded by WAIT); the exit status.
+    pub fn wait_exit(mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "{} did not exit", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// SIGKILL and reap.

@@ -23,7 +23,11 @@ An OpenAI-compatible HTTP frontend: POST /v1/completions, POST /v1/chat/completi
 (\"stream\": true for server-sent events), GET /v1/models, /health, /ready, /metrics.
 Requests prefill on the namespace's prefill set and decode on its decode set, both found in
 discovery and followed as they change (docs/frontend.md). Prints one JSON line on stdout once
-listening: {\"event\":\"listening\",\"addr\":...}. SIGTERM (or Ctrl-C) stops it in order.
+listening: {\"event\":\"listening\",\"addr\":...}. SIGTERM (or Ctrl-C) stops it in order:
+/ready turns 503, the drain delay, stop accepting, drain in-flight requests up to the shutdown
+bound, close the rest (saying how many on stderr); it prints
+{\"event\":\"stopped\",\"closed_at_bound\":N} and exits within about drain delay + shutdown
+bound. A second SIGTERM or Ctrl-C exits at once (status 130).
 
 options:
   --discovery SPEC         file://DIR (a directory shared on this host) or
@@ -32,7 +36,20 @@ options:
   --listen ADDR            the HTTP address (default 127.0.0.1:8000: loopback only)
   --fallback POLICY        while prefill is not active: decode (bypass, the default), reject
                            (503), or wait-MS (wait up to MS ms, then bypass)
-  --request-timeout-ms N   deadline of one request, arrival to last token (default 30000): 504
+  --request-timeout-ms N   deadline of one request, from its first byte to its last token
+                           (default 30000): 504, or 408 while its body is still arriving
+  --header-timeout-ms N    a request's headers must arrive within N ms of its first byte (of
+                           the accept, on a new connection), else the connection is closed
+                           (default 10000)
+  --body-timeout-ms N      its body within N ms of its headers, else 408 and the connection
+                           is closed (default 10000)
+  --idle-timeout-ms N      a keep-alive connection idle for N ms is closed (default 75000)
+  --max-connections N      most connections open at once; over it new connections wait in
+                           the listen backlog until one closes (default 1024)
+  --drain-delay-ms N       on SIGTERM, /ready answers 503 and requests are still served for N
+                           ms before the listener closes (default 2000)
+  --shutdown-timeout-ms N  then in-flight requests may finish for N ms; connections still
+                           open are closed and the log says how many (default 20000)
   --body-limit BYTES       largest request body (default 1048576): 413
   --max-tokens N           max_tokens when a request does not say (default 16)
   --max-tokens-limit N     largest max_tokens accepted (default 4096)
@@ -70,6 +87,14 @@ fn fallback(raw: &str) -> Result<FallbackPolicy, CliError> {
     }
 }
 
+/// A positive duration in milliseconds (a zero timeout would close every connection at once).
+fn millis(flags: &mut Flags<'_>, flag: &str) -> Result<Duration, CliError> {
+    match flags.parsed::<u64>(flag)? {
+        0 => Err(CliError::Usage(format!("{flag} must be positive"))),
+        ms => Ok(Duration::from_millis(ms)),
+    }
+}
+
 impl ServeOptions {
     /// Parse the arguments after `serve`.
     pub fn parse(args: &[String]) -> Result<Self, CliError> {
@@ -94,6 +119,21 @@ impl ServeOptions {
                 "--fallback" => options.fallback = fallback(flags.value(flag)?)?,
                 "--request-timeout-ms" => {
                     options.http.request_timeout = Duration::from_millis(flags.parsed(flag)?)
+                }
+                "--header-timeout-ms" => options.http.header_timeout = millis(&mut flags, flag)?,
+                "--body-timeout-ms" => options.http.body_timeout = millis(&mut flags, flag)?,
+                "--idle-timeout-ms" => options.http.idle_timeout = millis(&mut flags, flag)?,
+                "--max-connections" => {
+                    options.http.max_connections = flags.parsed(flag)?;
+                    if options.http.max_connections == 0 {
+                        return Err(CliError::Usage("--max-connections must be positive".into()));
+                    }
+                }
+                "--drain-delay-ms" => {
+                    options.http.drain_delay = Duration::from_millis(flags.parsed(flag)?)
+                }
+                "--shutdown-timeout-ms" => {
+                    options.http.shutdown_timeout = Duration::from_millis(flags.parsed(flag)?)
                 }
                 "--body-limit" => options.http.body_limit = flags.parsed(flag)?,
                 "--max-tokens" => options.http.default_max_tokens = flags.parsed(flag)?,
@@ -178,13 +218,34 @@ async fn serve(options: ServeOptions) -> Result<(), String> {
         "{}",
         serde_json::json!({"event": "listening", "addr": addr.to_string(), "pid": std::process::id()})
     );
-    let served =
-        prefill_router::http::serve(listener, Arc::clone(&hop), options.http, terminated())
-            .await
-            .map_err(|e| format!("serving HTTP: {e}"));
+    // The first SIGTERM or Ctrl-C starts the ordered stop; a second one exits at once (an
+    // impatient operator at a terminal), cutting off whatever is still in flight.
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        terminated().await;
+        let _ = first_tx.send(());
+    };
+    tokio::spawn(async move {
+        if first_rx.await.is_ok() {
+            terminated().await;
+            eprintln!("serve: second stop signal; exiting now");
+            std::process::exit(130);
+        }
+    });
+    let summary =
+        prefill_router::http::serve(listener, Arc::clone(&hop), options.http, shutdown).await;
+    if summary.closed_at_bound > 0 {
+        eprintln!(
+            "serve: closed {} connection(s) still open at the end of the shutdown bound (their requests were cut off)",
+            summary.closed_at_bound
+        );
+    }
     hop.shutdown().await;
-    println!("{}", serde_json::json!({"event": "stopped"}));
-    served
+    println!(
+        "{}",
+        serde_json::json!({"event": "stopped", "closed_at_bound": summary.closed_at_bound})
+    );
+    Ok(())
 }
 
 #[cfg(test)]
@@ -213,6 +274,9 @@ mod tests {
             "--discovery file:///tmp/x --namespace ns --fallback maybe",
             "--discovery file:///tmp/x --namespace ns --request-timeout-ms 0",
             "--discovery file:///tmp/x --namespace ns --listen nowhere",
+            "--discovery file:///tmp/x --namespace ns --header-timeout-ms 0",
+            "--discovery file:///tmp/x --namespace ns --idle-timeout-ms soon",
+            "--discovery file:///tmp/x --namespace ns --max-connections 0",
         ] {
             assert!(
                 matches!(ServeOptions::parse(&args(line)), Err(CliError::Usage(_))),

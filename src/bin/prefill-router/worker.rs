@@ -39,7 +39,15 @@ options:
                          etcd://HOST:PORT[,HOST:PORT...] (the members of one etcd cluster)
   --namespace NS         the deployment's namespace
   --card FILE            the model card to advertise (JSON); default: model `mock-llm`,
-                         block size --block-size, prefill cards advertise KV routing
+                         block size --block-size, prefill cards advertise KV routing; its
+                         router_config (mode, KV tuning, session_affinity_ttl_secs) is how a
+                         prefill worker tells routers how to route to it
+  --session-affinity-ttl-secs N
+                         prefill only: advertise session affinity with this TTL (requests
+                         with an x-session-id header or a `user` stay on their session's
+                         worker while it is idle less than N s); overrides the card's
+                         router_config.session_affinity_ttl_secs (a card without a
+                         router_config gets the default one with this TTL)
   --id N                 the instance id (default: the process id)
   --listen ADDR          the request plane's address (default 127.0.0.1:0, any free port)
   --block-size N         the mock's KV block size when no card is given (default 16)
@@ -90,6 +98,7 @@ pub struct WorkerOptions {
     etcd_root: String,
     print_requests: bool,
     kv_events: bool,
+    session_affinity_ttl_secs: Option<u64>,
 }
 
 /// How long a stopping worker lets its in-flight requests finish, by default.
@@ -116,6 +125,7 @@ impl WorkerOptions {
             etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
             print_requests: false,
             kv_events: true,
+            session_affinity_ttl_secs: None,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -150,6 +160,9 @@ impl WorkerOptions {
                 "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
                 "--print-requests" => options.print_requests = true,
                 "--no-kv-events" => options.kv_events = false,
+                "--session-affinity-ttl-secs" => {
+                    options.session_affinity_ttl_secs = Some(flags.parsed(flag)?)
+                }
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown worker option `{other}`"))),
             }
@@ -166,6 +179,12 @@ impl WorkerOptions {
         }
         if options.ttl < Duration::from_millis(300) {
             return Err(CliError::Usage("--ttl-ms must be at least 300".into()));
+        }
+        if options.session_affinity_ttl_secs.is_some() && options.role != Role::Prefill {
+            return Err(CliError::Usage(
+                "--session-affinity-ttl-secs is for prefill workers (their card carries the routing)"
+                    .into(),
+            ));
         }
         Ok(options)
     }
@@ -193,6 +212,17 @@ fn default_card(role: Role, block_size: u32) -> ModelCard {
     }
 }
 
+/// `card` with its session-affinity TTL set to `ttl_secs` (when given), adding a default
+/// router configuration if it has none.
+fn with_session_ttl(mut card: ModelCard, ttl_secs: Option<u64>) -> ModelCard {
+    if let Some(ttl) = ttl_secs {
+        card.router_config
+            .get_or_insert_with(RouterConfig::default)
+            .session_affinity_ttl_secs = Some(ttl);
+    }
+    card
+}
+
 async fn worker(options: WorkerOptions) -> Result<(), String> {
     let card = match &options.card {
         Some(path) => {
@@ -202,6 +232,7 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
         }
         None => default_card(options.role, options.block_size),
     };
+    let card = with_session_ttl(card, options.session_affinity_ttl_secs);
     let id = options.id.unwrap_or_else(|| u64::from(std::process::id()));
     let mock = MockConfig {
         block_size: if card.kv_cache_block_size == 0 {
@@ -420,6 +451,34 @@ mod tests {
         .ok()
         .unwrap();
         assert_eq!((ok.role, ok.id), (Role::Decode, Some(7)));
+    }
+
+    #[test]
+    fn the_session_affinity_ttl_flag_goes_into_the_prefill_card() {
+        let base = "--role prefill --discovery file:///tmp/x --namespace ns";
+        let parsed =
+            WorkerOptions::parse(&args(&format!("{base} --session-affinity-ttl-secs 600")))
+                .ok()
+                .unwrap();
+        assert_eq!(parsed.session_affinity_ttl_secs, Some(600));
+        let card = with_session_ttl(default_card(Role::Prefill, 16), Some(600));
+        let config = card.router_config.unwrap();
+        assert_eq!(config.session_affinity_ttl_secs, Some(600));
+        assert_eq!(config.router_mode, SelectionMode::KV, "the rest kept");
+        let bare = with_session_ttl(ModelCard::named("m"), Some(5));
+        assert_eq!(
+            bare.router_config.unwrap().session_affinity_ttl_secs,
+            Some(5)
+        );
+        assert!(with_session_ttl(ModelCard::named("m"), None)
+            .router_config
+            .is_none());
+        let decode = "--role decode --discovery file:///tmp/x --namespace ns";
+        assert!(matches!(
+            WorkerOptions::parse(&args(&format!("{decode} --session-affinity-ttl-secs 5"))),
+            Err(CliError::Usage(_))
+        ));
+        assert!(USAGE.contains("--session-affinity-ttl-secs"));
     }
 
     #[tokio::test(start_paused = true)]

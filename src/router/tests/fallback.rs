@@ -206,8 +206,10 @@ async fn wait_policy_does_not_wait_after_shutdown() {
 
 #[tokio::test]
 async fn prefill_error_fails_the_request_and_decode_is_not_tried() {
+    // A binding with no routable worker is the one prefill failure the fallback policy
+    // handles; under Reject it fails the request as any prefill error does.
     let (factory, _log) = ScriptFactory::instant();
-    let router = router(factory, FallbackPolicy::Decode);
+    let router = router(factory, FallbackPolicy::Reject);
     let (_tx, empty) = watch::channel(BTreeSet::new());
     router.set_target(Some(target_with(1, empty)));
     router.wait_active(Duration::from_secs(5)).await.unwrap();
@@ -219,7 +221,67 @@ async fn prefill_error_fails_the_request_and_decode_is_not_tried() {
     );
     assert!(decode.calls.lock().is_empty());
     let c = router.status().counters;
-    assert_eq!((c.prefilled, c.prefill_errors), (1, 1));
+    assert_eq!(
+        (c.prefilled, c.prefill_errors, c.unreachable_bypassed),
+        (1, 1, 0)
+    );
+}
+
+#[tokio::test]
+async fn a_prefill_with_no_reachable_worker_bypasses_when_the_policy_does() {
+    for policy in [
+        FallbackPolicy::Decode,
+        FallbackPolicy::WaitUpTo {
+            timeout: Duration::from_secs(60),
+            then: AfterWait::Decode,
+        },
+    ] {
+        let (factory, _log) = ScriptFactory::instant();
+        let router = router(factory, policy);
+        let (_tx, empty) = watch::channel(BTreeSet::new());
+        router.set_target(Some(target_with(1, empty)));
+        router.wait_active(Duration::from_secs(5)).await.unwrap();
+        let decode = FakeDecode::default();
+        let stream =
+            tokio::time::timeout(Duration::from_secs(5), router.generate(request(), &decode))
+                .await
+                .expect("no wait: the pool was there and is gone")
+                .unwrap();
+        drop(stream);
+        assert_eq!(decode.calls.lock().len(), 1, "decode ran the whole request");
+        let c = router.status().counters;
+        assert_eq!(
+            (c.prefilled, c.prefill_errors, c.unreachable_bypassed),
+            (1, 0, 1),
+            "{policy:?}"
+        );
+    }
+}
+
+#[test]
+fn only_failures_to_reach_any_worker_count_as_no_reachable_worker() {
+    use crate::health::FailureClass;
+    use crate::push::Attempt;
+    let refused = |instance| Attempt {
+        instance,
+        class: FailureClass::ConnectionRefused,
+        error: PushError::InstanceGone(instance),
+    };
+    let rejected = Attempt {
+        instance: 3,
+        class: FailureClass::Rejected,
+        error: PushError::Timeout { instance: 3 },
+    };
+    let no = |e: PushError| PrefillError::Push(e).no_reachable_worker();
+    assert!(no(PushError::NoRoutableInstances));
+    assert!(no(PushError::Exhausted {
+        attempts: vec![refused(1), refused(2)]
+    }));
+    assert!(!no(PushError::Exhausted {
+        attempts: vec![refused(1), rejected]
+    }));
+    assert!(!no(PushError::Timeout { instance: 1 }));
+    assert!(!PrefillError::NoResponse.no_reachable_worker());
 }
 
 #[tokio::test]
