@@ -335,3 +335,21 @@ fn router_modes_display_as_names_a_card_accepts() {
         assert_eq!(parsed, mode);
     }
 }
+
+#[test]
+fn load_only_is_the_default_without_keep_credit_or_recent_work() {
+    let plain = KvRouterConfig::load_only();
+    assert_eq!(plain.overlap_score_weight, 1.0);
+    assert_eq!(plain.prefill_keep_credit, 0.0);
+    assert_eq!(plain.prefill_recent_work_weight, 0.0);
+    assert_ne!(plain, KvRouterConfig::default());
+    assert_eq!(
+        KvRouterConfig {
+            overlap_score_weight: 0.25,
+            prefill_keep_credit: 31.0,
+            prefill_recent_work_weight: 0.3,
+            ..plain
+        },
+        KvRouterConfig::default()
+    );
+}
