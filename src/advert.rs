@@ -21,10 +21,6 @@ pub use card::{
     parse_cards, KvRouterConfig, ModelCard, ParsedCards, RouterConfig, RuntimeConfig, SelectionMode,
 };
 
-/// The former name of [`SelectionMode`] (the card's `router_mode` field keeps its name).
-#[deprecated(since = "0.2.0", note = "renamed to `SelectionMode`")]
-pub type RouterMode = SelectionMode;
-
 /// What the decode side contributes when the prefill card is silent.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DecodeDefaults {

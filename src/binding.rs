@@ -21,9 +21,6 @@ mod load;
 pub use decode::DecodePool;
 pub(crate) use load::TokenLoad;
 
-/// The former name of [`DecodePool`].
-#[deprecated(since = "0.2.0", note = "renamed to `DecodePool`")]
-pub type DecodeRouter = DecodePool;
 pub use factory::{
     BindingStats, DefaultBindingFactory, FactoryConfig, PrefillBinding, DISCOVERY_CATCH_UP,
 };

@@ -206,13 +206,10 @@ fn nanos_to_duration(nanos: u128) -> Duration {
     )
 }
 
-/// SplitMix64's finaliser: a fixed bijection spreading a seed and an id into a jitter value
+/// One SplitMix64 step: a fixed bijection spreading a seed and an id into a jitter value
 /// (deterministic, so a driver replaying the same inputs sees the same delays).
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+fn mix(z: u64) -> u64 {
+    crate::rng::finalize(z.wrapping_add(crate::rng::GAMMA))
 }
 
 /// A fact about the world, fed to [`Machine::handle`].

@@ -21,12 +21,8 @@ pub use wire::{
     MAX_EVENTS_PER_BATCH, WIRE_VERSION,
 };
 
-/// splitmix64 finaliser: a cheap, well-mixed 64-bit hash step.
-pub(crate) fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+/// The splitmix64 finaliser: a cheap, well-mixed 64-bit hash step.
+pub(crate) use crate::rng::finalize as mix;
 
 /// Hasher for keys that are `u64`s: one splitmix step instead of SipHash. Keys here are
 /// block hashes and instance ids chosen by our own code, workers or discovery, not by request

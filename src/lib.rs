@@ -66,11 +66,8 @@ pub mod push;
 pub mod replay;
 pub mod snapshot;
 
-/// The former name of [`snapshot`] (renamed so that it does not read like the `router` module).
-#[deprecated(since = "0.2.0", note = "renamed to `snapshot`")]
-pub mod route {
-    pub use crate::snapshot::*;
-}
+#[cfg(feature = "runtime")]
+pub mod rng;
 #[cfg(feature = "runtime")]
 pub mod router;
 #[cfg(feature = "sim")]
@@ -83,34 +80,3 @@ pub mod transport;
 
 #[cfg(feature = "runtime")]
 pub use hop::{HopStartError, HopStatus, NotReady, PrefillHop, PrefillHopConfig, Readiness};
-
-#[cfg(all(test, feature = "runtime"))]
-mod renamed {
-    use std::any::TypeId;
-
-    /// Code written against the old names keeps compiling and means the same types.
-    #[test]
-    #[allow(deprecated)]
-    fn old_names_still_name_the_renamed_items() {
-        assert_eq!(
-            TypeId::of::<crate::push::PushRouter>(),
-            TypeId::of::<crate::push::Dispatcher>()
-        );
-        assert_eq!(
-            TypeId::of::<crate::binding::DecodeRouter>(),
-            TypeId::of::<crate::binding::DecodePool>()
-        );
-        assert_eq!(
-            TypeId::of::<crate::advert::RouterMode>(),
-            TypeId::of::<crate::advert::SelectionMode>()
-        );
-        assert_eq!(
-            TypeId::of::<crate::route::Route<u8>>(),
-            TypeId::of::<crate::snapshot::Route<u8>>()
-        );
-        assert_eq!(
-            crate::advert::RouterMode::KV,
-            crate::advert::SelectionMode::KV
-        );
-    }
-}

@@ -13,24 +13,16 @@
 //!   simulator, which thereby runs the dispatcher's own select, book, send, retry and release.
 
 mod affinity;
-#[cfg(test)]
-mod booking_tests;
 mod dispatcher;
 mod error;
 mod health;
 pub mod heat;
 mod kv;
 mod kv_feed;
-#[cfg(test)]
-mod kv_feed_tests;
-#[cfg(test)]
-mod link_tests;
 mod load_board;
-#[cfg(test)]
-mod retry_tests;
 pub mod select;
 #[cfg(test)]
-mod select_on_tests;
+mod tests;
 mod view;
 
 pub(crate) use affinity::AffinityTable;
@@ -45,7 +37,4 @@ pub use kv::{block_hashes, KvSelector, DEEP_HOLDERS_LIMIT};
 pub use kv_feed::KvEventCounts;
 pub use load_board::{LoadBoard, Walk, RECENT_WORK_HALF_LIFE};
 
-/// The former name of [`Dispatcher`] ("router" now names only the prefill router).
-#[deprecated(since = "0.2.0", note = "renamed to `Dispatcher`")]
-pub type PushRouter = Dispatcher;
 pub use view::{InstanceStatus, RoutableView};

@@ -411,10 +411,11 @@ impl<L: WorkerLink> Dispatcher<L> {
 
     fn random(&self) -> u64 {
         // splitmix64 over an atomic counter: lock-free and reproducible from the seed.
+        let gamma = crate::rng::GAMMA;
         mix(self
             .rng
-            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
-            .wrapping_add(0x9e37_79b9_7f4a_7c15))
+            .fetch_add(gamma, Ordering::Relaxed)
+            .wrapping_add(gamma))
     }
 
     /// Pick an instance for `request` per the mode, without sending anything. In KV mode the

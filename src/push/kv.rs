@@ -33,7 +33,7 @@ pub fn block_hashes(token_ids: &[u32], block_size: u32) -> Vec<u64> {
         return Vec::new();
     }
     let mut hashes = Vec::with_capacity(token_ids.len() / size);
-    let mut parent = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut parent = crate::rng::GAMMA;
     for block in token_ids.chunks_exact(size) {
         let mut h = parent;
         for &t in block {

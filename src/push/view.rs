@@ -249,16 +249,6 @@ impl RoutableView {
         });
     }
 
-    /// The former way to report a connection failure. It now opens the instance's breaker
-    /// (routable again once a probe connects) instead of inhibiting it until discovery re-adds it.
-    #[deprecated(
-        since = "0.2.0",
-        note = "use `report_failure(id, FailureClass::ConnectionRefused)`"
-    )]
-    pub fn inhibit(&self, id: InstanceId) {
-        self.report_failure(id, FailureClass::ConnectionRefused);
-    }
-
     /// Feed the machine and carry out its actions; the routable set changes only on an open or
     /// a close.
     fn health_input(&self, input: Input<InstanceId>) {

@@ -482,7 +482,7 @@ pub(crate) fn sessions(records: &[TraceRecord]) -> Vec<Vec<usize>> {
     let mut sessions: Vec<Vec<usize>> = Vec::new();
     for (index, record) in records.iter().enumerate() {
         // Chained hashes of every prefix of the prompt's ids.
-        let mut h = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut h = crate::rng::GAMMA;
         let prefixes: Vec<u64> = record
             .hash_ids
             .iter()

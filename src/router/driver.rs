@@ -50,8 +50,8 @@ pub(crate) struct Driver<F: BindingFactory> {
 impl<F: BindingFactory> Driver<F> {
     pub(crate) fn new(shared: Arc<Shared<F>>, rx: mpsc::UnboundedReceiver<Msg>) -> Self {
         let jitter_rng = match shared.config.jitter_seed {
-            Some(seed) => SplitMix::seeded(seed),
-            None => SplitMix::from_entropy(),
+            Some(seed) => SplitMix::new(seed),
+            None => from_entropy(),
         };
         Driver {
             shared,
@@ -236,33 +236,14 @@ pub(crate) fn jittered(delay: Duration, fraction: f64, rng: &mut SplitMix) -> Du
         .unwrap_or(delay)
 }
 
-/// A tiny PRNG for jitter (quality is irrelevant; independence between frontends is not).
-#[derive(Clone, Debug)]
-pub(crate) struct SplitMix(u64);
+/// Jitter's generator, seeded per frontend (quality is irrelevant; independence between
+/// frontends is not).
+pub(crate) type SplitMix = crate::rng::SplitMix64;
 
-impl SplitMix {
-    /// Seeded from the process's random hasher keys, so frontends do not jitter in lockstep.
-    pub(crate) fn from_entropy() -> Self {
-        use std::hash::{BuildHasher, Hasher};
-        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-        hasher.write_u64(0x9e37_79b9_7f4a_7c15);
-        SplitMix(hasher.finish())
-    }
-
-    pub(crate) fn seeded(seed: u64) -> Self {
-        SplitMix(seed)
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)`.
-    pub(crate) fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
+/// Seeded from the process's random hasher keys, so frontends do not jitter in lockstep.
+pub(crate) fn from_entropy() -> SplitMix {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(crate::rng::GAMMA);
+    SplitMix::new(hasher.finish())
 }

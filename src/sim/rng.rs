@@ -1,25 +1,20 @@
-//! The simulator's only source of randomness: a seeded splitmix64 generator.
-//!
-//! Local rather than a crate so that a seed names the same run on every platform and every
-//! future version of the dependency tree (a failing seed must stay reproducible).
+//! The simulator's only source of randomness: the crate's seeded splitmix64 generator
+//! ([`crate::rng`]), with the draws the simulator needs (a failing seed must stay
+//! reproducible).
 
 /// A seeded pseudo-random generator (splitmix64). Not for cryptography.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SimRng(u64);
+pub struct SimRng(crate::rng::SplitMix64);
 
 impl SimRng {
     /// A generator whose whole output is determined by `seed`.
     pub fn new(seed: u64) -> Self {
-        SimRng(seed)
+        SimRng(crate::rng::SplitMix64::new(seed))
     }
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in `0..n`; 0 when `n` is 0.
@@ -44,7 +39,7 @@ impl SimRng {
     /// An independent generator for a sub-component, so that adding draws in one place does
     /// not shift every later draw elsewhere.
     pub fn fork(&mut self) -> SimRng {
-        SimRng(self.next_u64())
+        SimRng::new(self.next_u64())
     }
 }
 

@@ -86,6 +86,11 @@ impl Proc {
             .count()
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn signal(&self, signal: i32) {
         let pid = i32::try_from(self.child.id()).unwrap();
         // SAFETY: kill(2) on our own child's pid.

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use parking_lot::Mutex;
 use prefill_router::discovery::InstanceId;
+use prefill_router::rng::SplitMix64;
 use prefill_router::transport::GenerateRequest;
 use prefill_router::PrefillHop;
 
@@ -77,21 +78,9 @@ pub struct Frontend {
     pub hop: PrefillHop,
 }
 
-/// A tiny deterministic generator (splitmix64), so both routing modes see the same tokens.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn tokens(&mut self, n: usize) -> Vec<u32> {
-        (0..n).map(|_| (self.next() % 50_000) as u32).collect()
-    }
+/// Deterministic tokens, so both routing modes see the same ones.
+fn tokens(rng: &mut SplitMix64, n: usize) -> Vec<u32> {
+    (0..n).map(|_| (rng.next_u64() % 50_000) as u32).collect()
 }
 
 /// One conversation: run turns until `stop` is set or `turns` are done (`None`: no limit).
@@ -103,8 +92,8 @@ pub async fn converse(
     turns: Option<usize>,
     stop: Arc<AtomicBool>,
 ) {
-    let mut rng = Rng(seed);
-    let system = Rng(0xC0FFEE).tokens(shape.system_tokens);
+    let mut rng = SplitMix64::new(seed);
+    let system = tokens(&mut SplitMix64::new(0xC0FFEE), shape.system_tokens);
     let mut history: Vec<u32> = Vec::new();
     let mut turn_in_conversation = 0;
     let mut done = 0;
@@ -113,7 +102,7 @@ pub async fn converse(
             history.clear();
             turn_in_conversation = 0;
         }
-        history.extend(rng.tokens(shape.turn_tokens));
+        history.extend(tokens(&mut rng, shape.turn_tokens));
         let mut prompt = system.clone();
         prompt.extend_from_slice(&history);
         let reply = turn(&frontend, &tally, &shape, prompt).await;

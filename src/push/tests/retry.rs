@@ -9,11 +9,11 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::health::{BackoffPolicy, FailureClass};
 use crate::mock::{MockConfig, MockPrefill};
+use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::transport::{serve, GenerateRequest, ServerConfig, ServerHandle};
 
 const WAIT: Duration = Duration::from_secs(10);

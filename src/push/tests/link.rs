@@ -10,10 +10,12 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{Dispatch, Dispatcher, PushConfig, PushError, PushMode, RoutableView, WorkerLink};
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::health::{BackoffPolicy, FailureClass};
+use crate::push::{
+    Dispatch, Dispatcher, PushConfig, PushError, PushMode, RoutableView, WorkerLink,
+};
 use crate::transport::{GenerateRequest, GenerateResponse, TransportError};
 
 /// Refuses the connection on the workers in `down`, answers on the others; records every

@@ -7,9 +7,11 @@ use std::time::Duration;
 use proptest::prelude::*;
 use tokio_util::sync::CancellationToken;
 
-use super::{Dispatcher, LoadBoard, PushConfig, PushError, PushMode, RoutableView, Selection};
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
+use crate::push::{
+    Dispatcher, LoadBoard, PushConfig, PushError, PushMode, RoutableView, Selection,
+};
 use crate::transport::GenerateRequest;
 
 fn instance(id: InstanceId) -> Instance {
@@ -232,7 +234,7 @@ fn prefix_everywhere_is_spread() {
         KvRouterConfig::default(),
         PushConfig::default(),
     )
-    .map_kv(super::KvSelector::ignoring_load);
+    .map_kv(crate::push::KvSelector::ignoring_load);
     assert!(
         spread(mutant) > 0,
         "the mutant that ignores load was not caught"

@@ -7,11 +7,11 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{Dispatcher, PushConfig, PushMode, RoutableView};
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent};
 use crate::health::BackoffPolicy;
 use crate::mock::{MockConfig, MockPrefill};
+use crate::push::{Dispatcher, PushConfig, PushMode, RoutableView};
 use crate::transport::{serve_with_kv_events, GenerateRequest, ServerConfig};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -105,10 +105,10 @@ async fn only_the_workers_current_connection_feeds_or_resets_its_entries() {
 
     use parking_lot::Mutex;
 
-    use super::kv::KvSelector;
-    use super::kv_feed::KvFeed;
     use crate::hooks::DispatchHooks;
     use crate::kv_events::{EventBatch, KvEvent};
+    use crate::push::kv::KvSelector;
+    use crate::push::kv_feed::KvFeed;
 
     let (_tx, mut rx) = mpsc::channel::<InstanceEvent>(1);
     let cancel = CancellationToken::new();

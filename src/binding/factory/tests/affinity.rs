@@ -14,8 +14,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{DefaultBindingFactory, FactoryConfig};
 use crate::advert::{PrefillConfig, SelectionMode};
+use crate::binding::{DefaultBindingFactory, FactoryConfig};
 use crate::discovery::{
     EndpointId, Instance, InstanceEvent, InstanceId, MemoryConfig, MemoryDiscovery,
 };

@@ -5,12 +5,12 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 
-use super::kv::CostMutant;
-use super::select::{is_busy, Choice};
-use super::{KvSelector, LoadBoard};
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceId};
 use crate::kv_events::{EventBatch, KvEvent};
+use crate::push::kv::CostMutant;
+use crate::push::select::{is_busy, Choice};
+use crate::push::{KvSelector, LoadBoard};
 
 fn members(ids: &[InstanceId]) -> Arc<[Arc<Instance>]> {
     ids.iter()
