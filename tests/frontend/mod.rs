@@ -366,15 +366,9 @@ pub fn request_with(
     let mut stream = TcpStream::connect_timeout(&addr, WAIT).expect("connect");
     stream.set_read_timeout(Some(WAIT)).unwrap();
     let body = body.unwrap_or_default();
-    let extra: String = headers
-        .iter()
-        .map(|(k, v)| format!("{k}: {v}\r\n"))
-        .collect();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).unwrap();
+    stream
+        .write_all(request_head(addr, method, path, body.len(), headers).as_bytes())
+        .unwrap();
     // A body over the server's limit may be refused before it is all sent.
     let _ = stream.write_all(body);
     let mut raw = Vec::new();
@@ -382,6 +376,29 @@ pub fn request_with(
         .read_to_end(&mut raw)
         .unwrap_or_else(|e| panic!("{method} {path}: reading the response: {e}"));
     parse(&raw)
+}
+
+/// The head of a `Connection: close` request with a JSON body of `len` bytes.
+pub fn request_head(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    len: usize,
+    headers: &[(&str, &str)],
+) -> String {
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n{extra}Connection: close\r\n\r\n"
+    )
+}
+
+/// A response parsed from its raw bytes, or `None` when they hold no complete head.
+pub fn try_parse(raw: &[u8]) -> Option<Response> {
+    raw.windows(4).position(|w| w == b"\r\n\r\n")?;
+    Some(parse(raw))
 }
 
 fn parse(raw: &[u8]) -> Response {
