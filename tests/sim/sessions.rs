@@ -1,12 +1,9 @@
 //! The simulator with sessions and session affinity: many seeds hold every oracle (the affinity
 //! ones of `sim/sessions.rs` included) with hits, misses and re-picks all occurring, and each
 //! affinity mutant is caught by its oracle.
-#![cfg(feature = "sim")]
 
-mod sim_support;
-
+use crate::support::{assert_caught, sweep};
 use prefill_router::sim::Mutant;
-use sim_support::{assert_caught, sweep};
 
 #[test]
 fn two_hundred_session_seeds_hold_every_oracle_with_hits_misses_and_repicks() {

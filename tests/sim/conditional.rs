@@ -1,12 +1,9 @@
 //! The simulator with the conditional disaggregation policy on: many seeds hold every oracle
 //! (the conditional ones of `sim/conditional.rs` included), both skip reasons occur, and each
 //! conditional mutant is caught by its oracle.
-#![cfg(feature = "sim")]
 
-mod sim_support;
-
+use crate::support::{assert_caught, sweep};
 use prefill_router::sim::Mutant;
-use sim_support::{assert_caught, sweep};
 
 #[test]
 fn two_hundred_conditional_seeds_hold_every_oracle_and_skip_for_both_reasons() {

@@ -1,5 +1,5 @@
-//! Shared parts of the simulator's feature suites (conditional disaggregation, sessions).
-#![allow(dead_code)] // each test binary uses a subset
+//! Shared parts of the simulator's feature suites (conditional disaggregation, sessions, KV
+//! events).
 
 use prefill_router::sim::{simulate, Mutant, SimConfig, SimReport, SimStats};
 

@@ -1,12 +1,9 @@
 //! The simulator with KV routing and workers publishing KV cache events, some batches lost or
 //! delayed: many seeds hold every oracle (the stale-credit one of `sim/kv_events.rs` included)
 //! with losses and delays occurring, and the mutant that drops removals is caught.
-#![cfg(feature = "sim")]
 
-mod sim_support;
-
+use crate::support::{assert_caught, sweep};
 use prefill_router::sim::Mutant;
-use sim_support::{assert_caught, sweep};
 
 #[test]
 fn two_hundred_kv_event_seeds_hold_every_oracle_with_lost_and_late_batches() {

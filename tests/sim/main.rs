@@ -1,6 +1,12 @@
 //! The deterministic simulator: many seeds pass every oracle, each planted defect is caught,
-//! and a seed replays the same history.
+//! and a seed replays the same history; its feature suites (conditional disaggregation,
+//! sessions, KV events) as modules of the same binary.
 #![cfg(feature = "sim")]
+
+mod conditional;
+mod kv_events;
+mod sessions;
+mod support;
 
 use prefill_router::sim::{simulate, Mutant, SimConfig, SimReport};
 
