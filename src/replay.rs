@@ -24,17 +24,20 @@
 mod cost;
 mod engine;
 mod link;
+mod policy;
 mod report;
 mod run;
+mod sessions;
+mod summary;
 mod svg;
 mod trace;
 mod workload;
 
 pub use cost::CostModel;
+pub use policy::Policy;
 pub use report::{AffinityReport, EventReport, Percentiles, ReplayReport, Window};
-pub use run::{
-    run, ClosedLoop, Policy, PoolEvent, ReplayConfig, EVENT_WINDOW, FLAP_DOWN, WAIT_FOR_HOP,
-};
+pub use run::{run, PoolEvent, ReplayConfig, EVENT_WINDOW, FLAP_DOWN, WAIT_FOR_HOP};
+pub use sessions::ClosedLoop;
 pub use svg::svg;
 pub use trace::{ceiling, parse_trace, read_trace, TraceError, TraceRecord, BLOCK_TOKENS};
 pub use workload::{Workload, WorkloadError};

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::cost::CostModel;
 use super::link::{self, ReplayLink, Served, Worker};
-use super::run::Policy;
+use super::policy::Policy;
 use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::advert::{self, DecodeDefaults};
 use crate::binding::TokenLoad;

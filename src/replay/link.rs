@@ -23,7 +23,7 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use super::engine::{request_index, Shared};
-use super::run::Policy;
+use super::policy::Policy;
 use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::discovery::InstanceId;
 use crate::mock::BlockCache;

@@ -2,7 +2,7 @@
 //! trace arrival times, results folded into a [`ReplayReport`].
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,10 +13,12 @@ use tokio::time::Instant;
 
 use super::cost::CostModel;
 use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Shared};
-use super::link::Served;
-use super::report::{quantiles, AffinityReport, EventReport, Percentiles, ReplayReport, Window};
-use super::trace::{ceiling, ratio, TraceRecord, BLOCK_TOKENS};
-use crate::advert::{KvRouterConfig, ModelCard, RouterConfig, SelectionMode};
+use super::policy::Policy;
+use super::report::ReplayReport;
+use super::sessions::{session_key, sessions, ClosedLoop};
+use super::summary::summarize;
+use super::trace::{TraceRecord, BLOCK_TOKENS};
+use crate::advert::{KvRouterConfig, ModelCard, RouterConfig};
 use crate::push::PushError;
 use crate::router::{
     AfterWait, ConditionalPolicy, FallbackPolicy, PrefillRouter, PrefillRouterConfig,
@@ -24,80 +26,6 @@ use crate::router::{
 };
 use crate::router::{GenerateError, PrefillError};
 use crate::transport::GenerateRequest;
-
-/// How the prefill hop picks a worker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Policy {
-    /// Our KV dispatcher by prediction ([`crate::push::KvSelector`]: overlap remembered from
-    /// past routing, minus load).
-    Kv,
-    /// Our KV dispatcher fed the workers' KV cache events ([`crate::kv_events`]): overlap the
-    /// worker holds now per its events, minus load.
-    KvEvents,
-    /// The KV dispatcher's scoring rule over overlaps read from the workers' caches directly:
-    /// the upper bound of what events can give.
-    KvOracle,
-    /// The round-robin dispatcher.
-    RoundRobin,
-    /// The random dispatcher.
-    Random,
-    /// Dynamo's KV-router cost as its docs give it today (prefill load scale × the request's
-    /// uncredited blocks and the worker's pending prefill blocks, plus active blocks), as a
-    /// baseline.
-    Dynamo,
-    /// The earlier reading of Dynamo's cost (the request's uncredited blocks plus active
-    /// blocks, no pending prefill term), kept as a second baseline: it is the stronger of the
-    /// two on every workload measured.
-    DynamoBlocks,
-}
-
-impl Policy {
-    /// Every policy, in report order.
-    pub const ALL: [Policy; 7] = [
-        Policy::Kv,
-        Policy::KvEvents,
-        Policy::KvOracle,
-        Policy::Dynamo,
-        Policy::DynamoBlocks,
-        Policy::RoundRobin,
-        Policy::Random,
-    ];
-
-    /// The policy's name on the command line and in reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::Kv => "kv",
-            Policy::KvEvents => "kv-events",
-            Policy::KvOracle => "kv-oracle",
-            Policy::RoundRobin => "round-robin",
-            Policy::Random => "random",
-            Policy::Dynamo => "dynamo",
-            Policy::DynamoBlocks => "dynamo-blocks",
-        }
-    }
-
-    /// The policy named `name` (see [`name`](Self::name)).
-    pub fn parse(name: &str) -> Option<Self> {
-        Policy::ALL.into_iter().find(|p| p.name() == name)
-    }
-
-    /// Whether the policy scores KV overlap on the router's chained block hashes (the workers
-    /// then key their caches by those hashes, so events and the oracle speak the router's
-    /// language).
-    pub(crate) fn chained(self) -> bool {
-        matches!(self, Policy::Kv | Policy::KvEvents | Policy::KvOracle)
-    }
-
-    /// The router mode the pool's card advertises: the binding's dispatcher resolves it as
-    /// in production. Dynamo's baseline scores workers itself and ignores its dispatcher.
-    fn router_mode(self) -> SelectionMode {
-        match self {
-            Policy::Kv | Policy::KvEvents | Policy::KvOracle => SelectionMode::KV,
-            Policy::RoundRobin | Policy::Dynamo | Policy::DynamoBlocks => SelectionMode::RoundRobin,
-            Policy::Random => SelectionMode::Random,
-        }
-    }
-}
 
 /// A change of the prefill pool at a trace time, to see routing around the router's
 /// lifecycle moments.
@@ -121,7 +49,7 @@ pub enum PoolEvent {
 }
 
 impl PoolEvent {
-    fn at(self) -> Duration {
+    pub(crate) fn at(self) -> Duration {
         match self {
             PoolEvent::Retarget { at } | PoolEvent::Flap { at, .. } => at,
         }
@@ -470,246 +398,5 @@ impl Outcome {
             first.get_or_insert_with(|| arrived.elapsed());
         }
         self.ttft.lock()[index] = first;
-    }
-}
-
-/// The trace's sessions for the closed loop, by first arrival: a request continues the
-/// session one of whose earlier prompts is the longest prefix of its own (a later turn carries
-/// its history), else it opens a session of its own.
-pub(crate) fn sessions(records: &[TraceRecord]) -> Vec<Vec<usize>> {
-    use std::collections::HashMap;
-    let mut by_prompt: HashMap<u64, usize> = HashMap::new();
-    let mut sessions: Vec<Vec<usize>> = Vec::new();
-    for (index, record) in records.iter().enumerate() {
-        // Chained hashes of every prefix of the prompt's ids.
-        let mut h = crate::rng::GAMMA;
-        let prefixes: Vec<u64> = record
-            .hash_ids
-            .iter()
-            .map(|&id| {
-                h = crate::kv_events::mix(h ^ id);
-                h
-            })
-            .collect();
-        let continued = prefixes
-            .iter()
-            .rev()
-            .find_map(|p| by_prompt.get(p).copied());
-        let session = continued.unwrap_or_else(|| {
-            sessions.push(Vec::new());
-            sessions.len() - 1
-        });
-        sessions[session].push(index);
-        if let Some(&full) = prefixes.last() {
-            by_prompt.insert(full, session);
-        }
-    }
-    sessions
-}
-
-/// Closed-loop arrivals: `users` users, each running one session's turns in order, the next
-/// turn `think` after the previous one completed, then the next session from the queue.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ClosedLoop {
-    /// Concurrent users.
-    pub users: usize,
-    /// Pause between a turn's completion and the next turn.
-    pub think: Duration,
-}
-
-/// The session of `record`: its conversation. Every prompt of the Mooncake conversation trace
-/// opens with the same block (id 0, a shared system prompt) and the turns of one conversation
-/// share the next one, so the first two ids name it (7,373 sessions in the trace, 2,259 with
-/// more than one turn).
-pub(crate) fn session_key(record: &TraceRecord) -> String {
-    let ids = &record.hash_ids;
-    match (ids.first(), ids.get(1)) {
-        (Some(a), Some(b)) => format!("conv-{a}-{b}"),
-        (Some(a), None) => format!("conv-{a}"),
-        _ => "conv-empty".to_owned(),
-    }
-}
-
-/// The report's name for a conditional policy: `short<N` and `busy>M`, joined by `,`.
-fn conditional_label(policy: &ConditionalPolicy) -> String {
-    let short = policy.min_uncached_tokens.map(|n| format!("short<{n}"));
-    let busy = policy
-        .max_pool_tokens_per_worker
-        .map(|n| format!("busy>{n}"));
-    let parts: Vec<String> = short.into_iter().chain(busy).collect();
-    if parts.is_empty() {
-        "none".to_owned()
-    } else {
-        parts.join(",")
-    }
-}
-
-/// Prompt blocks and cached blocks over `served`.
-fn tally<'a>(served: impl Iterator<Item = &'a Served>) -> (u64, u64) {
-    served.fold((0, 0), |(b, h), s| {
-        (b + u64::from(s.blocks), h + u64::from(s.hits))
-    })
-}
-
-fn summarize(
-    config: &ReplayConfig,
-    records: &[TraceRecord],
-    shared: &Shared,
-    ttft: &[Option<Duration>],
-    shed: &[bool],
-    virtual_s: f64,
-) -> ReplayReport {
-    let served = shared.served.lock();
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    let (mut blocks, mut hits) = (0u64, 0u64);
-    let mut deciles = Vec::new();
-    let tenth = records.len().div_ceil(10).max(1);
-    for chunk in served.chunks(tenth) {
-        let (b, h) = tally(chunk.iter().flatten());
-        blocks += b;
-        hits += h;
-        deciles.push(ratio(h, b));
-    }
-    // Lost: no first token, or no prefill on record, and not refused as overloaded.
-    let is_lost = |i: usize| (ttft[i].is_none() || served[i].is_none()) && !shed[i];
-    let lost = (0..records.len()).filter(|&i| is_lost(i)).count() as u64;
-    let skipped = served.iter().flatten().filter(|s| s.local).count() as u64;
-    let prefill_tokens: Vec<u64> = shared
-        .workers
-        .lock()
-        .values()
-        .map(|w| w.prefill_tokens.load(Ordering::Relaxed))
-        .collect();
-    let max = prefill_tokens.iter().copied().max().unwrap_or(0);
-    let total: u64 = prefill_tokens.iter().sum();
-    #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
-    let work_imbalance = if total == 0 {
-        1.0
-    } else {
-        max as f64 * prefill_tokens.len() as f64 / total as f64
-    };
-    let prefix_hit_rate = ratio(hits, blocks);
-    let ceiling = ceiling(records);
-    let event = config.event.map(|event| {
-        let at = event.at();
-        let window = |from: Duration, to: Duration| {
-            let inside: Vec<usize> = (0..records.len())
-                .filter(|&i| {
-                    let t = Duration::from_millis(records[i].timestamp);
-                    t >= from && t < to
-                })
-                .collect();
-            let (b, h) = tally(inside.iter().filter_map(|&i| served[i].as_ref()));
-            Window {
-                requests: inside.len() as u64,
-                lost: inside.iter().filter(|&&i| is_lost(i)).count() as u64,
-                prefix_hit_rate: ratio(h, b),
-                ttft_ms: Percentiles::of(inside.iter().filter_map(|&i| ttft[i]).map(ms).collect()),
-            }
-        };
-        EventReport {
-            kind: match event {
-                PoolEvent::Retarget { .. } => "retarget",
-                PoolEvent::Flap { rebuild: false, .. } => "flap",
-                PoolEvent::Flap { rebuild: true, .. } => "flap-rebuild",
-            }
-            .to_owned(),
-            at_s: at.as_secs_f64(),
-            before: window(at.saturating_sub(EVENT_WINDOW), at),
-            after: window(at, at + EVENT_WINDOW),
-        }
-    });
-    ReplayReport {
-        policy: config.policy.name().to_owned(),
-        workers: config.workers,
-        cache_blocks: config.cache_blocks,
-        requests: records.len() as u64,
-        lost,
-        shed: shed.iter().filter(|&&s| s).count() as u64,
-        prompt_blocks: blocks,
-        cached_blocks: hits,
-        prefix_hit_rate,
-        ceiling,
-        of_ceiling: if ceiling > 0.0 {
-            prefix_hit_rate / ceiling
-        } else {
-            0.0
-        },
-        ttft_ms: Percentiles::of(ttft.iter().flatten().map(|&d| ms(d)).collect()),
-        ttft_cdf_ms: quantiles(ttft.iter().flatten().map(|&d| ms(d)).collect()),
-        queue_ms: Percentiles::of(
-            served
-                .iter()
-                .flatten()
-                .filter(|s| !s.local)
-                .map(|s| ms(s.queue))
-                .collect(),
-        ),
-        conditional: config.conditional.map(|c| conditional_label(&c)),
-        affinity: config.session_affinity.map(|ttl| {
-            let stats = shared.affinity.snapshot();
-            AffinityReport {
-                ttl_s: ttl.as_secs_f64(),
-                hits: stats.hits,
-                misses: stats.misses,
-                repicks: stats.repicks,
-                evictions: stats.evictions,
-            }
-        }),
-        skipped,
-        skipped_share: ratio(skipped, records.len() as u64),
-        work_share: prefill_tokens.iter().map(|&t| ratio(t, total)).collect(),
-        prefill_tokens,
-        work_imbalance,
-        hit_rate_by_decile: deciles,
-        event,
-        bindings_built: shared.builds.load(Ordering::Relaxed),
-        stale_credit: shared.stale_credit.load(Ordering::Relaxed),
-        virtual_s,
-        wall_s: 0.0,
-        requests_per_s: 0.0,
-    }
-}
-
-#[cfg(test)]
-mod closed_loop_tests {
-    use super::*;
-
-    fn record(ids: &[u64]) -> TraceRecord {
-        TraceRecord {
-            timestamp: 0,
-            input_length: ids.len() as u32 * BLOCK_TOKENS,
-            output_length: 1,
-            hash_ids: ids.to_vec(),
-        }
-    }
-
-    #[test]
-    fn a_turn_continues_the_session_whose_latest_prompt_prefixes_it() {
-        let trace = [
-            record(&[0, 1]),       // session A
-            record(&[0, 2]),       // session B (shares only the system block)
-            record(&[0, 1, 5]),    // A, turn 2
-            record(&[0, 1, 5, 6]), // A, turn 3
-            record(&[0, 1, 7]),    // A's first prompt again, then its own: continues A
-            record(&[9]),          // C
-        ];
-        assert_eq!(sessions(&trace), vec![vec![0, 2, 3, 4], vec![1], vec![5]]);
-    }
-
-    #[test]
-    fn a_closed_loop_replay_serves_every_turn_in_order_without_loss() {
-        let trace = crate::replay::Workload::parse("multi-tenant:rate=8,requests=400,seed=4")
-            .unwrap()
-            .generate();
-        let mut config = ReplayConfig::new(Policy::Kv);
-        config.closed_loop = Some(ClosedLoop {
-            users: 8,
-            think: Duration::from_millis(500),
-        });
-        let report = run(&config, &trace).unwrap();
-        assert_eq!((report.requests, report.lost, report.shed), (400, 0, 0));
-        // Eight users one turn at a time: the run takes longer than the open loop's arrivals.
-        assert!(report.virtual_s > 10.0, "{report}");
     }
 }
