@@ -158,6 +158,38 @@ grep -q '^prefill_router_http_client_disconnects_total [1-9]' <<<"$metrics" \
 grep -q '^prefill_router_prefilled_total{router="prefill"} [1-9]' <<<"$metrics" \
     && pass "/metrics has the router's metrics" || fail "/metrics: no router metrics"
 
+# API keys: a third frontend with a key file (two keys). curl without a key gets the OpenAI
+# 401 with WWW-Authenticate, with either key it is served; /health stays open; the openai
+# client with api_key set works and without it raises openai.AuthenticationError; serve's
+# stderr names the key count, never a key.
+key_one="sk-clients-$RANDOM$RANDOM"
+key_two="$key_one-second"
+printf '# clients.sh keys\n%s\n\n  %s  \n' "$key_one" "$key_two" >"$work/api-keys"
+chmod 600 "$work/api-keys"
+keyed="http://$(serve keyed --api-key-file "$work/api-keys")"
+until_ready "$keyed" 200 active && pass "serve with a key file ready" || fail "keyed serve ready"
+code="$(curl -s -m 5 -o "$work/401.json" -D "$work/401.head" -w '%{http_code}' "$keyed/v1/chat/completions" \
+    -d '{"model":"mock-llm","messages":[{"role":"user","content":"hi"}],"max_tokens":2}')"
+[[ "$code" == 401 ]] && grep -qi '^www-authenticate: Bearer' "$work/401.head" \
+    && grep -q '"code":"invalid_api_key"' "$work/401.json" && grep -q '"type":"invalid_request_error"' "$work/401.json" \
+    && grep -q '"param":null' "$work/401.json" \
+    && pass "curl: no key is a 401 with WWW-Authenticate and an OpenAI error" || fail "curl: no key: $code $(cat "$work/401.json")"
+code="$(curl -s -m 5 -o /dev/null -w '%{http_code}' -H "Authorization: Bearer ${key_one}x" "$keyed/v1/models")"
+[[ "$code" == 401 ]] && pass "curl: a wrong key is a 401" || fail "curl: wrong key: $code"
+for key in "$key_one" "$key_two"; do
+    out="$(curl -sN -m 20 -H "Authorization: Bearer $key" "$keyed/v1/chat/completions" \
+        -d '{"model":"mock-llm","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true}')"
+    [[ "$(grep -c '^data: {' <<<"$out")" == 3 ]] && pass "curl: a key of the file is served" || fail "curl: with a key: $out"
+done
+code="$(curl -s -m 5 -o /dev/null -w '%{http_code}' "$keyed/health")"
+[[ "$code" == 200 ]] && pass "curl: /health needs no key" || fail "curl: keyed health $code"
+"$py" tests/clients/openai_client.py keys --base "$keyed" --api-key "$key_two" || failures=$((failures + 1))
+if grep -q '2 API key(s) loaded' "$work/keyed.err" && ! grep -q -e "$key_one" "$work/keyed.err" "$work/keyed.log"; then
+    pass "serve logs the key count, never a key"
+else
+    fail "serve's key logging: $(cat "$work/keyed.err")"
+fi
+
 # SIGKILL prefill worker 1 under traffic (the Python script sends the signal).
 "$py" tests/clients/openai_client.py kill --base "$base" --kill-pid "$pid_p1" --kill-log "$work/p1.log" --survivor 2 \
     || failures=$((failures + 1))

@@ -4,6 +4,8 @@
 //! - `in-process`: `PrefillHop::generate` called directly (the request drained);
 //! - `serve`: the same hop behind `prefill_router::http` (what `prefill-router serve` runs),
 //!   non-streaming `POST /v1/completions` over loopback HTTP/1.1 keep-alive connections;
+//! - `serve+keys`: the same, on a second listener of the same hop with API keys on (three
+//!   keys, each request with `Authorization: Bearer` of the last one): what the key check adds;
 //! - `floor`: a minimal axum server on the same HTTP stack answering a fixed completion.
 //!
 //! Two passes, each interleaved in rounds: throughput with C concurrent callers (each with its
@@ -11,7 +13,8 @@
 //! to one request on an idle box).
 //!
 //! `cargo bench --bench serve --features http -- [--secs S] [--rounds N] [--concurrency C]
-//! [--svg PATH]` (defaults: 1 s per side per round, 5 rounds, 16 connections/callers).
+//! [--svg PATH]` (defaults: 1 s per side per round, 5 rounds, 16 connections/callers; about
+//! 2 × (rounds + 1) × 4 × S seconds in all).
 
 #[path = "support/worker.rs"]
 mod worker;
@@ -27,7 +30,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
 use prefill_router::discovery::{Discovery, EndpointId, MemoryConfig, MemoryDiscovery};
-use prefill_router::http::HttpConfig;
+use prefill_router::http::{ApiKeys, HttpConfig};
 use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
 use prefill_router::transport::GenerateRequest;
 use prefill_router::{PrefillHop, PrefillHopConfig};
@@ -107,22 +110,38 @@ async fn connections(
     out
 }
 
-async fn http_side(addr: SocketAddr, concurrency: u64, secs: Duration) -> Run {
+/// The keys of the `serve+keys` side (OpenAI-like lengths); requests present the last.
+const KEYS: [&str; 3] = [
+    "sk-bench-0000000000000000000000000000000000000000000000",
+    "sk-bench-1111111111111111111111111111111111111111111111",
+    "sk-bench-2222222222222222222222222222222222222222222222",
+];
+
+async fn http_side(
+    addr: SocketAddr,
+    concurrency: u64,
+    secs: Duration,
+    key: Option<&'static str>,
+) -> Run {
     let conns = Arc::new(connections(addr, concurrency).await);
+    let authorization = key.map(|k| format!("Bearer {k}"));
     let body = Bytes::from(
         serde_json::json!({"model": "mock-llm", "prompt": PROMPT, "max_tokens": MAX_TOKENS})
             .to_string(),
     );
     saturate(concurrency, secs, move |c| {
-        let (conns, body) = (Arc::clone(&conns), body.clone());
+        let (conns, body, authorization) =
+            (Arc::clone(&conns), body.clone(), authorization.clone());
         async move {
             let mut sender = conns[c as usize].lock().await;
             sender.ready().await.unwrap();
-            let request = hyper::Request::post("/v1/completions")
+            let mut request = hyper::Request::post("/v1/completions")
                 .header("host", "bench")
-                .header("content-type", "application/json")
-                .body(Full::new(body))
-                .unwrap();
+                .header("content-type", "application/json");
+            if let Some(value) = authorization {
+                request = request.header("authorization", value);
+            }
+            let request = request.body(Full::new(body)).unwrap();
             let response = sender.send_request(request).await.unwrap();
             assert_eq!(response.status(), 200);
             let bytes = response.into_body().collect().await.unwrap().to_bytes();
@@ -189,11 +208,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-const SIDES: [&str; 3] = ["in-process", "serve", "floor"];
-const COLORS: [&str; 3] = ["#2ca02c", "#1f77b4", "#7f7f7f"];
+const SIDES: [&str; 4] = ["in-process", "serve", "serve+keys", "floor"];
+const COLORS: [&str; 4] = ["#2ca02c", "#1f77b4", "#d62728", "#7f7f7f"];
+/// Index of the floor in [`SIDES`].
+const FLOOR: usize = 3;
+/// Index of `serve+keys` in [`SIDES`].
+const KEYED: usize = 2;
 
 /// Latency CDFs (log time axis) of the sides, as SVG text.
-fn svg(latencies: &[Vec<Duration>; 3], concurrency: u64) -> String {
+fn svg(latencies: &[Vec<Duration>; 4], concurrency: u64) -> String {
     use std::fmt::Write;
     let (w, h, pad) = (520.0, 300.0, 60.0);
     let lo = latencies
@@ -281,33 +304,48 @@ fn svg(latencies: &[Vec<Duration>; 3], concurrency: u64) -> String {
     out
 }
 
-/// One pass: `rounds` rounds (after a warm-up) of the three sides, order rotating per round;
+/// The listeners of the HTTP sides.
+#[derive(Clone, Copy)]
+struct Addrs {
+    serve: SocketAddr,
+    keyed: SocketAddr,
+    floor: SocketAddr,
+}
+
+/// One pass: `rounds` rounds (after a warm-up) of the four sides, order rotating per round;
 /// per side the rate of every round and every latency.
 async fn pass(
     hop: &Arc<PrefillHop>,
-    serve_addr: SocketAddr,
-    floor_addr: SocketAddr,
+    addrs: Addrs,
     concurrency: u64,
     secs: Duration,
     rounds: u64,
-) -> ([Vec<f64>; 3], [Vec<Duration>; 3]) {
+) -> ([Vec<f64>; 4], [Vec<Duration>; 4]) {
     println!();
     println!("{concurrency} caller(s):");
     println!(
-        "{:<8} {:>14} {:>14} {:>14} {:>12} {:>12}",
-        "round", "in-process/s", "serve/s", "floor/s", "serve/floor", "serve/inproc"
+        "{:<8} {:>14} {:>14} {:>14} {:>14} {:>12} {:>12} {:>12}",
+        "round",
+        "in-process/s",
+        "serve/s",
+        "keys/s",
+        "floor/s",
+        "serve/floor",
+        "serve/inproc",
+        "keys/serve"
     );
-    let mut all: [Vec<Duration>; 3] = Default::default();
-    let mut rates: [Vec<f64>; 3] = Default::default();
+    let mut all: [Vec<Duration>; 4] = Default::default();
+    let mut rates: [Vec<f64>; 4] = Default::default();
     for round in 0..=rounds {
-        let mut got: [f64; 3] = [0.0; 3];
+        let mut got: [f64; 4] = [0.0; 4];
         // Rotate the order so drift within a round favours no side.
-        for k in 0..3 {
-            let side = (k + round as usize) % 3;
+        for k in 0..SIDES.len() {
+            let side = (k + round as usize) % SIDES.len();
             let run = match side {
                 0 => in_process_side(hop, concurrency, secs).await,
-                1 => http_side(serve_addr, concurrency, secs).await,
-                _ => http_side(floor_addr, concurrency, secs).await,
+                1 => http_side(addrs.serve, concurrency, secs, None).await,
+                KEYED => http_side(addrs.keyed, concurrency, secs, Some(KEYS[2])).await,
+                _ => http_side(addrs.floor, concurrency, secs, None).await,
             };
             got[side] = run.rate;
             if round > 0 {
@@ -321,12 +359,14 @@ async fn pass(
             round.to_string()
         };
         println!(
-            "{label:<8} {:>14.0} {:>14.0} {:>14.0} {:>12.3} {:>12.3}",
+            "{label:<8} {:>14.0} {:>14.0} {:>14.0} {:>14.0} {:>12.3} {:>12.3} {:>12.3}",
             got[0],
             got[1],
-            got[2],
-            got[1] / got[2],
-            got[1] / got[0]
+            got[KEYED],
+            got[FLOOR],
+            got[1] / got[FLOOR],
+            got[1] / got[0],
+            got[KEYED] / got[1]
         );
     }
     (rates, all)
@@ -401,13 +441,30 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<Str
         )
         .await
     });
-    let floor_addr = floor_server().await;
+    let keyed_listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .await
+        .unwrap();
+    let keyed_addr = keyed_listener.local_addr().unwrap();
+    let keyed = Arc::clone(&hop);
+    let keyed_config = HttpConfig {
+        api_keys: Some(ApiKeys::new(KEYS).unwrap()),
+        ..HttpConfig::default()
+    };
+    tokio::spawn(async move {
+        prefill_router::http::serve(keyed_listener, keyed, keyed_config, std::future::pending())
+            .await
+    });
+    let addrs = Addrs {
+        serve: serve_addr,
+        keyed: keyed_addr,
+        floor: floor_server().await,
+    };
 
     println!(
         "serve overhead, 2 prefill + 1 decode zero-cost loopback mock workers, {MAX_TOKENS} tokens per request, {secs:?} per side per round"
     );
-    let (rates, _) = pass(&hop, serve_addr, floor_addr, concurrency, secs, rounds).await;
-    let (_, mut one) = pass(&hop, serve_addr, floor_addr, 1, secs, rounds).await;
+    let (rates, _) = pass(&hop, addrs, concurrency, secs, rounds).await;
+    let (_, mut one) = pass(&hop, addrs, 1, secs, rounds).await;
     for l in &mut one {
         l.sort();
     }
@@ -433,13 +490,19 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<Str
     let added99 = us(quantile(&one[1], 0.99)) - us(quantile(&one[0], 0.99));
     println!(
         "requests/s, median of per-round ratios: serve/floor {:.3} (goal >= 0.7), serve/in-process {:.3}, in-process/floor {:.3}",
-        ratio(1, 2),
+        ratio(1, FLOOR),
         ratio(1, 0),
-        ratio(0, 2)
+        ratio(0, FLOOR)
+    );
+    println!(
+        "API keys: serve+keys/serve requests/s {:.3} (median of per-round ratios); one caller p50 {:+.0} us, p99 {:+.0} us",
+        ratio(KEYED, 1),
+        us(quantile(&one[KEYED], 0.5)) - us(quantile(&one[1], 0.5)),
+        us(quantile(&one[KEYED], 0.99)) - us(quantile(&one[1], 0.99))
     );
     println!(
         "added latency of serve over in-process, one caller: p50 {added50:.0} us (goal < 100), p99 {added99:.0} us; floor p50 {:.0} us",
-        us(quantile(&one[2], 0.5))
+        us(quantile(&one[FLOOR], 0.5))
     );
     if let Some(path) = svg_path {
         std::fs::write(&path, svg(&one, 1)).unwrap();

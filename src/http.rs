@@ -7,15 +7,19 @@
 //! Prometheus metrics and the HTTP counters). Errors are OpenAI-style JSON bodies. Prompts go
 //! through the built-in [`tokenizer`]. [`serve`] runs its own accept loop over hyper's
 //! HTTP/1.1 connections: header, body, idle and request timeouts, a connection cap, and an
-//! ordered shutdown (drain delay with `/ready` 503, then a bounded drain). See
+//! ordered shutdown (drain delay with `/ready` 503, then a bounded drain). With
+//! [`HttpConfig::api_keys`], every route but `/health`, `/ready` and (optionally) `/metrics`
+//! asks for `Authorization: Bearer KEY`, checked in constant time ([`ApiKeys`]). See
 //! `docs/frontend.md`.
 
+mod auth;
 mod conn;
 mod openai;
 mod server;
 mod session;
 pub mod tokenizer;
 
+pub use auth::{ApiKeys, AuthError, KeysError};
 pub use conn::ServeSummary;
 pub use openai::ApiError;
 pub use server::{router, serve, HttpConfig};

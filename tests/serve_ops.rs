@@ -4,12 +4,14 @@
 //! serving while `/ready` says 503; a disconnect before the first token is counted; a wrong
 //! method is an OpenAI 405 with `Allow`; the OpenAI details (`stream_options.include_usage`,
 //! token-list prompts, `max_tokens` out of range); the session-affinity TTL from the worker's
-//! command line.
+//! command line; API keys (`serve_ops/keys.rs`).
 //!
 //! Timing: every timeout under test is short (hundreds of milliseconds) and every assertion
 //! on it is a generous liveness bound (seconds), so a loaded 2-core box does not flake them.
 
 mod frontend;
+#[path = "serve_ops/keys.rs"]
+mod keys;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

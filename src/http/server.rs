@@ -20,6 +20,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
+use super::auth::ApiKeys;
 use super::conn::{DropReason, RequestStart, ServeSummary};
 use super::openai::{max_tokens_field, ApiError, ChatRequest, CompletionRequest, Content, Usage};
 use super::tokenizer::{chat_prompt, render, tokenize, Turn};
@@ -58,6 +59,12 @@ pub struct HttpConfig {
     /// After the drain delay: how long in-flight requests may take to finish; then the
     /// connections still open are closed (and the log says how many).
     pub shutdown_timeout: Duration,
+    /// The API keys a request must present as `Authorization: Bearer KEY`: every route but
+    /// `/health`, `/ready` and (unless [`HttpConfig::metrics_need_key`]) `/metrics` answers
+    /// 401 `invalid_api_key` without one. `None`: no key is asked for.
+    pub api_keys: Option<ApiKeys>,
+    /// With [`HttpConfig::api_keys`]: `/metrics` asks for a key too.
+    pub metrics_need_key: bool,
 }
 
 impl Default for HttpConfig {
@@ -74,6 +81,8 @@ impl Default for HttpConfig {
             max_connections: 1024,
             drain_delay: Duration::from_secs(2),
             shutdown_timeout: Duration::from_secs(20),
+            api_keys: None,
+            metrics_need_key: false,
         }
     }
 }
@@ -168,7 +177,7 @@ impl App {
     }
 
     fn router(&self) -> axum::Router {
-        axum::Router::new()
+        let router = axum::Router::new()
             .route(
                 "/v1/completions",
                 post(completions).fallback(wrong_method_on("completions", "POST")),
@@ -193,8 +202,18 @@ impl App {
                 "/metrics",
                 get(metrics_text).fallback(wrong_method_on("metrics", "GET, HEAD")),
             )
-            .fallback(not_found)
-            .with_state(self.clone())
+            .fallback(not_found);
+        let router = if self.0.config.api_keys.is_some() {
+            // Outermost, so it runs before routing decides on a 404 or a 405: without a key a
+            // client learns nothing about the routes (as OpenAI answers).
+            router.layer(axum::middleware::from_fn_with_state(
+                self.clone(),
+                require_key,
+            ))
+        } else {
+            router
+        };
+        router.with_state(self.clone())
     }
 
     pub(super) fn metrics(&self) -> &HttpMetrics {
@@ -280,6 +299,44 @@ impl App {
         self.count(route, response.status());
         response
     }
+}
+
+/// The route label of `path` in the request counter.
+fn route_of(path: &str) -> &'static str {
+    match path {
+        "/v1/completions" => "completions",
+        "/v1/chat/completions" => "chat_completions",
+        "/v1/models" => "models",
+        "/health" => "health",
+        "/ready" => "ready",
+        "/metrics" => "metrics",
+        _ => "other",
+    }
+}
+
+/// The key check in front of every route: deny by default, so a route added later is
+/// protected unless it is named here. Probes stay open (orchestrators carry no key), and so
+/// does `/metrics` unless the config says otherwise. A refusal is counted with its route.
+async fn require_key(
+    State(app): State<App>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let config = &app.0.config;
+    let path = request.uri().path();
+    let open = match path {
+        "/health" | "/ready" => true,
+        "/metrics" => !config.metrics_need_key,
+        _ => false,
+    };
+    if !open {
+        if let Some(keys) = &config.api_keys {
+            if let Err(refused) = keys.authorizes(request.headers()) {
+                return app.answer(route_of(path), refused.into_response());
+            }
+        }
+    }
+    next.run(request).await
 }
 
 async fn not_found(State(app): State<App>, uri: Uri) -> Response {

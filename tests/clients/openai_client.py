@@ -5,6 +5,8 @@ Each check prints PASS or FAIL; the exit status is non-zero if any failed. Phase
   basic   streaming chat, non-streaming completion, models, a client disconnect mid-stream
   kill    traffic while prefill worker --kill-pid is SIGKILLed: in-flight requests end with a
           typed error, none hangs, later requests go to --survivor
+  keys    --base needs an API key: with --api-key the client is served (streaming too), without
+          it (or with a wrong one) every call raises openai.AuthenticationError
   bypass  no prefill worker left: --base (policy decode) serves through decode (--decode-id),
           --strict-base (policy reject) answers 503
 """
@@ -199,9 +201,42 @@ def bypass(args):
         )
 
 
+def keys(args):
+    messages = [{"role": "user", "content": "hello"}]
+    good = openai.OpenAI(
+        base_url=args.base + "/v1", api_key=args.api_key, timeout=10.0, max_retries=0
+    )
+    done = good.chat.completions.create(model="mock-llm", messages=messages, max_tokens=3)
+    check("keys: the right api_key is served", done.usage.completion_tokens == 3, done)
+    chunks = list(
+        good.chat.completions.create(
+            model="mock-llm", messages=messages, max_tokens=3, stream=True
+        )
+    )
+    check("keys: streaming with the right api_key", len(chunks) == 3, chunks)
+    for name, bad in [("no api_key", client(args.base)), ("a wrong api_key", openai.OpenAI(
+        base_url=args.base + "/v1", api_key=args.api_key + "x", timeout=10.0, max_retries=0
+    ))]:
+        for call in ["chat", "models"]:
+            try:
+                if call == "chat":
+                    bad.chat.completions.create(model="mock-llm", messages=messages, max_tokens=3)
+                else:
+                    bad.models.list()
+                check(f"keys: {name} is refused ({call})", False, "it was served")
+            except openai.AuthenticationError as error:
+                check(
+                    f"keys: {name} raises openai.AuthenticationError ({call})",
+                    error.status_code == 401
+                    and error.code == "invalid_api_key"
+                    and args.api_key not in str(error),
+                    error,
+                )
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("phase", choices=["basic", "kill", "bypass"])
+    parser.add_argument("phase", choices=["basic", "kill", "keys", "bypass"])
     parser.add_argument("--base", required=True)
     parser.add_argument("--strict-base")
     parser.add_argument("--prefill-ids", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
@@ -209,8 +244,9 @@ def main():
     parser.add_argument("--kill-log", help="the killed worker's stdout (run with --print-requests)")
     parser.add_argument("--survivor", type=int)
     parser.add_argument("--decode-id", type=int)
+    parser.add_argument("--api-key", help="the key serve accepts (phase keys)")
     args = parser.parse_args()
-    {"basic": basic, "kill": kill, "bypass": bypass}[args.phase](args)
+    {"basic": basic, "kill": kill, "keys": keys, "bypass": bypass}[args.phase](args)
     if FAILED:
         print(f"{len(FAILED)} check(s) failed: {FAILED}")
         sys.exit(1)

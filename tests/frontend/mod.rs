@@ -16,34 +16,70 @@ pub struct Proc {
     pub name: String,
     child: Child,
     lines: Arc<Mutex<Vec<String>>>,
+    /// Its stderr lines, when spawned with [`Proc::spawn_with`] capturing them.
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+/// Collect `from`'s lines into a shared list on a thread.
+fn collect_lines(from: impl Read + Send + 'static) -> Arc<Mutex<Vec<String>>> {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&lines);
+    std::thread::spawn(move || {
+        for line in BufReader::new(from).lines() {
+            let Ok(line) = line else { break };
+            sink.lock().unwrap().push(line);
+        }
+    });
+    lines
 }
 
 impl Proc {
     pub fn spawn(name: &str, args: &[&str]) -> Proc {
+        Proc::spawn_with(name, args, &[], false)
+    }
+
+    /// [`Proc::spawn`] with extra environment variables, its stderr collected (see
+    /// [`Proc::stderr`]) instead of inherited when `capture_stderr`.
+    pub fn spawn_with(
+        name: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        capture_stderr: bool,
+    ) -> Proc {
         // `PREFILL_ROUTER_BIN` runs the tests against another build (e.g. the previous
         // commit's, to see a test fail before its fix).
         let bin = std::env::var_os("PREFILL_ROUTER_BIN")
             .unwrap_or_else(|| env!("CARGO_BIN_EXE_prefill-router").into());
         let mut child = Command::new(bin)
             .args(args)
+            // Hermetic: a key file named in the developer's environment would lock every
+            // other test out of serve.
+            .env_remove("PREFILL_ROUTER_API_KEYS_FILE")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if capture_stderr {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
             .spawn()
             .unwrap_or_else(|e| panic!("{name} starts: {e}"));
-        let stdout = child.stdout.take().unwrap();
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let sink = Arc::clone(&lines);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                sink.lock().unwrap().push(line);
-            }
-        });
+        let lines = collect_lines(child.stdout.take().unwrap());
+        let stderr = match child.stderr.take() {
+            Some(err) => collect_lines(err),
+            None => Arc::default(),
+        };
         Proc {
             name: name.to_owned(),
             child,
             lines,
+            stderr,
         }
+    }
+
+    /// The stderr lines collected so far (empty unless spawned capturing them).
+    pub fn stderr(&self) -> Vec<String> {
+        self.stderr.lock().unwrap().clone()
     }
 
     /// The first stdout line that parses as JSON with `event` = `event`, waiting at most WAIT.
@@ -277,10 +313,14 @@ impl Cluster {
 
     /// A frontend on a free loopback port; its address once it listens.
     pub fn serve(&self, extra: &[&str]) -> (Proc, SocketAddr) {
-        let store = self.store_args();
-        let mut args = vec!["serve"];
-        args.extend(store.iter().map(String::as_str));
-        args.extend([
+        self.serve_with(extra, &[], false)
+    }
+
+    /// The `serve` command line [`Cluster::serve`] runs, with `extra` after it.
+    pub fn serve_args(&self, extra: &[&str]) -> Vec<String> {
+        let mut args: Vec<String> = vec!["serve".to_owned()];
+        args.extend(self.store_args());
+        for a in [
             "--namespace",
             &self.namespace,
             "--listen",
@@ -289,9 +329,23 @@ impl Cluster {
             "2000",
             "--request-timeout-ms",
             "10000",
-        ]);
-        args.extend_from_slice(extra);
-        let proc = Proc::spawn("serve", &args);
+        ] {
+            args.push(a.to_owned());
+        }
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        args
+    }
+
+    /// [`Cluster::serve`] with extra environment variables, capturing its stderr if asked.
+    pub fn serve_with(
+        &self,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        capture_stderr: bool,
+    ) -> (Proc, SocketAddr) {
+        let args = self.serve_args(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let proc = Proc::spawn_with("serve", &args, env, capture_stderr);
         let addr = proc.wait_event("listening")["addr"]
             .as_str()
             .unwrap()

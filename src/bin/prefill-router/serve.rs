@@ -1,11 +1,12 @@
 //! `prefill-router serve`: the OpenAI-compatible HTTP frontend over a `PrefillHop`.
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use prefill_router::http::HttpConfig;
+use prefill_router::http::{ApiKeys, HttpConfig};
 use prefill_router::push::PushConfig;
 use prefill_router::router::{AfterWait, FallbackPolicy, PrefillRouterConfig};
 use prefill_router::{PrefillHop, PrefillHopConfig};
@@ -56,7 +57,19 @@ options:
   --model NAME             the model /v1/models lists (default mock-llm)
   --name NAME              the router's name in logs and metrics (default prefill)
   --ttl-ms N               discovery lease TTL in milliseconds (default 10000)
-  --etcd-root PREFIX       etcd key root (default prefill-router/v1/instances/)";
+  --etcd-root PREFIX       etcd key root (default prefill-router/v1/instances/)
+  --api-key-file FILE      API keys, one per line (`#` comments and blank lines ignored):
+                           every route but /health, /ready and /metrics then answers 401
+                           (OpenAI `invalid_api_key`) without `Authorization: Bearer KEY`;
+                           keys are compared in constant time and never logged. Without the
+                           flag, the file named by $PREFILL_ROUTER_API_KEYS_FILE, if set.
+                           Rotation: edit the file, restart (SIGTERM drains).
+  --metrics-need-key       /metrics asks for a key too (needs a key file)";
+
+/// The environment variable naming the API key file when `--api-key-file` is absent. A path,
+/// not the keys: a process's environment is readable by whoever can inspect the process
+/// (`/proc/PID/environ`, container specs), a file can be mode 0600 or a mounted secret.
+pub const API_KEYS_FILE_ENV: &str = "PREFILL_ROUTER_API_KEYS_FILE";
 
 /// Parsed `serve` options.
 #[derive(Clone, Debug)]
@@ -69,6 +82,8 @@ pub struct ServeOptions {
     name: String,
     ttl: Duration,
     etcd_root: String,
+    /// The API key file and where its name came from (read when serve starts).
+    api_key_file: Option<(PathBuf, &'static str)>,
 }
 
 fn fallback(raw: &str) -> Result<FallbackPolicy, CliError> {
@@ -96,8 +111,16 @@ fn millis(flags: &mut Flags<'_>, flag: &str) -> Result<Duration, CliError> {
 }
 
 impl ServeOptions {
-    /// Parse the arguments after `serve`.
+    /// Parse the arguments after `serve` (and [`API_KEYS_FILE_ENV`]).
     pub fn parse(args: &[String]) -> Result<Self, CliError> {
+        Self::parse_with_env(args, std::env::var_os(API_KEYS_FILE_ENV))
+    }
+
+    /// [`ServeOptions::parse`] with the key file variable's value given.
+    fn parse_with_env(
+        args: &[String],
+        keys_env: Option<std::ffi::OsString>,
+    ) -> Result<Self, CliError> {
         let mut discovery = None;
         let mut namespace = None;
         let mut options = ServeOptions {
@@ -109,6 +132,7 @@ impl ServeOptions {
             name: "prefill".to_owned(),
             ttl: Duration::from_secs(10),
             etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
+            api_key_file: None,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -142,6 +166,10 @@ impl ServeOptions {
                 "--name" => options.name = flags.value(flag)?.to_owned(),
                 "--ttl-ms" => options.ttl = Duration::from_millis(flags.parsed(flag)?),
                 "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
+                "--api-key-file" => {
+                    options.api_key_file = Some((flags.value(flag)?.into(), "--api-key-file"))
+                }
+                "--metrics-need-key" => options.http.metrics_need_key = true,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown serve option `{other}`"))),
             }
@@ -167,6 +195,17 @@ impl ServeOptions {
                 "--max-tokens must be between 1 and --max-tokens-limit".into(),
             ));
         }
+        if options.api_key_file.is_none() {
+            // Set but empty is the same as unset (a templated environment with no keys).
+            options.api_key_file = keys_env
+                .filter(|v| !v.is_empty())
+                .map(|v| (PathBuf::from(v), API_KEYS_FILE_ENV));
+        }
+        if options.http.metrics_need_key && options.api_key_file.is_none() {
+            return Err(CliError::Usage(format!(
+                "--metrics-need-key needs API keys (--api-key-file or {API_KEYS_FILE_ENV})"
+            )));
+        }
         if options.ttl < Duration::from_millis(300) {
             return Err(CliError::Usage("--ttl-ms must be at least 300".into()));
         }
@@ -185,7 +224,41 @@ pub async fn run(options: ServeOptions) -> ExitCode {
     }
 }
 
-async fn serve(options: ServeOptions) -> Result<(), String> {
+/// Read the key file, saying on stderr how many keys it holds (never the keys) and warning
+/// when other users may read it.
+fn load_keys(path: &Path, from: &str) -> Result<ApiKeys, String> {
+    let keys = ApiKeys::from_file(path)
+        .map_err(|e| format!("API key file {} (from {from}): {e}", path.display()))?;
+    #[cfg(unix)]
+    if let Ok(meta) = std::fs::metadata(path) {
+        use std::os::unix::fs::PermissionsExt;
+        if meta.permissions().mode() & 0o077 != 0 {
+            eprintln!(
+                "serve: warning: the API key file {} is readable by group or others (chmod 600)",
+                path.display()
+            );
+        }
+    }
+    Ok(keys)
+}
+
+async fn serve(mut options: ServeOptions) -> Result<(), String> {
+    // Before anything else: a bad key file must stop serve before it listens unprotected.
+    if let Some((path, from)) = &options.api_key_file {
+        let keys = load_keys(path, from)?;
+        eprintln!(
+            "serve: {} API key(s) loaded from {}; every route but /health, /ready{} needs one",
+            keys.len(),
+            path.display(),
+            if options.http.metrics_need_key {
+                ""
+            } else {
+                " and /metrics"
+            }
+        );
+        options.http.api_keys = Some(keys);
+    }
+    let api_keys = options.http.api_keys.as_ref().map_or(0, ApiKeys::len);
     let discovery = options
         .discovery
         .open(options.ttl, &options.etcd_root)
@@ -216,7 +289,7 @@ async fn serve(options: ServeOptions) -> Result<(), String> {
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     println!(
         "{}",
-        serde_json::json!({"event": "listening", "addr": addr.to_string(), "pid": std::process::id()})
+        serde_json::json!({"event": "listening", "addr": addr.to_string(), "pid": std::process::id(), "api_keys": api_keys})
     );
     // The first SIGTERM or Ctrl-C starts the ordered stop; a second one exits at once (an
     // impatient operator at a terminal), cutting off whatever is still in flight.
@@ -289,5 +362,39 @@ mod tests {
         .ok()
         .unwrap();
         assert!(matches!(wait.fallback, FallbackPolicy::WaitUpTo { .. }));
+    }
+
+    #[test]
+    fn the_key_file_comes_from_the_flag_else_the_environment() {
+        let base = "--discovery file:///tmp/x --namespace ns";
+        let parse = |line: &str, env: Option<&str>| {
+            ServeOptions::parse_with_env(&args(line), env.map(Into::into))
+        };
+        let from_env = parse(base, Some("/run/keys")).ok().unwrap();
+        assert_eq!(
+            from_env.api_key_file,
+            Some((PathBuf::from("/run/keys"), API_KEYS_FILE_ENV))
+        );
+        let flag = parse(&format!("{base} --api-key-file /etc/k"), Some("/run/keys"))
+            .ok()
+            .unwrap();
+        assert_eq!(
+            flag.api_key_file,
+            Some((PathBuf::from("/etc/k"), "--api-key-file"))
+        );
+        assert_eq!(parse(base, Some("")).ok().unwrap().api_key_file, None);
+        assert_eq!(parse(base, None).ok().unwrap().api_key_file, None);
+        assert!(matches!(
+            parse(&format!("{base} --metrics-need-key"), None),
+            Err(CliError::Usage(_))
+        ));
+        let guarded = parse(&format!("{base} --metrics-need-key"), Some("/run/keys"))
+            .ok()
+            .unwrap();
+        assert!(guarded.http.metrics_need_key);
+        assert!(matches!(
+            parse(&format!("{base} --api-key-file"), None),
+            Err(CliError::Usage(_))
+        ));
     }
 }
