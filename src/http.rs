@@ -13,8 +13,10 @@
 //! `docs/frontend.md`.
 
 mod auth;
+mod completion;
 mod conn;
 mod openai;
+mod reply;
 mod server;
 mod session;
 pub mod tokenizer;

@@ -1,0 +1,363 @@
+//! The completion handlers: parse, prefill and decode through the hop, answer as JSON or
+//! server-sent events, counting what happened.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::sse::Sse;
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::time::Instant;
+
+use super::conn::RequestStart;
+use super::openai::{max_tokens_field, ApiError, ChatRequest, CompletionRequest, Content};
+use super::reply::*;
+use super::server::*;
+use super::tokenizer::{chat_prompt, tokenize, Turn};
+use crate::transport::GenerateRequest;
+
+/// Which endpoint a request came in on (the response shapes differ).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Completion,
+    Chat,
+}
+
+impl Kind {
+    pub(super) fn route(self) -> &'static str {
+        match self {
+            Kind::Completion => "completions",
+            Kind::Chat => "chat_completions",
+        }
+    }
+}
+
+/// A parsed request.
+pub(super) struct Parsed {
+    pub(super) model: String,
+    pub(super) token_ids: Vec<u32>,
+    pub(super) max_tokens: u32,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+    pub(super) session: Option<String>,
+}
+
+pub(super) async fn completions(State(app): State<App>, request: Request) -> Response {
+    app.answered(Kind::Completion, request).await
+}
+
+pub(super) async fn chat_completions(State(app): State<App>, request: Request) -> Response {
+    app.answered(Kind::Chat, request).await
+}
+
+pub(super) fn json_error(error: &serde_json::Error) -> ApiError {
+    use serde_json::error::Category;
+    let code = match error.classify() {
+        Category::Data => "invalid_field",
+        Category::Syntax | Category::Eof | Category::Io => "invalid_json",
+    };
+    ApiError::bad_request(code, format!("invalid request body: {error}"))
+}
+
+impl App {
+    /// Read the body within `by` (the body timeout or the request deadline, whichever is
+    /// first): 408 `body_timeout` past it.
+    pub(super) async fn body(
+        &self,
+        request: Request,
+        by: Instant,
+    ) -> Result<axum::body::Bytes, ApiError> {
+        let limit = self.0.config.body_limit;
+        let declared = request
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(ApiError::too_large(limit));
+        }
+        let read = Limited::new(request.into_body(), limit).collect();
+        match tokio::time::timeout_at(by, read).await {
+            Err(_) => Err(ApiError {
+                status: StatusCode::REQUEST_TIMEOUT,
+                kind: "invalid_request_error",
+                code: "body_timeout",
+                message: format!(
+                    "the request body did not arrive in time (body timeout {} ms, request deadline {} ms)",
+                    self.0.config.body_timeout.as_millis(),
+                    self.0.config.request_timeout.as_millis()
+                ),
+            }),
+            Ok(Ok(collected)) => Ok(collected.to_bytes()),
+            Ok(Err(error)) if error.downcast_ref::<LengthLimitError>().is_some() => {
+                Err(ApiError::too_large(limit))
+            }
+            Ok(Err(error)) => Err(ApiError::bad_request(
+                "body_unreadable",
+                format!("reading the request body: {error}"),
+            )),
+        }
+    }
+
+    pub(super) fn max_tokens(&self, asked: Option<u32>) -> u32 {
+        asked.unwrap_or(self.0.config.default_max_tokens)
+    }
+
+    pub(super) fn parse(&self, kind: Kind, body: &[u8]) -> Result<Parsed, ApiError> {
+        let limit = self.0.config.max_tokens_limit;
+        match kind {
+            Kind::Completion => {
+                let request: CompletionRequest =
+                    serde_json::from_slice(body).map_err(|e| json_error(&e))?;
+                let max_tokens =
+                    max_tokens_field("max_tokens", request.max_tokens.as_ref(), limit)?;
+                let token_ids = super::openai::prompt_tokens(&request.prompt)?;
+                Ok(Parsed {
+                    model: request.model,
+                    token_ids,
+                    max_tokens: self.max_tokens(max_tokens),
+                    stream: request.stream,
+                    include_usage: request.stream_options.is_some_and(|o| o.include_usage),
+                    session: request.user,
+                })
+            }
+            Kind::Chat => {
+                let request: ChatRequest =
+                    serde_json::from_slice(body).map_err(|e| json_error(&e))?;
+                if request.messages.is_empty() {
+                    return Err(ApiError::bad_request(
+                        "invalid_field",
+                        "messages must not be empty",
+                    ));
+                }
+                let max_tokens = match &request.max_completion_tokens {
+                    Some(value) if !value.is_null() => {
+                        max_tokens_field("max_completion_tokens", Some(value), limit)?
+                    }
+                    _ => max_tokens_field("max_tokens", request.max_tokens.as_ref(), limit)?,
+                };
+                let mut texts = Vec::with_capacity(request.messages.len());
+                for message in &request.messages {
+                    texts.push(match &message.content {
+                        None => String::new(),
+                        Some(Content::Text(text)) => text.clone(),
+                        Some(Content::Parts(parts)) => {
+                            let mut joined = String::new();
+                            for part in parts {
+                                match (&*part.kind, &part.text) {
+                                    ("text", Some(text)) => joined.push_str(text),
+                                    (other, _) => {
+                                        return Err(ApiError::bad_request(
+                                            "unsupported_content",
+                                            format!(
+                                                "content part of type `{other}` is not supported"
+                                            ),
+                                        ))
+                                    }
+                                }
+                            }
+                            joined
+                        }
+                    });
+                }
+                let prompt = chat_prompt(request.messages.iter().zip(&texts).map(|(m, t)| Turn {
+                    role: &m.role,
+                    content: t,
+                }));
+                Ok(Parsed {
+                    model: request.model,
+                    token_ids: tokenize(&prompt),
+                    max_tokens: self.max_tokens(max_tokens),
+                    stream: request.stream,
+                    include_usage: request.stream_options.is_some_and(|o| o.include_usage),
+                    session: request.user,
+                })
+            }
+        }
+    }
+
+    /// Answer a generation request and count it; a request dropped before its answer (the
+    /// client went away, or the connection was closed) is counted too (status 499).
+    pub(super) async fn answered(&self, kind: Kind, request: Request) -> Response {
+        let mut pending = Unanswered {
+            app: Arc::clone(&self.0),
+            route: kind.route(),
+            answered: false,
+        };
+        let response = self.generate(kind, request).await;
+        pending.answered = true;
+        self.answer(kind.route(), response)
+    }
+
+    pub(super) async fn generate(&self, kind: Kind, request: Request) -> Response {
+        let in_flight = InFlight::new(&self.0.metrics.in_flight);
+        let timeout = self.0.config.request_timeout;
+        // The deadline runs from the request's first byte when the connection layer saw it.
+        let start = request
+            .extensions()
+            .get::<RequestStart>()
+            .map_or_else(Instant::now, |s| s.0);
+        let deadline = start + timeout;
+        let body_by = deadline.min(Instant::now() + self.0.config.body_timeout);
+        let headers = request.headers().clone();
+        let parsed = match self
+            .body(request, body_by)
+            .await
+            .and_then(|b| self.parse(kind, &b))
+        {
+            Ok(parsed) => parsed,
+            Err(error) => {
+                // A body that did not arrive will not arrive: close the connection after the
+                // answer rather than wait for the rest of it.
+                let close = error.code == "body_timeout";
+                let mut response = error.into_response();
+                if close {
+                    response
+                        .headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                return response;
+            }
+        };
+        let session = match super::session::session_key(&headers, parsed.session) {
+            Ok(session) => session,
+            Err(error) => return error.into_response(),
+        };
+        let prompt_tokens = parsed.token_ids.len();
+        let mut request = GenerateRequest::new(parsed.token_ids, parsed.max_tokens);
+        request.session = session;
+        let mut stream = match tokio::time::timeout_at(deadline, self.0.hop.generate(request)).await
+        {
+            Err(_) => return ApiError::deadline(timeout).into_response(),
+            Ok(Err(error)) => return ApiError::from(&error).into_response(),
+            Ok(Ok(stream)) => stream,
+        };
+        let first = match tokio::time::timeout_at(deadline, stream.next()).await {
+            Err(_) => return ApiError::deadline(timeout).into_response(),
+            Ok(None) => {
+                return ApiError {
+                    status: StatusCode::BAD_GATEWAY,
+                    kind: "upstream_error",
+                    code: "empty_response",
+                    message: "the worker answered nothing".to_owned(),
+                }
+                .into_response()
+            }
+            Ok(Some(Err(error))) => return ApiError::from(&error).into_response(),
+            Ok(Some(Ok(first))) => first,
+        };
+        let id = self.0.next_id.fetch_add(1, Ordering::Relaxed);
+        let reply = Reply {
+            kind,
+            id: match kind {
+                Kind::Completion => format!("cmpl-{id}"),
+                Kind::Chat => format!("chatcmpl-{id}"),
+            },
+            model: parsed.model,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            include_usage: parsed.include_usage,
+        };
+        let worker = first.prefill.as_ref().map(|p| p.worker);
+        let mut response = if parsed.stream {
+            let events = sse_events(
+                reply,
+                first,
+                stream,
+                Limits { deadline, timeout },
+                prompt_tokens,
+                Disconnect::new(Arc::clone(&self.0), in_flight),
+            );
+            Sse::new(events).into_response()
+        } else {
+            collect(reply, first, stream, deadline, timeout, prompt_tokens).await
+        };
+        if let Some(worker) = worker {
+            if let Ok(value) = HeaderValue::from_str(&worker.to_string()) {
+                response.headers_mut().insert("x-prefill-worker", value);
+            }
+        }
+        response
+    }
+}
+
+/// A generation request not answered yet: dropped so (its handler future dropped because the
+/// connection closed), it is counted with status 499 and, unless serve itself is closing it
+/// at the end of the shutdown bound, as a client disconnect. Dropping the request future
+/// cancelled whichever leg was running at its worker.
+pub(super) struct Unanswered {
+    pub(super) app: Arc<Inner>,
+    pub(super) route: &'static str,
+    pub(super) answered: bool,
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        self.app.count(self.route, "499");
+        if !self.app.closing.load(Ordering::Relaxed) {
+            self.app.metrics.disconnects.inc();
+            tracing::info!(
+                route = self.route,
+                "client went away before the answer; request cancelled"
+            );
+        }
+    }
+}
+
+/// A request's deadline, and its length (for the error message).
+pub(super) struct Limits {
+    pub(super) deadline: Instant,
+    pub(super) timeout: Duration,
+}
+
+/// One in-flight request in the gauge (until dropped; a stream carries it to its end).
+pub(super) struct InFlight(Gauge);
+
+impl InFlight {
+    pub(super) fn new(gauge: &Gauge) -> Self {
+        gauge.inc();
+        InFlight(gauge.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// Counts a stream dropped before its end (the client went away): dropping the decode stream
+/// sends the worker a Cancel.
+pub(super) struct Disconnect {
+    pub(super) app: Arc<Inner>,
+    pub(super) finished: bool,
+    pub(super) _in_flight: InFlight,
+}
+
+impl Disconnect {
+    pub(super) fn new(app: Arc<Inner>, in_flight: InFlight) -> Self {
+        Disconnect {
+            app,
+            finished: false,
+            _in_flight: in_flight,
+        }
+    }
+}
+
+impl Drop for Disconnect {
+    fn drop(&mut self) {
+        if !self.finished && !self.app.closing.load(Ordering::Relaxed) {
+            self.app.metrics.disconnects.inc();
+            tracing::info!("client went away mid-stream; request cancelled");
+        }
+    }
+}
