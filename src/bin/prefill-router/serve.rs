@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 
 use crate::args::{CliError, Flags};
 use crate::store::{terminated, StoreSpec, DEFAULT_ETCD_ROOT};
+use crate::tls::TlsFlags;
 
 /// `serve` usage.
 pub const USAGE: &str = "\
@@ -56,7 +57,15 @@ options:
   --model NAME             the model /v1/models lists (default mock-llm)
   --name NAME              the router's name in logs and metrics (default prefill)
   --ttl-ms N               discovery lease TTL in milliseconds (default 10000)
-  --etcd-root PREFIX       etcd key root (default prefill-router/v1/instances/)";
+  --etcd-root PREFIX       etcd key root (default prefill-router/v1/instances/)
+  --tls-ca FILE            talk to workers over TLS, trusting worker certificates that chain
+                           to this CA (PEM); each is checked for the IP address dialled
+  --tls-server-name NAME   check worker certificates for NAME instead of their IP address
+  --tls-cert FILE          mutual TLS: present this client certificate chain (PEM) to
+                           workers that require one (worker --tls-client-ca); with --tls-ca
+  --tls-key FILE           the client certificate's private key (PEM)
+                           A worker the frontend cannot do TLS with counts as unreachable:
+                           its requests go elsewhere or fail per --fallback (docs/transport.md)";
 
 /// Parsed `serve` options.
 #[derive(Clone, Debug)]
@@ -69,6 +78,7 @@ pub struct ServeOptions {
     name: String,
     ttl: Duration,
     etcd_root: String,
+    tls: TlsFlags,
 }
 
 fn fallback(raw: &str) -> Result<FallbackPolicy, CliError> {
@@ -109,6 +119,7 @@ impl ServeOptions {
             name: "prefill".to_owned(),
             ttl: Duration::from_secs(10),
             etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
+            tls: TlsFlags::default(),
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -143,9 +154,11 @@ impl ServeOptions {
                 "--ttl-ms" => options.ttl = Duration::from_millis(flags.parsed(flag)?),
                 "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
+                other if options.tls.take(other, &mut flags, true)? => {}
                 other => return Err(CliError::Usage(format!("unknown serve option `{other}`"))),
             }
         }
+        options.tls.check_client()?;
         options.discovery =
             discovery.ok_or_else(|| CliError::Usage("serve needs --discovery".into()))?;
         options.namespace =
@@ -186,15 +199,19 @@ pub async fn run(options: ServeOptions) -> ExitCode {
 }
 
 async fn serve(options: ServeOptions) -> Result<(), String> {
+    // Read first: a bad certificate file fails the start, not every request.
+    let tls = options.tls.client().map_err(|e| format!("TLS: {e}"))?;
     let discovery = options
         .discovery
         .open(options.ttl, &options.etcd_root)
         .await?;
     // Each leg's own deadline is the request's: the HTTP layer answers 504 at the same time.
-    let push = PushConfig {
+    let mut push = PushConfig {
         request_timeout: Some(options.http.request_timeout),
         ..PushConfig::default()
     };
+    // Both legs, prefill and decode, dial workers with the same TLS.
+    push.client.tls = tls;
     let mut config = PrefillHopConfig {
         router: PrefillRouterConfig {
             name: options.name.clone(),
@@ -277,6 +294,9 @@ mod tests {
             "--discovery file:///tmp/x --namespace ns --header-timeout-ms 0",
             "--discovery file:///tmp/x --namespace ns --idle-timeout-ms soon",
             "--discovery file:///tmp/x --namespace ns --max-connections 0",
+            "--discovery file:///tmp/x --namespace ns --tls-cert c.pem --tls-key k.pem",
+            "--discovery file:///tmp/x --namespace ns --tls-ca ca.pem --tls-cert c.pem",
+            "--discovery file:///tmp/x --namespace ns --tls-client-ca ca.pem",
         ] {
             assert!(
                 matches!(ServeOptions::parse(&args(line)), Err(CliError::Usage(_))),
