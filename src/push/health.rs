@@ -227,6 +227,12 @@ mod tests {
         let e = TransportError::ConnectTimeout { addr: addr() };
         assert_eq!(failure_class(&e), FailureClass::ConnectionRefused);
         assert!(failure_class(&e).counts_against_health());
+        // A worker this frontend cannot do TLS with is as unreachable as one refusing TCP.
+        let e = TransportError::Tls {
+            addr: addr(),
+            reason: "invalid peer certificate: UnknownIssuer".into(),
+        };
+        assert_eq!(failure_class(&e), FailureClass::ConnectionRefused);
     }
 
     #[test]
