@@ -121,48 +121,57 @@ async fn router_to(server: ServerConfig, client: ClientConfig) -> Arc<Dispatcher
 }
 
 /// The dispatchers of the tables: plain TCP, and (feature `tls`) TLS with server
-/// authentication and mutual TLS, with certificates made at start (ECDSA P-256, TLS 1.3).
+/// authentication and mutual TLS.
 async fn routers() -> Vec<(&'static str, Arc<Dispatcher>)> {
-    let mut routers = vec![(
-        "Dispatcher (RoundRobin, 1 worker)",
-        router_to(ServerConfig::default(), ClientConfig::default()).await,
-    )];
-    #[cfg(feature = "tls")]
-    {
-        use prefill_router::transport::{ClientTls, ServerTls, TlsIdentity, TlsRoots};
-        let (workers, frontends) = (certs::Ca::new("workers"), certs::Ca::new("frontends"));
-        let identity = |leaf: certs::Leaf| {
-            TlsIdentity::from_pem(leaf.cert_pem.as_bytes(), leaf.key_pem.as_bytes()).unwrap()
-        };
-        let worker_id = || identity(workers.leaf(&["127.0.0.1"], certs::Validity::Current));
-        let roots = |ca: &certs::Ca| TlsRoots::from_pem(ca.pem().as_bytes()).unwrap();
-        let tls = router_to(
-            ServerConfig {
-                tls: Some(ServerTls::new(worker_id()).unwrap()),
-                ..ServerConfig::default()
-            },
-            ClientConfig {
-                tls: Some(ClientTls::new(roots(&workers)).unwrap()),
-                ..ClientConfig::default()
-            },
-        )
-        .await;
-        routers.push(("Dispatcher over TLS", tls));
-        let frontend = identity(frontends.leaf(&["frontend"], certs::Validity::Current));
-        let mutual = router_to(
-            ServerConfig {
-                tls: Some(ServerTls::mutual(worker_id(), roots(&frontends)).unwrap()),
-                ..ServerConfig::default()
-            },
-            ClientConfig {
-                tls: Some(ClientTls::mutual(roots(&workers), frontend).unwrap()),
-                ..ClientConfig::default()
-            },
-        )
-        .await;
-        routers.push(("Dispatcher over mutual TLS", mutual));
-    }
-    routers
+    let plain = router_to(ServerConfig::default(), ClientConfig::default()).await;
+    std::iter::once(("Dispatcher (RoundRobin, 1 worker)", plain))
+        .chain(tls_routers().await)
+        .collect()
+}
+
+/// Dispatchers over TLS and mutual TLS, with certificates made at start (ECDSA P-256).
+#[cfg(feature = "tls")]
+async fn tls_routers() -> Vec<(&'static str, Arc<Dispatcher>)> {
+    use prefill_router::transport::{ClientTls, ServerTls, TlsIdentity, TlsRoots};
+    let (workers, frontends) = (certs::Ca::new("workers"), certs::Ca::new("frontends"));
+    let identity = |leaf: certs::Leaf| {
+        TlsIdentity::from_pem(leaf.cert_pem.as_bytes(), leaf.key_pem.as_bytes()).unwrap()
+    };
+    let worker_id = || identity(workers.leaf(&["127.0.0.1"], certs::Validity::Current));
+    let roots = |ca: &certs::Ca| TlsRoots::from_pem(ca.pem().as_bytes()).unwrap();
+    let tls = router_to(
+        ServerConfig {
+            tls: Some(ServerTls::new(worker_id()).unwrap()),
+            ..ServerConfig::default()
+        },
+        ClientConfig {
+            tls: Some(ClientTls::new(roots(&workers)).unwrap()),
+            ..ClientConfig::default()
+        },
+    )
+    .await;
+    let frontend = identity(frontends.leaf(&["frontend"], certs::Validity::Current));
+    let mutual = router_to(
+        ServerConfig {
+            tls: Some(ServerTls::mutual(worker_id(), roots(&frontends)).unwrap()),
+            ..ServerConfig::default()
+        },
+        ClientConfig {
+            tls: Some(ClientTls::mutual(roots(&workers), frontend).unwrap()),
+            ..ClientConfig::default()
+        },
+    )
+    .await;
+    vec![
+        ("Dispatcher over TLS", tls),
+        ("Dispatcher over mutual TLS", mutual),
+    ]
+}
+
+/// Without feature `tls`: no TLS rows.
+#[cfg(not(feature = "tls"))]
+async fn tls_routers() -> Vec<(&'static str, Arc<Dispatcher>)> {
+    Vec::new()
 }
 
 fn round_trip_table(rt: &tokio::runtime::Runtime) {

@@ -7,8 +7,9 @@
 //! carries many concurrent requests. Dropping a response stream sends [`Frame::Cancel`], and the
 //! worker then drops its engine stream (generation stops).
 //!
-//! With feature `tls`, the connection can run over TLS ([`ServerConfig::tls`],
-//! [`ClientConfig::tls`]), mutual TLS optionally; off (plain TCP) unless configured.
+//! With feature `tls`, the connection can run over TLS (`ServerConfig::tls`,
+//! `ClientConfig::tls`; see `ServerTls` and `ClientTls`), mutual TLS optionally; off (plain
+//! TCP) unless configured.
 
 mod client;
 mod engine;

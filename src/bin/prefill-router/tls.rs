@@ -61,7 +61,8 @@ impl TlsFlags {
 
     /// Check a frontend's flags: a client certificate or a server name needs the CA.
     pub fn check_client(&self) -> Result<(), CliError> {
-        if self.ca.is_none() && (self.identity()?.is_some() || self.server_name.is_some()) {
+        let identity = self.identity()?;
+        if self.ca.is_none() && (identity.is_some() || self.server_name.is_some()) {
             return Err(CliError::Usage(
                 "--tls-cert, --tls-key and --tls-server-name need --tls-ca".into(),
             ));
