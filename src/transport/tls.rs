@@ -421,3 +421,28 @@ pub(crate) fn is_tls_error(error: &io::Error) -> bool {
         .get_ref()
         .is_some_and(|inner| inner.is::<rustls::Error>())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The client's read loop reports a TLS alert (a mutual-TLS refusal) as
+    /// [`TransportError::Tls`] only if this recognises it, and other I/O errors stay
+    /// `Disconnected`.
+    #[test]
+    fn tls_read_errors_are_told_from_other_io_errors() {
+        let alert = rustls::Error::AlertReceived(rustls::AlertDescription::CertificateRequired);
+        // tokio-rustls wraps rustls errors this way.
+        assert!(is_tls_error(&io::Error::new(
+            io::ErrorKind::InvalidData,
+            alert
+        )));
+        assert!(!is_tls_error(&io::Error::from(
+            io::ErrorKind::ConnectionReset
+        )));
+        assert!(!is_tls_error(&io::Error::new(
+            io::ErrorKind::InvalidData,
+            "some other payload"
+        )));
+    }
+}
