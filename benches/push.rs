@@ -3,6 +3,7 @@
 //! multi-turn workload, and selection cost with 64 workers.
 //!
 //! `cargo bench --bench push -- --warm-up-time 1 --measurement-time 3`
+//! (`--features tls` adds TLS and mutual-TLS rows to both round-trip tables, same workload.)
 //! The two tables print first; criterion then times the selection paths and the health
 //! overhead (`health_overhead/*`: a loopback round trip with retries on, the default, and off;
 //! `select_64_workers/round_robin_8_open`: a pick with 8 breakers open).
@@ -23,12 +24,17 @@ use prefill_router::push::{
     block_hashes, Dispatcher, KvSelector, PushConfig, PushMode, RoutableView,
 };
 use prefill_router::transport::{
-    decode_frame, encode_frame, serve, Engine, EngineStream, FinishReason, Frame, GenerateRequest,
-    GenerateResponse, ServerConfig,
+    decode_frame, encode_frame, serve, ClientConfig, Engine, EngineStream, FinishReason, Frame,
+    GenerateRequest, GenerateResponse, ServerConfig,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use tokio_util::sync::CancellationToken;
+
+// Certificates made at start for the TLS rows (the request-plane tests' helper).
+#[cfg(feature = "tls")]
+#[path = "../tests/request_plane/certs.rs"]
+mod certs;
 
 /// One response carrying the prompt length, like a prefill with max_tokens 1.
 struct OneShot;
@@ -98,17 +104,78 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i]
 }
 
+/// A dispatcher (RoundRobin) to one fresh `OneShot` worker serving with `server`, connecting
+/// with `client`.
+async fn router_to(server: ServerConfig, client: ClientConfig) -> Arc<Dispatcher> {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let worker = serve(listener, Arc::new(OneShot), server).expect("serve");
+    let addr = worker.local_addr();
+    std::mem::forget(worker); // lives for the whole bench process
+    let view = RoutableView::spawn(stream::pending(), None, CancellationToken::new());
+    view.apply(InstanceEvent::Added(instance(1, addr)));
+    let config = PushConfig {
+        client,
+        ..PushConfig::default()
+    };
+    Arc::new(Dispatcher::new(view, PushMode::RoundRobin, config))
+}
+
+/// The dispatchers of the tables: plain TCP, and (feature `tls`) TLS with server
+/// authentication and mutual TLS.
+async fn routers() -> Vec<(&'static str, Arc<Dispatcher>)> {
+    let plain = router_to(ServerConfig::default(), ClientConfig::default()).await;
+    std::iter::once(("Dispatcher (RoundRobin, 1 worker)", plain))
+        .chain(tls_routers().await)
+        .collect()
+}
+
+/// Dispatchers over TLS and mutual TLS, with certificates made at start (ECDSA P-256).
+#[cfg(feature = "tls")]
+async fn tls_routers() -> Vec<(&'static str, Arc<Dispatcher>)> {
+    use prefill_router::transport::{ClientTls, ServerTls, TlsIdentity, TlsRoots};
+    let (workers, frontends) = (certs::Ca::new("workers"), certs::Ca::new("frontends"));
+    let identity = |leaf: certs::Leaf| {
+        TlsIdentity::from_pem(leaf.cert_pem.as_bytes(), leaf.key_pem.as_bytes()).unwrap()
+    };
+    let worker_id = || identity(workers.leaf(&["127.0.0.1"], certs::Validity::Current));
+    let roots = |ca: &certs::Ca| TlsRoots::from_pem(ca.pem().as_bytes()).unwrap();
+    let tls = router_to(
+        ServerConfig {
+            tls: Some(ServerTls::new(worker_id()).unwrap()),
+            ..ServerConfig::default()
+        },
+        ClientConfig {
+            tls: Some(ClientTls::new(roots(&workers)).unwrap()),
+            ..ClientConfig::default()
+        },
+    )
+    .await;
+    let frontend = identity(frontends.leaf(&["frontend"], certs::Validity::Current));
+    let mutual = router_to(
+        ServerConfig {
+            tls: Some(ServerTls::mutual(worker_id(), roots(&frontends)).unwrap()),
+            ..ServerConfig::default()
+        },
+        ClientConfig {
+            tls: Some(ClientTls::mutual(roots(&workers), frontend).unwrap()),
+            ..ClientConfig::default()
+        },
+    )
+    .await;
+    vec![
+        ("Dispatcher over TLS", tls),
+        ("Dispatcher over mutual TLS", mutual),
+    ]
+}
+
+/// Without feature `tls`: no TLS rows.
+#[cfg(not(feature = "tls"))]
+async fn tls_routers() -> Vec<(&'static str, Arc<Dispatcher>)> {
+    Vec::new()
+}
+
 fn round_trip_table(rt: &tokio::runtime::Runtime) {
-    let (router, echo_addr) = rt.block_on(async {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let worker = serve(listener, Arc::new(OneShot), ServerConfig::default()).expect("serve");
-        let addr = worker.local_addr();
-        std::mem::forget(worker); // lives for the whole bench process
-        let view = RoutableView::spawn(stream::pending(), None, CancellationToken::new());
-        view.apply(InstanceEvent::Added(instance(1, addr)));
-        let router = Dispatcher::new(view, PushMode::RoundRobin, PushConfig::default());
-        (Arc::new(router), bare_echo_server().await)
-    });
+    let (routers, echo_addr) = rt.block_on(async { (routers().await, bare_echo_server().await) });
     let rounds = 6;
     let per_round = 4000;
     let (router_lat, router_time, echo_lat, echo_time) = rt.block_on(async {
@@ -117,22 +184,27 @@ fn round_trip_table(rt: &tokio::runtime::Runtime) {
             codec(),
         );
         echo.get_ref().set_nodelay(true).expect("nodelay");
-        let (mut rl, mut el) = (Vec::new(), Vec::new());
-        let (mut rtime, mut etime) = (Duration::ZERO, Duration::ZERO);
+        let mut rl = vec![Vec::new(); routers.len()];
+        let mut rtime = vec![Duration::ZERO; routers.len()];
+        let mut el = Vec::new();
+        let mut etime = Duration::ZERO;
         for round in 0..=rounds {
-            // Round 0 warms up both paths (connection, allocator) and is discarded.
-            let started = Instant::now();
-            for _ in 0..per_round {
-                let t = Instant::now();
-                let mut s = router.generate(request()).await.expect("routed");
-                let r = s.next().await.expect("item").expect("ok");
-                black_box(r);
-                if round > 0 {
-                    rl.push(t.elapsed());
+            // Round 0 warms up every path (connection, handshake, allocator) and is discarded;
+            // the paths then alternate within each round, so load swings hit them alike.
+            for (n, (_, router)) in routers.iter().enumerate() {
+                let started = Instant::now();
+                for _ in 0..per_round {
+                    let t = Instant::now();
+                    let mut s = router.generate(request()).await.expect("routed");
+                    let r = s.next().await.expect("item").expect("ok");
+                    black_box(r);
+                    if round > 0 {
+                        rl[n].push(t.elapsed());
+                    }
                 }
-            }
-            if round > 0 {
-                rtime += started.elapsed();
+                if round > 0 {
+                    rtime[n] += started.elapsed();
+                }
             }
             let started = Instant::now();
             for id in 0..per_round {
@@ -173,24 +245,42 @@ fn round_trip_table(rt: &tokio::runtime::Runtime) {
         rounds * per_round
     );
     println!("| path | req/s | p50 µs | p99 µs |\n|---|---|---|---|");
-    let (rr, rp50, rp99) = show("Dispatcher (RoundRobin, 1 worker)", router_lat, router_time);
+    let shown: Vec<_> = routers
+        .iter()
+        .zip(router_lat.into_iter().zip(router_time))
+        .map(|((name, _), (lat, time))| show(name, lat, time))
+        .collect();
     let (er, ep50, ep99) = show("bare tokio echo, same framing", echo_lat, echo_time);
+    let (rr, rp50, rp99) = shown[0];
     println!(
         "\nthroughput ratio router/echo: {:.2}x; added latency p50 {:+.1} µs, p99 {:+.1} µs",
         rr / er,
         (rp50.as_secs_f64() - ep50.as_secs_f64()) * 1e6,
         (rp99.as_secs_f64() - ep99.as_secs_f64()) * 1e6
     );
-    concurrent_table(rt, &router, echo_addr);
+    for ((name, _), (r, p50, p99)) in routers.iter().zip(&shown).skip(1) {
+        println!(
+            "{name} / plain Dispatcher: {:.2}x; added latency p50 {:+.1} µs, p99 {:+.1} µs",
+            r / rr,
+            (p50.as_secs_f64() - rp50.as_secs_f64()) * 1e6,
+            (p99.as_secs_f64() - rp99.as_secs_f64()) * 1e6
+        );
+    }
+    concurrent_table(rt, &routers, echo_addr);
 }
 
 /// 16 callers at once: through the router they share one multiplexed connection; the bare
 /// echo gets one connection per caller (it cannot multiplex).
-fn concurrent_table(rt: &tokio::runtime::Runtime, router: &Arc<Dispatcher>, echo_addr: SocketAddr) {
+fn concurrent_table(
+    rt: &tokio::runtime::Runtime,
+    routers: &[(&'static str, Arc<Dispatcher>)],
+    echo_addr: SocketAddr,
+) {
     const CALLERS: usize = 16;
     const PER_CALLER: usize = 2000;
-    let (router_rate, echo_rate) = rt.block_on(async {
-        let router_rate = {
+    let (router_rates, echo_rate) = rt.block_on(async {
+        let mut router_rates = Vec::new();
+        for (_, router) in routers {
             let started = Instant::now();
             let calls: Vec<_> = (0..CALLERS)
                 .map(|_| {
@@ -206,8 +296,8 @@ fn concurrent_table(rt: &tokio::runtime::Runtime, router: &Arc<Dispatcher>, echo
             for c in calls {
                 c.await.expect("caller");
             }
-            (CALLERS * PER_CALLER) as f64 / started.elapsed().as_secs_f64()
-        };
+            router_rates.push((CALLERS * PER_CALLER) as f64 / started.elapsed().as_secs_f64());
+        }
         let echo_rate = {
             let mut conns = Vec::new();
             for _ in 0..CALLERS {
@@ -240,13 +330,18 @@ fn concurrent_table(rt: &tokio::runtime::Runtime, router: &Arc<Dispatcher>, echo
             }
             (CALLERS * PER_CALLER) as f64 / started.elapsed().as_secs_f64()
         };
-        (router_rate, echo_rate)
+        (router_rates, echo_rate)
     });
     println!("\n### {CALLERS} concurrent callers, {PER_CALLER} requests each");
     println!("| path | req/s |\n|---|---|");
-    println!("| Dispatcher, one multiplexed connection | {router_rate:.0} |");
+    for ((name, _), rate) in routers.iter().zip(&router_rates) {
+        println!("| {name}, one multiplexed connection | {rate:.0} |");
+    }
     println!("| bare tokio echo, one connection per caller | {echo_rate:.0} |");
-    println!("\nratio router/echo: {:.2}x", router_rate / echo_rate);
+    println!("\nratio router/echo: {:.2}x", router_rates[0] / echo_rate);
+    for ((name, _), rate) in routers.iter().zip(&router_rates).skip(1) {
+        println!("{name} / plain Dispatcher: {:.2}x", rate / router_rates[0]);
+    }
 }
 
 /// A worker's real cache in the simulation: LRU of block hashes, `capacity` blocks.

@@ -6,12 +6,19 @@
 //! Requests carry a connection-local id; responses are routed back by that id, so one socket
 //! carries many concurrent requests. Dropping a response stream sends [`Frame::Cancel`], and the
 //! worker then drops its engine stream (generation stops).
+//!
+//! With feature `tls`, the connection can run over TLS (`ServerConfig::tls`,
+//! `ClientConfig::tls`; see `ServerTls` and `ClientTls`), mutual TLS optionally; off (plain
+//! TCP) unless configured.
 
 mod client;
 mod engine;
 mod error;
 mod events;
 mod server;
+mod stream;
+#[cfg(feature = "tls")]
+mod tls;
 mod wire;
 mod writer;
 
@@ -25,4 +32,10 @@ pub use events::{
     KV_COALESCE, KV_SINK_BATCHES, MAX_KV_BATCH_BYTES,
 };
 pub use server::{serve, serve_with_kv_events, DrainReport, ServerConfig, ServerHandle};
+#[cfg(feature = "tls")]
+pub use tls::{ClientTls, ServerTls, TlsError, TlsIdentity, TlsRoots, DEFAULT_HANDSHAKE_TIMEOUT};
+/// The rustls crate the TLS types are built on (for [`ServerTls::from_rustls`] and
+/// [`ClientTls::from_rustls`], and the DER types of [`TlsIdentity::from_der`]).
+#[cfg(feature = "tls")]
+pub use tokio_rustls::rustls;
 pub use wire::{decode_frame, encode_frame, Frame, DEFAULT_MAX_FRAME_LEN};

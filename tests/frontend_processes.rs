@@ -1,7 +1,11 @@
 //! `prefill-router serve` and `worker` as separate processes on a file store, checked over
 //! HTTP: the OpenAI surface, a client disconnect mid-stream, a SIGKILLed prefill worker under
-//! traffic, and the fallback policies when every prefill worker leaves.
+//! traffic, the fallback policies when every prefill worker leaves, and mutual TLS on the
+//! request plane between them.
 
+// Certificates made at test time, shared with the request-plane tests.
+#[path = "request_plane/certs.rs"]
+mod certs;
 mod frontend;
 
 use std::time::{Duration, Instant};
@@ -788,4 +792,109 @@ fn a_shared_system_prompt_under_kv_routing_reaches_every_prefill_worker() {
             served[w]
         );
     }
+}
+
+/// Mutual TLS on the request plane between processes: workers with `--tls-cert/--tls-key
+/// --tls-client-ca`, a frontend with `--tls-ca` and a client certificate answers a chat
+/// completion end to end (prefilled on the prefill worker, decoded on the decode worker); a
+/// frontend with the right CA but no client certificate, and one without TLS at all, get no
+/// work done by any worker and answer an error promptly (their fallback, decode, is refused
+/// too), not a hang until the request timeout.
+#[test]
+fn serve_with_mutual_tls_is_served_and_frontends_without_a_client_certificate_are_not() {
+    use certs::{Ca, Validity};
+    let cluster = Cluster::new();
+    let dir = cluster.dir.path();
+    let (worker_ca, frontend_ca) = (Ca::new("workers"), Ca::new("frontends"));
+    let worker_ca_file = worker_ca.write(dir, "workers-ca.crt");
+    let frontend_ca_file = frontend_ca.write(dir, "frontends-ca.crt");
+    let (worker_cert, worker_key) = worker_ca
+        .leaf(&["127.0.0.1"], Validity::Current)
+        .write(dir, "worker");
+    let (frontend_cert, frontend_key) = frontend_ca
+        .leaf(&["frontend"], Validity::Current)
+        .write(dir, "frontend");
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    let (worker_ca_file, frontend_ca_file) = (path(&worker_ca_file), path(&frontend_ca_file));
+    let (worker_cert, worker_key) = (path(&worker_cert), path(&worker_key));
+    let (frontend_cert, frontend_key) = (path(&frontend_cert), path(&frontend_key));
+    let worker_tls = [
+        "--tls-cert",
+        worker_cert.as_str(),
+        "--tls-key",
+        worker_key.as_str(),
+        "--tls-client-ca",
+        frontend_ca_file.as_str(),
+        "--print-requests",
+    ];
+    let prefill = cluster.worker("prefill", 1, &worker_tls);
+    let decode = cluster.worker("decode", DECODE, &worker_tls);
+    assert_eq!(prefill.wait_event("ready")["tls"], true);
+
+    let (_mutual, mutual) = cluster.serve(&[
+        "--tls-ca",
+        worker_ca_file.as_str(),
+        "--tls-cert",
+        frontend_cert.as_str(),
+        "--tls-key",
+        frontend_key.as_str(),
+    ]);
+    until("active over TLS", || {
+        get(mutual, "/ready").json()["lifecycle"] == "active"
+    });
+    let answered = post(
+        mutual,
+        "/v1/chat/completions",
+        &chat("hello over TLS", 3, true),
+    );
+    assert_eq!(answered.status, 200, "{answered:?}");
+    assert_eq!(
+        prefill_worker(&answered),
+        1,
+        "prefilled on the TLS prefill worker"
+    );
+    let events = answered.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    assert_eq!(events.len(), 4, "three tokens, then [DONE]: {events:?}");
+    let served = (
+        prefill.count_events("request"),
+        decode.count_events("request"),
+    );
+    assert_eq!(served, (1, 1), "one prefill and one decode request");
+
+    let (_server_auth_only, no_client_cert) = cluster.serve(&["--tls-ca", worker_ca_file.as_str()]);
+    let (_plain, plain) = cluster.serve(&[]);
+    for (what, addr) in [("no client certificate", no_client_cert), ("no TLS", plain)] {
+        // Discovery shows both workers; only the request plane refuses this frontend.
+        until("discovered", || get(addr, "/ready").status == 200);
+        let started = Instant::now();
+        let refused = post(addr, "/v1/chat/completions", &chat("let me in", 3, false));
+        let took = started.elapsed();
+        assert!(
+            matches!(refused.status, 502 | 503),
+            "{what}: {} {:?}",
+            refused.status,
+            refused.body
+        );
+        assert!(
+            refused.json()["error"]["message"].is_string(),
+            "{what}: an OpenAI error body: {refused:?}"
+        );
+        assert!(
+            took < Duration::from_secs(8),
+            "{what}: failed only after {took:?} (the request timeout is 10 s)"
+        );
+    }
+    // Neither frontend got any work done by a worker.
+    assert_eq!(
+        (
+            prefill.count_events("request"),
+            decode.count_events("request")
+        ),
+        served
+    );
 }

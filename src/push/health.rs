@@ -72,9 +72,11 @@ impl std::fmt::Debug for Prober {
 /// the routable set.
 pub fn failure_class(error: &TransportError) -> FailureClass {
     match error {
-        TransportError::Connect { .. } | TransportError::ConnectTimeout { .. } => {
-            FailureClass::ConnectionRefused
-        }
+        // A worker whose certificate the frontend cannot trust (or that refuses the frontend's)
+        // is unreachable to this frontend, as if it refused the connection.
+        TransportError::Connect { .. }
+        | TransportError::ConnectTimeout { .. }
+        | TransportError::Tls { .. } => FailureClass::ConnectionRefused,
         TransportError::Disconnected { .. } => FailureClass::ConnectionReset,
         // The peer broke the framing: the connection is closed and the worker is not speaking
         // the protocol, which is as dead as a dropped stream for routing purposes.
@@ -225,6 +227,12 @@ mod tests {
         let e = TransportError::ConnectTimeout { addr: addr() };
         assert_eq!(failure_class(&e), FailureClass::ConnectionRefused);
         assert!(failure_class(&e).counts_against_health());
+        // A worker this frontend cannot do TLS with is as unreachable as one refusing TCP.
+        let e = TransportError::Tls {
+            addr: addr(),
+            reason: "invalid peer certificate: UnknownIssuer".into(),
+        };
+        assert_eq!(failure_class(&e), FailureClass::ConnectionRefused);
     }
 
     #[test]

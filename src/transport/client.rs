@@ -12,7 +12,6 @@ use std::time::Duration;
 use futures_core::Stream;
 use futures_util::StreamExt;
 use parking_lot::Mutex;
-use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
@@ -22,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use super::engine::{GenerateRequest, GenerateResponse};
 use super::error::{FrameError, RemoteError, TransportError};
 use super::events::{Feed, KvEventSink};
+use super::stream::{self, ReadHalf};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
 use super::writer::Writer;
 
@@ -36,6 +36,10 @@ pub struct ClientConfig {
     pub max_in_flight: usize,
     /// Responses buffered per request before the connection's reader waits for the caller.
     pub stream_buffer: usize,
+    /// TLS to the worker (`None`, the default: plain TCP). The handshake must finish within
+    /// `connect_timeout` too; a failure is [`TransportError::Tls`].
+    #[cfg(feature = "tls")]
+    pub tls: Option<super::tls::ClientTls>,
 }
 
 impl Default for ClientConfig {
@@ -45,6 +49,8 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(5),
             max_in_flight: 1024,
             stream_buffer: 64,
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
@@ -141,8 +147,9 @@ impl std::fmt::Debug for Connection {
 }
 
 impl Connection {
-    /// Connect to a worker at `addr` (TCP_NODELAY on) and start the connection's reader task
-    /// on the current tokio runtime.
+    /// Connect to a worker at `addr` (TCP_NODELAY on; the TLS handshake when
+    /// `config.tls` is set) and start the connection's reader task on the current tokio
+    /// runtime.
     pub async fn connect(addr: SocketAddr, config: ClientConfig) -> Result<Self, TransportError> {
         Self::connect_inner(addr, config, None).await
     }
@@ -182,7 +189,17 @@ impl Connection {
                 addr,
                 reason: e.to_string(),
             })?;
-        let (rd, wr) = stream.into_split();
+        #[cfg(feature = "tls")]
+        let (rd, wr) = match &config.tls {
+            Some(tls) => stream::split_tls(
+                tls.connect(stream, addr, config.connect_timeout)
+                    .await?
+                    .into(),
+            ),
+            None => stream::split_tcp(stream),
+        };
+        #[cfg(not(feature = "tls"))]
+        let (rd, wr) = stream::split_tcp(stream);
         let closed = CancellationToken::new();
         let writer = Writer::new(wr, config.max_frame_len, closed.clone());
         let shared = Arc::new(Shared {
@@ -327,7 +344,7 @@ impl Connection {
     }
 }
 
-async fn read_loop(rd: OwnedReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
+async fn read_loop(rd: ReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
     let max = shared.config.max_frame_len;
     let mut frames = FramedRead::new(rd, wire::codec(max));
     let failure = loop {
@@ -343,6 +360,13 @@ async fn read_loop(rd: OwnedReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
             }
             Some(Err(e)) => match wire::classify_read_error(&e, max) {
                 Some(frame_error) => break TransportError::Frame(frame_error),
+                #[cfg(feature = "tls")]
+                None if super::tls::is_tls_error(&e) => {
+                    break TransportError::Tls {
+                        addr: shared.addr,
+                        reason: e.to_string(),
+                    }
+                }
                 None => {
                     break TransportError::Disconnected {
                         reason: e.to_string(),

@@ -99,4 +99,16 @@ pub enum TransportError {
     /// Its requests already in flight continue to their end.
     #[error("worker draining: connection takes no new requests")]
     Draining,
+    /// TLS failed with the worker: the handshake (a certificate that does not chain to the
+    /// configured CA, an expired one, a name mismatch, a worker that does not speak TLS, the
+    /// handshake timeout) or a TLS alert later (with TLS 1.3, a worker refusing the client's
+    /// certificate says so after the client's side of the handshake ended). Routers treat it
+    /// like a refused connection. Appended, like [`Draining`](Self::Draining).
+    #[error("TLS with {addr} failed: {reason}")]
+    Tls {
+        /// The worker's address.
+        addr: SocketAddr,
+        /// rustls' reason, as text.
+        reason: String,
+    },
 }

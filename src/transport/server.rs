@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::engine::{Engine, EngineError, EngineStream, GenerateRequest, GenerateResponse};
 use super::error::{FrameError, RemoteError};
 use super::events::{Hub, KvEventSource};
+use super::stream::{self, ReadHalf, WriteHalf};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
 use super::writer::Writer;
 
@@ -36,6 +37,14 @@ pub struct ServerConfig {
     /// [`KV_COALESCE`](super::KV_COALESCE), 1 ms; zero: a batch per request start, lowest
     /// latency, highest cost per request).
     pub kv_coalesce: Duration,
+    /// TLS for every connection (`None`, the default: plain TCP). The handshake runs on the
+    /// connection's own task, bounded by [`ServerTls::handshake_timeout`], so a client that
+    /// stalls in it delays no one else; a connection that fails it is closed before any frame
+    /// is read, logged, and counted ([`ServerHandle::tls_handshake_failures`]).
+    ///
+    /// [`ServerTls::handshake_timeout`]: super::ServerTls::handshake_timeout
+    #[cfg(feature = "tls")]
+    pub tls: Option<super::tls::ServerTls>,
 }
 
 impl Default for ServerConfig {
@@ -45,6 +54,8 @@ impl Default for ServerConfig {
             max_in_flight: 1024,
             max_connections: 4096,
             kv_coalesce: super::events::KV_COALESCE,
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
@@ -83,6 +94,9 @@ impl DrainReport {
 struct OpenCount {
     count: AtomicUsize,
     closed: Notify,
+    /// Connections closed because their TLS handshake failed or timed out.
+    #[cfg(feature = "tls")]
+    handshake_failures: std::sync::atomic::AtomicU64,
 }
 
 impl ServerHandle {
@@ -94,6 +108,14 @@ impl ServerHandle {
     /// How many client connections are open now.
     pub fn open_connections(&self) -> usize {
         self.connections.count.load(Ordering::Acquire)
+    }
+
+    /// How many connections failed their TLS handshake (a certificate the worker does not
+    /// trust or none where one is required, a client that does not speak TLS, the handshake
+    /// timeout) since the listener started.
+    #[cfg(feature = "tls")]
+    pub fn tls_handshake_failures(&self) -> u64 {
+        self.connections.handshake_failures.load(Ordering::Relaxed)
     }
 
     /// Stop gracefully: tell every connection the worker is draining ([`Frame::Draining`]),
@@ -243,8 +265,12 @@ async fn accept_loop(
                 let hub = hub.clone();
                 let drain = drain.clone();
                 tokio::spawn(async move {
-                    let _open = OpenConnection(connections);
-                    serve_connection(stream, peer, engine, config, hub, (token, drain)).await;
+                    let _open = OpenConnection(Arc::clone(&connections));
+                    if let Some((rd, wr)) =
+                        establish(stream, peer, &config, &token, &connections).await
+                    {
+                        serve_connection((rd, wr), peer, engine, config, hub, (token, drain)).await;
+                    }
                 });
             }
             Err(e) => {
@@ -312,18 +338,51 @@ enum DrainState {
     Acknowledged,
 }
 
-async fn serve_connection(
+/// Set up an accepted connection: TCP_NODELAY, and the TLS handshake when configured. `None`
+/// when the handshake failed, timed out or the server shut down meanwhile (the connection is
+/// then dropped, closing it).
+async fn establish(
     stream: TcpStream,
+    peer: SocketAddr,
+    config: &ServerConfig,
+    token: &CancellationToken,
+    connections: &OpenCount,
+) -> Option<(ReadHalf, WriteHalf)> {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(%peer, error = %e, "set_nodelay failed");
+    }
+    #[cfg(feature = "tls")]
+    if let Some(tls) = &config.tls {
+        let handshake = tokio::select! {
+            _ = token.cancelled() => return None,
+            handshake = tls.accept(stream) => handshake,
+        };
+        return match handshake {
+            Ok(stream) => Some(stream::split_tls(stream.into())),
+            Err(reason) => {
+                connections
+                    .handshake_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                // Warn, not debug: a frontend with the wrong CA or certificate fails every
+                // request it sends here, and this line is where the operator sees why.
+                tracing::warn!(%peer, %reason, "closing connection: TLS handshake failed");
+                None
+            }
+        };
+    }
+    // Without the feature these are used only above.
+    let _ = (config, token, connections);
+    Some(stream::split_tcp(stream))
+}
+
+async fn serve_connection(
+    (rd, wr): (ReadHalf, WriteHalf),
     peer: SocketAddr,
     engine: Arc<dyn Engine>,
     config: ServerConfig,
     hub: Option<Arc<Hub>>,
     (token, drain): (CancellationToken, CancellationToken),
 ) {
-    if let Err(e) = stream.set_nodelay(true) {
-        tracing::debug!(%peer, error = %e, "set_nodelay failed");
-    }
-    let (rd, wr) = stream.into_split();
     let max = config.max_frame_len;
     let writer = Writer::new(wr, max, token.clone());
     let active: Arc<Mutex<HashMap<u64, CancellationToken>>> = Arc::default();

@@ -4,11 +4,11 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::SinkExt;
-use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::Mutex;
 use tokio_util::codec::{FramedWrite, LengthDelimitedCodec};
 use tokio_util::sync::CancellationToken;
 
+use super::stream::WriteHalf;
 use super::wire;
 
 /// The write half of a connection, shared by every task that sends on it. Senders take turns
@@ -16,12 +16,12 @@ use super::wire;
 /// the socket, which is most of the cost of a small round trip on loopback.
 #[derive(Clone)]
 pub(crate) struct Writer {
-    sink: Arc<Mutex<FramedWrite<OwnedWriteHalf, LengthDelimitedCodec>>>,
+    sink: Arc<Mutex<FramedWrite<WriteHalf, LengthDelimitedCodec>>>,
     closed: CancellationToken,
 }
 
 impl Writer {
-    pub(crate) fn new(wr: OwnedWriteHalf, max_frame_len: usize, closed: CancellationToken) -> Self {
+    pub(crate) fn new(wr: WriteHalf, max_frame_len: usize, closed: CancellationToken) -> Self {
         Writer {
             sink: Arc::new(Mutex::new(FramedWrite::new(wr, wire::codec(max_frame_len)))),
             closed,

@@ -11,8 +11,12 @@
 //! - `push_retry`: a failed request retried on another worker, the attempts listed, KV next-best.
 //! - `push_kv_selector`: the KV selector alone (hashing, scoring, ties, bounded memory).
 //! - `kv_events_wire`: KV cache events over the request plane (index, reconnect, bad frames).
+//! - `tls`: TLS and mutual TLS on the request plane, and each refusal (feature `tls`; `certs`
+//!   makes the certificates at test time).
 #![cfg(feature = "runtime")]
 
+#[cfg(feature = "tls")]
+mod certs;
 mod kv_events_wire;
 mod push_admission;
 mod push_health;
@@ -20,6 +24,8 @@ mod push_kv_selector;
 mod push_modes;
 mod push_retry;
 mod support;
+#[cfg(feature = "tls")]
+mod tls;
 mod transport_drain;
 mod transport_garbage;
 mod transport_stream;

@@ -20,6 +20,7 @@ mod replay;
 mod serve;
 mod simulate;
 mod store;
+mod tls;
 mod worker;
 
 use args::CliError;

@@ -14,6 +14,7 @@ use tokio::net::TcpListener;
 
 use crate::args::{CliError, Flags};
 use crate::store::{terminated, StoreSpec, DEFAULT_ETCD_ROOT};
+use crate::tls::TlsFlags;
 
 /// `serve` usage.
 pub const USAGE: &str = "\
@@ -64,7 +65,15 @@ options:
                            keys are compared in constant time and never logged. Without the
                            flag, the file named by $PREFILL_ROUTER_API_KEYS_FILE, if set.
                            Rotation: edit the file, restart (SIGTERM drains).
-  --metrics-need-key       /metrics asks for a key too (needs a key file)";
+  --metrics-need-key       /metrics asks for a key too (needs a key file)
+  --tls-ca FILE            talk to workers over TLS, trusting worker certificates that chain
+                           to this CA (PEM); each is checked for the IP address dialled
+  --tls-server-name NAME   check worker certificates for NAME instead of their IP address
+  --tls-cert FILE          mutual TLS: present this client certificate chain (PEM) to
+                           workers that require one (worker --tls-client-ca); with --tls-ca
+  --tls-key FILE           the client certificate's private key (PEM)
+                           A worker the frontend cannot do TLS with counts as unreachable:
+                           its requests go elsewhere or fail per --fallback (docs/transport.md)";
 
 /// The environment variable naming the API key file when `--api-key-file` is absent. A path,
 /// not the keys: a process's environment is readable by whoever can inspect the process
@@ -84,6 +93,7 @@ pub struct ServeOptions {
     etcd_root: String,
     /// The API key file and where its name came from (read when serve starts).
     api_key_file: Option<(PathBuf, &'static str)>,
+    tls: TlsFlags,
 }
 
 fn fallback(raw: &str) -> Result<FallbackPolicy, CliError> {
@@ -133,6 +143,7 @@ impl ServeOptions {
             ttl: Duration::from_secs(10),
             etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
             api_key_file: None,
+            tls: TlsFlags::default(),
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -171,9 +182,11 @@ impl ServeOptions {
                 }
                 "--metrics-need-key" => options.http.metrics_need_key = true,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
+                other if options.tls.take(other, &mut flags, true)? => {}
                 other => return Err(CliError::Usage(format!("unknown serve option `{other}`"))),
             }
         }
+        options.tls.check_client()?;
         options.discovery =
             discovery.ok_or_else(|| CliError::Usage("serve needs --discovery".into()))?;
         options.namespace =
@@ -259,15 +272,19 @@ async fn serve(mut options: ServeOptions) -> Result<(), String> {
         options.http.api_keys = Some(keys);
     }
     let api_keys = options.http.api_keys.as_ref().map_or(0, ApiKeys::len);
+    // Read first: a bad certificate file fails the start, not every request.
+    let tls = options.tls.client().map_err(|e| format!("TLS: {e}"))?;
     let discovery = options
         .discovery
         .open(options.ttl, &options.etcd_root)
         .await?;
     // Each leg's own deadline is the request's: the HTTP layer answers 504 at the same time.
-    let push = PushConfig {
+    let mut push = PushConfig {
         request_timeout: Some(options.http.request_timeout),
         ..PushConfig::default()
     };
+    // Both legs, prefill and decode, dial workers with the same TLS.
+    push.client.tls = tls;
     let mut config = PrefillHopConfig {
         router: PrefillRouterConfig {
             name: options.name.clone(),
@@ -350,6 +367,9 @@ mod tests {
             "--discovery file:///tmp/x --namespace ns --header-timeout-ms 0",
             "--discovery file:///tmp/x --namespace ns --idle-timeout-ms soon",
             "--discovery file:///tmp/x --namespace ns --max-connections 0",
+            "--discovery file:///tmp/x --namespace ns --tls-cert c.pem --tls-key k.pem",
+            "--discovery file:///tmp/x --namespace ns --tls-ca ca.pem --tls-cert c.pem",
+            "--discovery file:///tmp/x --namespace ns --tls-client-ca ca.pem",
         ] {
             assert!(
                 matches!(ServeOptions::parse(&args(line)), Err(CliError::Usage(_))),

@@ -17,6 +17,7 @@ use tokio::net::TcpListener;
 
 use crate::args::{CliError, Flags};
 use crate::store::{terminated, StoreSpec, DEFAULT_ETCD_ROOT};
+use crate::tls::TlsFlags;
 
 /// `worker` usage.
 pub const USAGE: &str = "\
@@ -61,7 +62,14 @@ options:
   --print-requests       print a `request` event as each request starts
   --no-kv-events         a prefill worker does not publish its KV cache events (by default
                          it does, to the routers in KV mode, which then score it by what its
-                         cache really holds: see docs/kv_events.md)";
+                         cache really holds: see docs/kv_events.md)
+  --tls-cert FILE        serve the request plane over TLS with this certificate chain (PEM,
+                         leaf first; frontends dial the worker's IP address, so the leaf
+                         needs that IP as a SAN unless they pass --tls-server-name)
+  --tls-key FILE         the certificate's private key (PEM); with --tls-cert
+  --tls-client-ca FILE   mutual TLS: accept only frontends presenting a certificate that
+                         chains to this CA (PEM); others are closed at the handshake
+                         (docs/transport.md, \"TLS\")";
 
 /// The worker's role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,6 +107,7 @@ pub struct WorkerOptions {
     print_requests: bool,
     kv_events: bool,
     session_affinity_ttl_secs: Option<u64>,
+    tls: TlsFlags,
 }
 
 /// How long a stopping worker lets its in-flight requests finish, by default.
@@ -126,6 +135,7 @@ impl WorkerOptions {
             print_requests: false,
             kv_events: true,
             session_affinity_ttl_secs: None,
+            tls: TlsFlags::default(),
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -164,10 +174,12 @@ impl WorkerOptions {
                     options.session_affinity_ttl_secs = Some(flags.parsed(flag)?)
                 }
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
+                other if options.tls.take(other, &mut flags, false)? => {}
                 other => return Err(CliError::Usage(format!("unknown worker option `{other}`"))),
             }
         }
         options.role = role.ok_or_else(|| CliError::Usage("worker needs --role".into()))?;
+        options.tls.check_server()?;
         options.discovery =
             discovery.ok_or_else(|| CliError::Usage("worker needs --discovery".into()))?;
         options.namespace =
@@ -266,6 +278,11 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
         cancelled: Arc::clone(&cancelled),
         started: options.print_requests.then(Arc::default),
     });
+    // Read before registering: a bad certificate file fails the start, not every request.
+    let server_config = ServerConfig {
+        tls: options.tls.server().map_err(|e| format!("TLS: {e}"))?,
+        ..ServerConfig::default()
+    };
     let discovery = options
         .discovery
         .open(options.ttl, &options.etcd_root)
@@ -274,8 +291,8 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
         .await
         .map_err(|e| format!("listening on {}: {e}", options.listen))?;
     let server = match events {
-        Some(events) => serve_with_kv_events(listener, engine, ServerConfig::default(), events),
-        None => serve(listener, engine, ServerConfig::default()),
+        Some(events) => serve_with_kv_events(listener, engine, server_config, events),
+        None => serve(listener, engine, server_config),
     }
     .map_err(|e| format!("serving: {e}"))?;
     let endpoint = EndpointId::new(&options.namespace, options.role.component(), "generate");
@@ -297,6 +314,7 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
             "addr": server.local_addr().to_string(),
             "endpoint": endpoint.to_string(),
             "pid": std::process::id(),
+            "tls": options.tls.enabled(false),
         })
     );
     terminated().await;
@@ -439,6 +457,9 @@ mod tests {
             "--role prefill --discovery file:///tmp/x",
             "--role both --discovery file:///tmp/x --namespace ns",
             "--role decode --discovery http://x --namespace ns",
+            "--role decode --discovery file:///tmp/x --namespace ns --tls-cert c.pem",
+            "--role decode --discovery file:///tmp/x --namespace ns --tls-client-ca ca.pem",
+            "--role decode --discovery file:///tmp/x --namespace ns --tls-ca ca.pem",
         ] {
             assert!(
                 matches!(WorkerOptions::parse(&args(line)), Err(CliError::Usage(_))),
