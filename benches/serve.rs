@@ -1,4 +1,4 @@
-//! What the HTTP frontend adds: requests/s and latency of three sides, interleaved in rounds
+//! What the HTTP frontend adds: requests/s and latency of six sides, interleaved in rounds
 //! in one process, with zero-cost loopback mock workers (2 prefill, 1 decode):
 //!
 //! - `in-process`: `PrefillHop::generate` called directly (the request drained);
@@ -6,15 +6,22 @@
 //!   non-streaming `POST /v1/completions` over loopback HTTP/1.1 keep-alive connections;
 //! - `serve+keys`: the same, on a second listener of the same hop with API keys on (three
 //!   keys, each request with `Authorization: Bearer` of the last one): what the key check adds;
-//! - `floor`: a minimal axum server on the same HTTP stack answering a fixed completion.
+//! - `floor`: a minimal axum server on the same HTTP stack answering a fixed completion;
+//! - `in-process+tls` and `serve+tls`: the first two over a second set of the same workers
+//!   that require mutual TLS on the request plane (`ServerTls::mutual`; their own discovery),
+//!   through a second hop whose push config dials with `ClientTls::mutual` (certificates made
+//!   with rcgen at start): what request-plane TLS adds in and through the frontend.
 //!
 //! Two passes, each interleaved in rounds: throughput with C concurrent callers (each with its
 //! own keep-alive connection), then latency with one caller (no queueing: what each side adds
 //! to one request on an idle box).
 //!
-//! `cargo bench --bench serve --features http -- [--secs S] [--rounds N] [--concurrency C]
+//! `cargo bench --bench serve --features http,tls -- [--secs S] [--rounds N] [--concurrency C]
 //! [--svg PATH]` (defaults: 1 s per side per round, 5 rounds, 16 connections/callers; about
-//! 2 × (rounds + 1) × 4 × S seconds in all).
+//! 2 × (rounds + 1) × 6 × S seconds in all).
+
+#[path = "../tests/request_plane/certs.rs"]
+mod certs;
 
 #[path = "support/worker.rs"]
 mod worker;
@@ -22,7 +29,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use worker::worker;
+use worker::worker_with;
 
 use axum::body::Bytes;
 use futures_util::StreamExt;
@@ -32,7 +39,10 @@ use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
 use prefill_router::discovery::{Discovery, EndpointId, MemoryConfig, MemoryDiscovery};
 use prefill_router::http::{ApiKeys, HttpConfig};
 use prefill_router::mock::{MockConfig, MockDecode, MockPrefill};
-use prefill_router::transport::GenerateRequest;
+use prefill_router::push::PushConfig;
+use prefill_router::transport::{
+    ClientConfig, ClientTls, GenerateRequest, ServerConfig, ServerTls, TlsIdentity, TlsRoots,
+};
 use prefill_router::{PrefillHop, PrefillHopConfig};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -208,15 +218,30 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-const SIDES: [&str; 4] = ["in-process", "serve", "serve+keys", "floor"];
-const COLORS: [&str; 4] = ["#2ca02c", "#1f77b4", "#d62728", "#7f7f7f"];
-/// Index of the floor in [`SIDES`].
-const FLOOR: usize = 3;
+/// Number of sides.
+const N: usize = 6;
+const SIDES: [&str; N] = [
+    "in-process",
+    "serve",
+    "serve+keys",
+    "floor",
+    "in-process+tls",
+    "serve+tls",
+];
+const COLORS: [&str; N] = [
+    "#2ca02c", "#1f77b4", "#d62728", "#7f7f7f", "#98df8a", "#9467bd",
+];
 /// Index of `serve+keys` in [`SIDES`].
 const KEYED: usize = 2;
+/// Index of the floor in [`SIDES`].
+const FLOOR: usize = 3;
+/// Index of `in-process+tls` in [`SIDES`].
+const INPROC_TLS: usize = 4;
+/// Index of `serve+tls` in [`SIDES`].
+const SERVE_TLS: usize = 5;
 
 /// Latency CDFs (log time axis) of the sides, as SVG text.
-fn svg(latencies: &[Vec<Duration>; 4], concurrency: u64) -> String {
+fn svg(latencies: &[Vec<Duration>; N], concurrency: u64) -> String {
     use std::fmt::Write;
     let (w, h, pad) = (520.0, 300.0, 60.0);
     let lo = latencies
@@ -310,42 +335,56 @@ struct Addrs {
     serve: SocketAddr,
     keyed: SocketAddr,
     floor: SocketAddr,
+    /// `serve` over the TLS hop.
+    tls: SocketAddr,
 }
 
-/// One pass: `rounds` rounds (after a warm-up) of the four sides, order rotating per round;
+/// The hops: plain request plane, and mutual TLS to the second set of workers.
+struct Hops {
+    plain: Arc<PrefillHop>,
+    tls: Arc<PrefillHop>,
+}
+
+/// One pass: `rounds` rounds (after a warm-up) of the sides, order rotating per round;
 /// per side the rate of every round and every latency.
 async fn pass(
-    hop: &Arc<PrefillHop>,
+    hops: &Hops,
     addrs: Addrs,
     concurrency: u64,
     secs: Duration,
     rounds: u64,
-) -> ([Vec<f64>; 4], [Vec<Duration>; 4]) {
+) -> ([Vec<f64>; N], [Vec<Duration>; N]) {
     println!();
     println!("{concurrency} caller(s):");
     println!(
-        "{:<8} {:>14} {:>14} {:>14} {:>14} {:>12} {:>12} {:>12}",
+        "{:<8} {:>13} {:>9} {:>9} {:>9} {:>13} {:>9} {:>11} {:>12} {:>10} {:>10} {:>10}",
         "round",
         "in-process/s",
         "serve/s",
         "keys/s",
         "floor/s",
+        "inproc+tls/s",
+        "serve+tls/s",
         "serve/floor",
         "serve/inproc",
-        "keys/serve"
+        "keys/serve",
+        "tls/inproc",
+        "tls/serve"
     );
-    let mut all: [Vec<Duration>; 4] = Default::default();
-    let mut rates: [Vec<f64>; 4] = Default::default();
+    let mut all: [Vec<Duration>; N] = Default::default();
+    let mut rates: [Vec<f64>; N] = Default::default();
     for round in 0..=rounds {
-        let mut got: [f64; 4] = [0.0; 4];
+        let mut got: [f64; N] = [0.0; N];
         // Rotate the order so drift within a round favours no side.
         for k in 0..SIDES.len() {
             let side = (k + round as usize) % SIDES.len();
             let run = match side {
-                0 => in_process_side(hop, concurrency, secs).await,
+                0 => in_process_side(&hops.plain, concurrency, secs).await,
                 1 => http_side(addrs.serve, concurrency, secs, None).await,
                 KEYED => http_side(addrs.keyed, concurrency, secs, Some(KEYS[2])).await,
-                _ => http_side(addrs.floor, concurrency, secs, None).await,
+                FLOOR => http_side(addrs.floor, concurrency, secs, None).await,
+                INPROC_TLS => in_process_side(&hops.tls, concurrency, secs).await,
+                _ => http_side(addrs.tls, concurrency, secs, None).await,
             };
             got[side] = run.rate;
             if round > 0 {
@@ -359,20 +398,29 @@ async fn pass(
             round.to_string()
         };
         println!(
-            "{label:<8} {:>14.0} {:>14.0} {:>14.0} {:>14.0} {:>12.3} {:>12.3} {:>12.3}",
+            "{label:<8} {:>13.0} {:>9.0} {:>9.0} {:>9.0} {:>13.0} {:>9.0} {:>11.3} {:>12.3} {:>10.3} {:>10.3} {:>10.3}",
             got[0],
             got[1],
             got[KEYED],
             got[FLOOR],
+            got[INPROC_TLS],
+            got[SERVE_TLS],
             got[1] / got[FLOOR],
             got[1] / got[0],
-            got[KEYED] / got[1]
+            got[KEYED] / got[1],
+            got[INPROC_TLS] / got[0],
+            got[SERVE_TLS] / got[1]
         );
     }
     (rates, all)
 }
 
-async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<String>) {
+/// The zero-cost mock workers (2 prefill, 1 decode) on their own discovery, served with
+/// `server`, and a ready hop over them dialing with `client`.
+async fn hop_over_workers(
+    server: ServerConfig,
+    client: ClientConfig,
+) -> (Arc<PrefillHop>, Vec<impl Sized>) {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
     let mock = MockConfig {
         block_size: 16,
@@ -392,30 +440,42 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<Str
     for id in 1..=2 {
         let ep = EndpointId::new("bench", "prefill", "generate");
         held.push(
-            worker(
+            worker_with(
                 &discovery,
                 ep,
                 id,
                 MockPrefill::new(id, mock.clone()),
                 card.clone(),
+                server.clone(),
             )
             .await,
         );
     }
     let ep = EndpointId::new("bench", "decode", "generate");
     held.push(
-        worker(
+        worker_with(
             &discovery,
             ep,
             100,
             MockDecode::new(100, mock.clone()),
             card.clone(),
+            server,
         )
         .await,
     );
 
+    // Both legs, prefill and decode, dial workers with the same client config.
+    let push = PushConfig {
+        client,
+        ..PushConfig::default()
+    };
+    let mut config = PrefillHopConfig {
+        decode_push: push.clone(),
+        ..PrefillHopConfig::default()
+    };
+    config.factory.push = push;
     let hop = Arc::new(
-        PrefillHop::start(Arc::clone(&discovery), "bench", PrefillHopConfig::default())
+        PrefillHop::start(Arc::clone(&discovery), "bench", config)
             .await
             .unwrap(),
     );
@@ -427,44 +487,60 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<Str
     .await
     .unwrap()
     .unwrap();
+    (hop, held)
+}
+
+/// `prefill_router::http::serve` over `hop` on a new loopback listener.
+async fn frontend(hop: &Arc<PrefillHop>, config: HttpConfig) -> SocketAddr {
     let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
         .await
         .unwrap();
-    let serve_addr = listener.local_addr().unwrap();
-    let http = Arc::clone(&hop);
+    let addr = listener.local_addr().unwrap();
+    let hop = Arc::clone(hop);
     tokio::spawn(async move {
-        prefill_router::http::serve(
-            listener,
-            http,
-            HttpConfig::default(),
-            std::future::pending(),
-        )
-        .await
+        prefill_router::http::serve(listener, hop, config, std::future::pending()).await
     });
-    let keyed_listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-        .await
-        .unwrap();
-    let keyed_addr = keyed_listener.local_addr().unwrap();
-    let keyed = Arc::clone(&hop);
+    addr
+}
+
+async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<String>) {
+    let (plain, held) = hop_over_workers(ServerConfig::default(), ClientConfig::default()).await;
+    // Mutual TLS: workers present a leaf of one CA and require a client leaf of another.
+    let (workers_ca, frontends_ca) = (certs::Ca::new("workers"), certs::Ca::new("frontends"));
+    let identity = |leaf: certs::Leaf| {
+        TlsIdentity::from_pem(leaf.cert_pem.as_bytes(), leaf.key_pem.as_bytes()).unwrap()
+    };
+    let roots = |ca: &certs::Ca| TlsRoots::from_pem(ca.pem().as_bytes()).unwrap();
+    let worker_id = identity(workers_ca.leaf(&["127.0.0.1"], certs::Validity::Current));
+    let frontend_id = identity(frontends_ca.leaf(&["frontend"], certs::Validity::Current));
+    let (tls, held_tls) = hop_over_workers(
+        ServerConfig {
+            tls: Some(ServerTls::mutual(worker_id, roots(&frontends_ca)).unwrap()),
+            ..ServerConfig::default()
+        },
+        ClientConfig {
+            tls: Some(ClientTls::mutual(roots(&workers_ca), frontend_id).unwrap()),
+            ..ClientConfig::default()
+        },
+    )
+    .await;
+    let hops = Hops { plain, tls };
     let keyed_config = HttpConfig {
         api_keys: Some(ApiKeys::new(KEYS).unwrap()),
         ..HttpConfig::default()
     };
-    tokio::spawn(async move {
-        prefill_router::http::serve(keyed_listener, keyed, keyed_config, std::future::pending())
-            .await
-    });
     let addrs = Addrs {
-        serve: serve_addr,
-        keyed: keyed_addr,
+        serve: frontend(&hops.plain, HttpConfig::default()).await,
+        keyed: frontend(&hops.plain, keyed_config).await,
         floor: floor_server().await,
+        tls: frontend(&hops.tls, HttpConfig::default()).await,
     };
 
     println!(
         "serve overhead, 2 prefill + 1 decode zero-cost loopback mock workers, {MAX_TOKENS} tokens per request, {secs:?} per side per round"
     );
-    let (rates, _) = pass(&hop, addrs, concurrency, secs, rounds).await;
-    let (_, mut one) = pass(&hop, addrs, 1, secs, rounds).await;
+    let (rates, _) = pass(&hops, addrs, concurrency, secs, rounds).await;
+    let (_, mut one) = pass(&hops, addrs, 1, secs, rounds).await;
     for l in &mut one {
         l.sort();
     }
@@ -472,7 +548,7 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<Str
         |a: usize, b: usize| median(rates[a].iter().zip(&rates[b]).map(|(x, y)| x / y).collect());
     println!();
     println!(
-        "{:<11} {:>14} {:>14} {:>14}",
+        "{:<15} {:>14} {:>14} {:>14}",
         "side",
         format!("req/s ({concurrency})"),
         "p50 us (1)",
@@ -480,7 +556,7 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<Str
     );
     for (i, name) in SIDES.iter().enumerate() {
         println!(
-            "{name:<11} {:>14.0} {:>14.0} {:>14.0}",
+            "{name:<15} {:>14.0} {:>14.0} {:>14.0}",
             median(rates[i].clone()),
             us(quantile(&one[i], 0.5)),
             us(quantile(&one[i], 0.99))
@@ -504,12 +580,22 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64, svg_path: Option<Str
         "added latency of serve over in-process, one caller: p50 {added50:.0} us (goal < 100), p99 {added99:.0} us; floor p50 {:.0} us",
         us(quantile(&one[FLOOR], 0.5))
     );
+    for (plain, tls, what) in [(0, INPROC_TLS, "in-process"), (1, SERVE_TLS, "serve")] {
+        println!(
+            "mutual TLS, {what}: requests/s tls/plain {:.3} (median of per-round ratios); one caller p50 {:+.0} us, p99 {:+.0} us",
+            ratio(tls, plain),
+            us(quantile(&one[tls], 0.5)) - us(quantile(&one[plain], 0.5)),
+            us(quantile(&one[tls], 0.99)) - us(quantile(&one[plain], 0.99))
+        );
+    }
     if let Some(path) = svg_path {
         std::fs::write(&path, svg(&one, 1)).unwrap();
         println!("wrote {path}");
     }
-    hop.shutdown().await;
+    hops.plain.shutdown().await;
+    hops.tls.shutdown().await;
     drop(held);
+    drop(held_tls);
 }
 
 fn main() {

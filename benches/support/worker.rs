@@ -9,6 +9,8 @@ use prefill_router::discovery::{Discovery, EndpointId, Instance, InstanceId, Reg
 use prefill_router::transport::{serve, Engine, ServerConfig, ServerHandle};
 use tokio::net::TcpListener;
 
+// benches/serve.rs uses `worker_with` alone.
+#[allow(dead_code)]
 pub async fn worker(
     discovery: &Arc<dyn Discovery>,
     endpoint: EndpointId,
@@ -16,10 +18,30 @@ pub async fn worker(
     engine: Arc<dyn Engine>,
     card: ModelCard,
 ) -> (ServerHandle, Registration) {
+    worker_with(
+        discovery,
+        endpoint,
+        id,
+        engine,
+        card,
+        ServerConfig::default(),
+    )
+    .await
+}
+
+/// [`worker`] with its own server config (TLS, limits).
+pub async fn worker_with(
+    discovery: &Arc<dyn Discovery>,
+    endpoint: EndpointId,
+    id: InstanceId,
+    engine: Arc<dyn Engine>,
+    card: ModelCard,
+    config: ServerConfig,
+) -> (ServerHandle, Registration) {
     let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
         .await
         .unwrap();
-    let server = serve(listener, engine, ServerConfig::default()).unwrap();
+    let server = serve(listener, engine, config).unwrap();
     let instance = Instance {
         endpoint,
         instance_id: id,
