@@ -218,7 +218,7 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64) {
     tokio::time::timeout(
         Duration::from_secs(10),
         binding
-            .router()
+            .dispatcher()
             .view()
             .wait_for(|r| r.len() == PREFILL_WORKERS as usize),
     )

@@ -188,7 +188,7 @@ async fn main() {
     let hop_deadline = Instant::now() + Duration::from_secs(30);
     let routable = loop {
         let n = match hop.router().route() {
-            prefill_router::snapshot::Route::Prefill(b) => b.router().view().routable().len(),
+            prefill_router::snapshot::Route::Prefill(b) => b.dispatcher().view().routable().len(),
             _ => 0,
         };
         if n as u64 >= total || Instant::now() > hop_deadline {
@@ -211,7 +211,7 @@ async fn main() {
     let deadline = Instant::now() + Duration::from_secs(30);
     let n = loop {
         let n = match hop.router().route() {
-            prefill_router::snapshot::Route::Prefill(b) => b.router().view().routable().len(),
+            prefill_router::snapshot::Route::Prefill(b) => b.dispatcher().view().routable().len(),
             _ => 0,
         };
         if n as u64 >= total || Instant::now() > deadline {

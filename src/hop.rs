@@ -45,7 +45,7 @@ use crate::discovery::{Discovery, DiscoveryError, StoreStatus};
 use crate::push::{PushConfig, PushMode};
 use crate::router::{DecodeStream, GenerateError, PrefillRouter, PrefillRouterConfig};
 use crate::snapshot::BypassReason;
-use crate::topology::{TopologyView, TopologyWatcher};
+use crate::topology::{TopologySnapshot, TopologyWatcher};
 use crate::transport::GenerateRequest;
 
 pub use decode::FollowingDecode;
@@ -110,7 +110,7 @@ pub struct PrefillHop {
     stats: Arc<BindingStats>,
     decode: Arc<FollowingDecode>,
     watcher: parking_lot::Mutex<Option<TopologyWatcher>>,
-    topology: watch::Receiver<TopologyView>,
+    topology: watch::Receiver<TopologySnapshot>,
     store: watch::Receiver<StoreStatus>,
     status: watch::Sender<HopStatus>,
     shut_down: Arc<AtomicBool>,
@@ -249,7 +249,7 @@ impl PrefillHop {
     }
 
     /// The topology as last published by the watcher.
-    pub fn topology(&self) -> watch::Receiver<TopologyView> {
+    pub fn topology(&self) -> watch::Receiver<TopologySnapshot> {
         self.topology.clone()
     }
 

@@ -24,5 +24,5 @@ pub mod tokenizer;
 pub use auth::{ApiKeys, AuthError, KeysError};
 pub use conn::ServeSummary;
 pub use openai::ApiError;
-pub use server::{router, serve, HttpConfig};
+pub use server::{app, serve, HttpConfig};
 pub use session::{MAX_SESSION_LEN, SESSION_HEADER};

@@ -28,8 +28,8 @@ mod view;
 pub(crate) use affinity::AffinityTable;
 pub use affinity::{AffinityCounts, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
 pub use dispatcher::{
-    Dispatch, Dispatcher, OverloadCounts, OverloadStats, PushConfig, PushMode, RoutedStream,
-    Selection, TcpLink, WorkerLink,
+    Dispatch, Dispatcher, HeldPick, OverloadCounts, OverloadStats, PushConfig, PushMode,
+    RoutedStream, TcpLink, WorkerLink,
 };
 pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};

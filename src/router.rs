@@ -25,7 +25,7 @@ mod shared;
 mod status;
 mod target;
 
-pub use conditional::{ConditionalPolicy, ConditionalSkip, PrefillProbe};
+pub use conditional::{ConditionalPolicy, ConditionalSkip, PrefillEstimate};
 pub use config::PrefillRouterConfig;
 pub use error::{GenerateError, WaitError};
 pub use fallback::{AfterWait, FallbackPolicy};

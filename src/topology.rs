@@ -18,5 +18,5 @@ mod sets;
 mod watcher;
 
 pub use kind::{worker_kind, WorkerKind};
-pub use sets::{AdmissionChange, Changes, Topology, TopologyView, MAX_DORMANT_SETS};
+pub use sets::{AdmissionChange, Changes, Topology, TopologySnapshot, MAX_DORMANT_SETS};
 pub use watcher::{TargetSink, TopologyWatcher};

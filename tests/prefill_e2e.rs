@@ -57,7 +57,7 @@ async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
         "the committed card wins"
     );
     assert!(matches!(
-        binding1.router().mode(),
+        binding1.dispatcher().mode(),
         PushMode::Kv { block_size: 64, .. }
     ));
 
@@ -88,7 +88,7 @@ async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
     assert_eq!(fe.built(), 2, "a new generation rebuilds");
     let binding2 = fe.router.route().binding().cloned().unwrap();
     assert!(matches!(
-        binding2.router().mode(),
+        binding2.dispatcher().mode(),
         PushMode::Kv { block_size: 32, .. }
     ));
     for seed in 50..60 {

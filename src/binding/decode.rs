@@ -11,18 +11,18 @@ use crate::transport::GenerateRequest;
 /// any) goes to one decode worker and its responses stream back.
 #[derive(Debug)]
 pub struct DecodePool {
-    router: Dispatcher,
+    dispatcher: Dispatcher,
 }
 
 impl DecodePool {
-    /// The decode hop over `router`.
-    pub fn new(router: Dispatcher) -> Self {
-        DecodePool { router }
+    /// The decode hop over `dispatcher`.
+    pub fn new(dispatcher: Dispatcher) -> Self {
+        DecodePool { dispatcher }
     }
 
     /// The dispatcher.
-    pub fn router(&self) -> &Dispatcher {
-        &self.router
+    pub fn dispatcher(&self) -> &Dispatcher {
+        &self.dispatcher
     }
 }
 
@@ -37,7 +37,7 @@ impl Decode for DecodePool {
                 // The router already sets it; keep the outcome authoritative either way.
                 request.handoff = outcome.handoff.or(request.handoff);
             }
-            let stream = self.router.generate(request).await?;
+            let stream = self.dispatcher.generate(request).await?;
             let stream: DecodeStream = Box::pin(stream.map(|item| item.map_err(DecodeError::from)));
             Ok(stream)
         }

@@ -14,11 +14,11 @@ use super::TokenLoad;
 use crate::advert::{self, DecodeDefaults, PrefillConfig};
 use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::hooks::FactoryHooks;
-use crate::push::Selection;
+use crate::push::HeldPick;
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{
-    BindingFactory, BindingHealth, BuildError, Prefill, PrefillError, PrefillOutcome, PrefillPick,
-    PrefillProbe, WorkerSetTarget, WorkerSetTargetId,
+    BindingFactory, BindingHealth, BuildError, Prefill, PrefillError, PrefillEstimate,
+    PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
 };
 use crate::transport::GenerateRequest;
 
@@ -186,7 +186,7 @@ impl DefaultBindingFactory {
             endpoint: target.endpoint,
             admitted: target.admitted,
             resolved,
-            router,
+            dispatcher: router,
             stats: Arc::clone(&self.stats),
             inflight_tokens: Arc::default(),
             _feed: feed.drop_guard(),
@@ -201,7 +201,7 @@ pub struct PrefillBinding {
     endpoint: EndpointId,
     admitted: watch::Receiver<BTreeSet<InstanceId>>,
     resolved: PrefillConfig,
-    router: Dispatcher,
+    dispatcher: Dispatcher,
     stats: Arc<BindingStats>,
     /// Uncached prompt tokens of the prefills picked on this binding and not finished (the
     /// conditional policy's pool load).
@@ -212,8 +212,8 @@ pub struct PrefillBinding {
 
 /// What a [`PrefillBinding`]'s pick holds until its dispatch: the dispatcher's selection (the
 /// worker and its share of the KV load) and the request's share of the pool's token load.
-struct HeldPick {
-    selection: Selection,
+struct BindingPick {
+    selection: HeldPick,
     load: TokenLoad,
 }
 
@@ -222,7 +222,7 @@ impl std::fmt::Debug for PrefillBinding {
         f.debug_struct("PrefillBinding")
             .field("id", &self.id)
             .field("endpoint", &self.endpoint)
-            .field("mode", self.router.mode())
+            .field("mode", self.dispatcher.mode())
             .finish_non_exhaustive()
     }
 }
@@ -239,8 +239,8 @@ impl PrefillBinding {
     }
 
     /// The dispatcher (mode, view).
-    pub fn router(&self) -> &Dispatcher {
-        &self.router
+    pub fn dispatcher(&self) -> &Dispatcher {
+        &self.dispatcher
     }
 }
 
@@ -251,7 +251,7 @@ impl Prefill for PrefillBinding {
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
         async move {
             let before = self.admitted.borrow().clone();
-            let view = self.router.view();
+            let view = self.dispatcher.view();
             if view.routable().is_empty() && before.iter().any(|id| !view.is_discovered(*id)) {
                 // Admitted instances this view's own discovery watch has not shown yet: the
                 // watcher (namespace watch) and the view (endpoint watch) read two streams with
@@ -266,7 +266,7 @@ impl Prefill for PrefillBinding {
                 )
                 .await;
             }
-            let stream = match self.router.generate(request).await {
+            let stream = match self.dispatcher.generate(request).await {
                 Err(PushError::NoRoutableInstances) => {
                     // Admitted instances this view no longer discovers: its endpoint watch saw
                     // them leave before the topology watcher retargeted (two streams, no common
@@ -274,7 +274,7 @@ impl Prefill for PrefillBinding {
                     // route on, so wait for that (briefly): the router then sees the binding
                     // no longer served and routes the request again.
                     let mut admitted = self.admitted.clone();
-                    let view = self.router.view();
+                    let view = self.dispatcher.view();
                     let leaving = admitted
                         .borrow_and_update()
                         .iter()
@@ -304,8 +304,8 @@ impl Prefill for PrefillBinding {
     /// [`prefill`](Prefill::prefill)'s path (which waits for the view to catch up or for room
     /// in the overload queue, or fails typed).
     fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
-        let mut probe = PrefillProbe::prompt_only(request.token_ids.len());
-        let selection = match self.router.select_held(request) {
+        let mut probe = PrefillEstimate::prompt_only(request.token_ids.len());
+        let selection = match self.dispatcher.select_held(request) {
             Ok(selection) => selection,
             // Nothing routable, or every worker over the busy threshold: hold nothing; the
             // dispatch takes `prefill`'s path, which waits (for the view, or for room in the
@@ -322,12 +322,12 @@ impl Prefill for PrefillBinding {
         probe.cached_tokens = u32::try_from(cached)
             .unwrap_or(u32::MAX)
             .min(probe.prompt_tokens);
-        let workers = u64::try_from(self.router.view().routable().len().max(1)).unwrap_or(1);
+        let workers = u64::try_from(self.dispatcher.view().routable().len().max(1)).unwrap_or(1);
         probe.pool_tokens_per_worker = self.inflight_tokens.load(Ordering::Relaxed) / workers;
         let load = TokenLoad::new(&self.inflight_tokens, u64::from(probe.uncached_tokens()));
         Ok(PrefillPick::new(
             probe,
-            Some(Box::new(HeldPick { selection, load })),
+            Some(Box::new(BindingPick { selection, load })),
         ))
     }
 
@@ -341,14 +341,17 @@ impl Prefill for PrefillBinding {
         pick: PrefillPick,
         request: GenerateRequest,
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
-        let Some(held) = pick.into_held().and_then(|h| h.downcast::<HeldPick>().ok()) else {
+        let Some(held) = pick
+            .into_held()
+            .and_then(|h| h.downcast::<BindingPick>().ok())
+        else {
             return self.prefill(request);
         };
         async move {
-            let HeldPick { selection, load } = *held;
+            let BindingPick { selection, load } = *held;
             let worker = selection.instance().instance_id;
             // The failed send released the booking with the selection.
-            let stream = match self.router.dispatch_held(selection, request.clone()).await {
+            let stream = match self.dispatcher.dispatch_held(selection, request.clone()).await {
                 Ok(stream) => stream,
                 Err(error) => {
                     tracing::debug!(target = %self.id, worker, %error, "picked worker unreachable: picking again");
@@ -367,12 +370,12 @@ impl Prefill for PrefillBinding {
 
     fn health(&self) -> BindingHealth {
         BindingHealth::new(
-            self.router.view().open_breakers(),
-            self.router.retry_counts().snapshot(),
+            self.dispatcher.view().open_breakers(),
+            self.dispatcher.retry_counts().snapshot(),
         )
         .with_affinity(self.stats.affinity.snapshot())
-        .with_overload(self.router.overload_stats())
-        .with_routable(self.router.view().routable().len())
+        .with_overload(self.dispatcher.overload_stats())
+        .with_routable(self.dispatcher.view().routable().len())
     }
 }
 

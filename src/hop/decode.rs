@@ -13,7 +13,7 @@ use crate::binding::DecodePool;
 use crate::discovery::{Discovery, EndpointId};
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{Decode, DecodeError, DecodeStream, PrefillOutcome};
-use crate::topology::TopologyView;
+use crate::topology::TopologySnapshot;
 use crate::transport::GenerateRequest;
 
 /// One decode endpoint's dispatcher and the guard of its discovery feed.
@@ -63,7 +63,7 @@ impl FollowingDecode {
         self.slot
             .load()
             .as_ref()
-            .map_or(0, |s| s.pool.router().view().routable().len())
+            .map_or(0, |s| s.pool.dispatcher().view().routable().len())
     }
 
     /// The current decode dispatcher's view, if any (for waits in tests and demos).
@@ -71,7 +71,7 @@ impl FollowingDecode {
         self.slot
             .load()
             .as_ref()
-            .map(|s| s.pool.router().view().clone())
+            .map(|s| s.pool.dispatcher().view().clone())
     }
 
     pub(crate) fn clear(&self) {
@@ -158,7 +158,7 @@ impl futures_core::Stream for Holding {
 pub(crate) async fn follow(
     decode: Arc<FollowingDecode>,
     discovery: Arc<dyn Discovery>,
-    mut topology: watch::Receiver<TopologyView>,
+    mut topology: watch::Receiver<TopologySnapshot>,
     catch_up: Duration,
     cancel: CancellationToken,
     changed: watch::Sender<()>,

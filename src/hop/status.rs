@@ -11,7 +11,7 @@ use super::HopRouter;
 use crate::discovery::{EndpointId, StoreStatus};
 use crate::lifecycle::Lifecycle;
 use crate::router::{AfterWait, FallbackPolicy, WorkerSetTargetId};
-use crate::topology::TopologyView;
+use crate::topology::TopologySnapshot;
 
 /// Why a request arriving now would not be served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -117,7 +117,7 @@ pub(crate) fn readiness(
 
 pub(crate) fn compute(
     router: &HopRouter,
-    topology: &TopologyView,
+    topology: &TopologySnapshot,
     decode: Option<EndpointId>,
     policy: FallbackPolicy,
     shut_down: bool,
@@ -174,7 +174,7 @@ impl prometheus_client::collector::Collector for StoreCollector {
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn publish(
     router: Arc<HopRouter>,
-    mut topology: watch::Receiver<TopologyView>,
+    mut topology: watch::Receiver<TopologySnapshot>,
     mut decode_changed: watch::Receiver<()>,
     decode: Arc<FollowingDecode>,
     policy: FallbackPolicy,

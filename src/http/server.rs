@@ -122,8 +122,8 @@ pub(super) struct App(pub(super) Arc<Inner>);
 ///
 /// Served by another server than [`serve`], it has no connection timeouts, cap or drain of its
 /// own, and its request deadline starts when a handler starts.
-pub fn router(hop: Arc<PrefillHop>, config: HttpConfig) -> axum::Router {
-    App::new(hop, config).router()
+pub fn app(hop: Arc<PrefillHop>, config: HttpConfig) -> axum::Router {
+    App::new(hop, config).routes()
 }
 
 impl App {
@@ -170,7 +170,7 @@ impl App {
         }))
     }
 
-    pub(super) fn router(&self) -> axum::Router {
+    pub(super) fn routes(&self) -> axum::Router {
         let router = axum::Router::new()
             .route(
                 "/v1/completions",
@@ -268,7 +268,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
     let app = App::new(hop, config);
-    let router = app.router();
+    let router = app.routes();
     super::conn::run(listener, app, router, shutdown).await
 }
 

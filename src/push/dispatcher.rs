@@ -28,7 +28,7 @@ use booking::{Booking, Bookings};
 pub use booking::{OverloadCounts, OverloadStats};
 pub use link::{Dispatch, TcpLink, WorkerLink};
 use routed::classify;
-pub use routed::{RoutedStream, Selection};
+pub use routed::{HeldPick, RoutedStream};
 
 /// How the router picks an instance.
 #[derive(Clone, Debug, PartialEq)]
@@ -546,12 +546,12 @@ impl<L: WorkerLink> Dispatcher<L> {
 
     /// Pick an instance for `request` as [`generate`](Self::generate) would, for callers that
     /// deliver the request themselves (in-process engines, the trace replay): in KV mode the
-    /// returned [`Selection`] holds the request's uncached tokens booked on the instance (the
+    /// returned [`HeldPick`] holds the request's uncached tokens booked on the instance (the
     /// load term) until dropped, exactly as a routed stream does. It does not wait for room:
     /// with every worker over the busy threshold it fails with [`PushError::Overloaded`] (use
     /// [`select_held_waiting`](Self::select_held_waiting) to queue).
-    pub fn select_held(&self, request: &GenerateRequest) -> Result<Selection, PushError> {
-        self.select_with_overlap(request, &[]).map(Selection::from)
+    pub fn select_held(&self, request: &GenerateRequest) -> Result<HeldPick, PushError> {
+        self.select_with_overlap(request, &[]).map(HeldPick::from)
     }
 
     /// [`select_held`](Self::select_held) never picking an instance in `excluded` (a retry
@@ -560,9 +560,9 @@ impl<L: WorkerLink> Dispatcher<L> {
         &self,
         request: &GenerateRequest,
         excluded: &[InstanceId],
-    ) -> Result<Selection, PushError> {
+    ) -> Result<HeldPick, PushError> {
         self.select_with_overlap(request, excluded)
-            .map(Selection::from)
+            .map(HeldPick::from)
     }
 
     /// [`select_held`](Self::select_held), waiting for room as [`generate`](Self::generate)
@@ -570,11 +570,11 @@ impl<L: WorkerLink> Dispatcher<L> {
     pub async fn select_held_waiting(
         &self,
         request: &GenerateRequest,
-    ) -> Result<Selection, PushError> {
+    ) -> Result<HeldPick, PushError> {
         let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
         self.select_or_wait(request, &[], deadline)
             .await
-            .map(Selection::from)
+            .map(HeldPick::from)
     }
 
     fn direct_target(&self, id: InstanceId) -> Result<Arc<Instance>, PushError> {

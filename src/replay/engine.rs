@@ -24,12 +24,12 @@ use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::kv_events::{mix, EventBatch};
 use crate::push::select::{Candidate, Choice};
 use crate::push::{
-    AffinityCounts, Dispatcher, KvSelector, LoadBoard, PushConfig, PushError, PushMode,
-    RoutableView, Selection,
+    AffinityCounts, Dispatcher, HeldPick, KvSelector, LoadBoard, PushConfig, PushError, PushMode,
+    RoutableView,
 };
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
-    PrefillOutcome, PrefillPick, PrefillProbe, WorkerSetTarget,
+    PrefillEstimate, PrefillOutcome, PrefillPick, WorkerSetTarget,
 };
 use crate::transport::{FinishReason, GenerateRequest, GenerateResponse};
 
@@ -348,7 +348,7 @@ struct ReplayHeld {
     /// baselines, what it books on the worker until the end).
     uncached: u64,
     /// The dispatcher's pick (`None`: a baseline picked outside it).
-    selection: Option<Selection>,
+    selection: Option<HeldPick>,
     load: TokenLoad,
 }
 
@@ -371,7 +371,7 @@ impl ReplayBinding {
         index: usize,
         record: &TraceRecord,
         request: &GenerateRequest,
-    ) -> Result<(InstanceId, Option<Selection>, usize), PrefillError> {
+    ) -> Result<(InstanceId, Option<HeldPick>, usize), PrefillError> {
         // Dynamo's baseline scores the workers itself; every other policy is the real push
         // router, whose selection counts as load until the prefill ends.
         let pick = match self.shared.policy {
@@ -470,7 +470,7 @@ impl Prefill for ReplayBinding {
             .saturating_mul(BLOCK_TOKENS)
             .min(record.input_length);
         let workers = u64::try_from(self.view.routable().len().max(1)).unwrap_or(1);
-        let probe = PrefillProbe {
+        let probe = PrefillEstimate {
             prompt_tokens: record.input_length,
             cached_tokens: cached,
             pool_tokens_per_worker: self.inflight_tokens.load(Ordering::Relaxed) / workers,

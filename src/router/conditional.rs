@@ -1,11 +1,11 @@
 //! Conditional disaggregation: per request, skip the remote prefill and send the request to
 //! decode whole when the prefill hop would gain it nothing (issue #13 item 2).
 //!
-//! The decision is a pure function of one [`PrefillProbe`] (what the binding's pick for the
+//! The decision is a pure function of one [`PrefillEstimate`] (what the binding's pick for the
 //! request says: prompt tokens, the tokens the picked worker is expected to hold cached, the
 //! prefill pool's load per worker) and the [`ConditionalPolicy`]'s thresholds. The router
-//! probes and dispatches on the **same** binding and the same held pick (upstream loads its
-//! binding twice, once to probe and once to dispatch: its weakness W10), see `docs/router.md`.
+//! estimates and dispatches on the **same** binding and the same held pick (upstream loads its
+//! binding twice, once to estimate and once to dispatch: its weakness W10), see `docs/router.md`.
 //!
 //! A skip is not a [`BypassReason`](crate::snapshot::BypassReason): a bypass means the pool
 //! is not usable (the snapshot says so), a skip means the pool is usable and was passed over
@@ -30,7 +30,7 @@ pub struct ConditionalPolicy {
 
 /// What a binding's pick for one request says about its prefill, for the policy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PrefillProbe {
+pub struct PrefillEstimate {
     /// Tokens in the prompt.
     pub prompt_tokens: u32,
     /// Leading prompt tokens the picked worker is expected to hold in its KV cache (the KV
@@ -41,13 +41,13 @@ pub struct PrefillProbe {
     pub pool_tokens_per_worker: u64,
 }
 
-impl PrefillProbe {
-    /// A probe that knows only the prompt: nothing cached, an idle pool (bindings that do not
+impl PrefillEstimate {
+    /// An estimate that knows only the prompt: nothing cached, an idle pool (bindings that do not
     /// implement [`Prefill::pick`](super::Prefill::pick)).
     pub fn prompt_only(prompt_tokens: usize) -> Self {
-        PrefillProbe {
+        PrefillEstimate {
             prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
-            ..PrefillProbe::default()
+            ..PrefillEstimate::default()
         }
     }
 
@@ -86,21 +86,21 @@ impl fmt::Display for ConditionalSkip {
 }
 
 impl ConditionalPolicy {
-    /// The decision for one probe: `Some(skip)` sends the request to decode whole.
+    /// The decision for one estimate: `Some(skip)` sends the request to decode whole.
     ///
     /// Exactly: `Short` when `uncached < min_uncached_tokens`; otherwise `Busy` when
     /// `pool_tokens_per_worker > max_pool_tokens_per_worker`; otherwise `None` (prefill). A
     /// condition whose threshold is `None` never holds.
-    pub fn decide(&self, probe: &PrefillProbe) -> Option<ConditionalSkip> {
+    pub fn decide(&self, estimate: &PrefillEstimate) -> Option<ConditionalSkip> {
         if self
             .min_uncached_tokens
-            .is_some_and(|min| probe.uncached_tokens() < min)
+            .is_some_and(|min| estimate.uncached_tokens() < min)
         {
             return Some(ConditionalSkip::Short);
         }
         if self
             .max_pool_tokens_per_worker
-            .is_some_and(|max| probe.pool_tokens_per_worker > max)
+            .is_some_and(|max| estimate.pool_tokens_per_worker > max)
         {
             return Some(ConditionalSkip::Busy);
         }

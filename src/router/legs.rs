@@ -10,7 +10,7 @@ use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::conditional::PrefillProbe;
+use super::conditional::PrefillEstimate;
 use super::target::WorkerSetTarget;
 use crate::discovery::InstanceId;
 use crate::health::FailureClass;
@@ -178,7 +178,7 @@ pub trait Prefill: Send + Sync + 'static {
     /// As [`prefill`](Self::prefill) would fail to route (e.g. an empty admission set).
     fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
         Ok(PrefillPick::new(
-            PrefillProbe::prompt_only(request.token_ids.len()),
+            PrefillEstimate::prompt_only(request.token_ids.len()),
             None,
         ))
     }
@@ -199,18 +199,18 @@ pub trait Prefill: Send + Sync + 'static {
 /// and whatever the binding holds for the dispatch (its selection and load share), released
 /// on drop.
 pub struct PrefillPick {
-    probe: PrefillProbe,
+    probe: PrefillEstimate,
     held: Option<Box<dyn std::any::Any + Send>>,
 }
 
 impl PrefillPick {
     /// A pick reporting `probe` and holding `held` until dispatched or dropped.
-    pub fn new(probe: PrefillProbe, held: Option<Box<dyn std::any::Any + Send>>) -> Self {
+    pub fn new(probe: PrefillEstimate, held: Option<Box<dyn std::any::Any + Send>>) -> Self {
         PrefillPick { probe, held }
     }
 
     /// What the pick says about the request's prefill.
-    pub fn probe(&self) -> &PrefillProbe {
+    pub fn probe(&self) -> &PrefillEstimate {
         &self.probe
     }
 

@@ -25,7 +25,7 @@ use crate::health::FailureClass;
 use crate::push::{failure_class, Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
-    PrefillOutcome, PrefillPick, PrefillProbe, WorkerSetTarget,
+    PrefillEstimate, PrefillOutcome, PrefillPick, WorkerSetTarget,
 };
 use crate::transport::{FinishReason, GenerateRequest, GenerateResponse};
 
@@ -371,13 +371,13 @@ impl SimBinding {
         use std::sync::atomic::Ordering;
         let id = request_id(request);
         let workers = self.view.routable().len().max(1) as u64;
-        let truth = PrefillProbe {
+        let truth = PrefillEstimate {
             pool_tokens_per_worker: self.inflight_tokens.load(Ordering::Relaxed) / workers,
-            ..PrefillProbe::prompt_only(request.token_ids.len())
+            ..PrefillEstimate::prompt_only(request.token_ids.len())
         };
         conditional::probed(&self.world, id, self.serial(), truth);
         let reported = match self.mutant {
-            Some(Mutant::ConditionalProbeLies) => PrefillProbe {
+            Some(Mutant::ConditionalProbeLies) => PrefillEstimate {
                 prompt_tokens: 0,
                 ..truth
             },

@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::oracle::Violation;
 use super::world::World;
-use crate::router::{ConditionalPolicy, ConditionalSkip, PrefillProbe, RouterCounters};
+use crate::router::{ConditionalPolicy, ConditionalSkip, PrefillEstimate, RouterCounters};
 
 /// The simulated policy: the requests' prompts are 4 to 96 tokens, so about a fifth are short;
 /// a pool is busy past 3 prefills of average length per worker.
@@ -31,7 +31,7 @@ pub(crate) struct Ledger {
     /// The policy the router runs (`None`: off).
     pub(crate) policy: Option<ConditionalPolicy>,
     /// Requests picked and not yet dispatched or decoded: the binding serial and the truth.
-    open: BTreeMap<u64, (u64, PrefillProbe)>,
+    open: BTreeMap<u64, (u64, PrefillEstimate)>,
     /// Requests decode received as skips.
     skipped: BTreeSet<u64>,
     /// Requests prefilled on a pick.
@@ -49,7 +49,7 @@ fn broken(world: &World, request: u64, property: &'static str, detail: String) {
 }
 
 /// Binding `serial` picked for `request`; `truth` is the probe its state really gives.
-pub(crate) fn probed(world: &World, request: u64, serial: u64, truth: PrefillProbe) {
+pub(crate) fn probed(world: &World, request: u64, serial: u64, truth: PrefillEstimate) {
     world.with(|s| s.conditional.open.insert(request, (serial, truth)));
 }
 

@@ -20,7 +20,7 @@ pub const MAX_DORMANT_SETS: usize = 64;
 
 /// The selected card of a prefill set and everything a target is made of.
 #[derive(Debug)]
-struct Selection {
+struct CardChoice {
     generation: u64,
     card: Arc<ModelCard>,
     admitted: watch::Sender<BTreeSet<InstanceId>>,
@@ -33,7 +33,7 @@ struct WorkerSet {
     /// Live instances: card and arrival number (first-wins is by arrival).
     instances: BTreeMap<InstanceId, (Arc<ModelCard>, u64)>,
     /// Prefill sets only: the card admission compares against.
-    selection: Option<Selection>,
+    selection: Option<CardChoice>,
     /// Generations handed out so far for this group (never reused).
     generations: u64,
     /// Instances already logged as rejected (one log line per rejection).
@@ -44,7 +44,7 @@ struct WorkerSet {
 
 /// The topology as the watcher publishes it after every change.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TopologyView {
+pub struct TopologySnapshot {
     /// The prefill target's identity, if the rule gives one.
     pub target: Option<WorkerSetTargetId>,
     /// Prefill sets with at least one admitted instance.
@@ -198,7 +198,7 @@ impl Topology {
             if let Some(card) = first {
                 set.generations += 1;
                 let (admitted, _) = watch::channel(BTreeSet::new());
-                let previous = set.selection.replace(Selection {
+                let previous = set.selection.replace(CardChoice {
                     generation: set.generations,
                     card,
                     admitted,
@@ -295,9 +295,9 @@ impl Topology {
     }
 
     /// The view the watcher publishes.
-    pub fn view(&self) -> TopologyView {
+    pub fn view(&self) -> TopologySnapshot {
         let decode_sets: Vec<EndpointId> = self.live_decode().cloned().collect();
-        TopologyView {
+        TopologySnapshot {
             target: self.target().map(|t| t.id),
             prefill_sets: self.live_prefill().map(|(e, _)| e.clone()).collect(),
             decode: (decode_sets.len() == 1).then(|| decode_sets[0].clone()),

@@ -7,7 +7,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::sets::{Topology, TopologyView};
+use super::sets::{Topology, TopologySnapshot};
 use crate::discovery::{Discovery, DiscoveryError};
 use crate::router::{BindingFactory, PrefillRouter, WorkerSetTarget, WorkerSetTargetId};
 
@@ -33,7 +33,7 @@ impl<S: TargetSink + ?Sized> TargetSink for Arc<S> {
 /// (or [`shutdown`](TopologyWatcher::shutdown)) stops its task; the sink keeps its last target.
 #[derive(Debug)]
 pub struct TopologyWatcher {
-    view: watch::Receiver<TopologyView>,
+    view: watch::Receiver<TopologySnapshot>,
     cancel: CancellationToken,
     task: Option<JoinHandle<()>>,
 }
@@ -50,7 +50,7 @@ impl TopologyWatcher {
         sink: S,
     ) -> Result<Self, DiscoveryError> {
         let mut events = discovery.watch_namespace(namespace).await?;
-        let (view_tx, view) = watch::channel(TopologyView::default());
+        let (view_tx, view) = watch::channel(TopologySnapshot::default());
         let cancel = CancellationToken::new();
         let stop = cancel.clone();
         let namespace = namespace.to_owned();
@@ -95,7 +95,7 @@ impl TopologyWatcher {
                 }
                 // The view last: whoever reads it sees a router already retargeted.
                 view_tx.send_if_modified(|v| {
-                    let next = TopologyView {
+                    let next = TopologySnapshot {
                         retargets,
                         ..topology.view()
                     };
@@ -113,7 +113,7 @@ impl TopologyWatcher {
     }
 
     /// The topology as last published (after the matching `set_target`).
-    pub fn view(&self) -> watch::Receiver<TopologyView> {
+    pub fn view(&self) -> watch::Receiver<TopologySnapshot> {
         self.view.clone()
     }
 

@@ -174,7 +174,7 @@ pub async fn storm(discovery: Arc<dyn Discovery>, config: StormConfig) -> StormR
                                 "{error} (epoch {epoch} -> {}, generation {generation:?} -> {:?}, {} routable now)",
                                 now.epoch(),
                                 now.binding().map(|b| b.id().generation),
-                                now.binding().map_or(0, |b| b.router().view().routable().len())
+                                now.binding().map_or(0, |b| b.dispatcher().view().routable().len())
                             ));
                         }
                     }

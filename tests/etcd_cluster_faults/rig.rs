@@ -86,7 +86,7 @@ fn unique_root(case: &str) -> String {
 pub fn routable(front: &Frontend) -> BTreeSet<InstanceId> {
     match front.router.route() {
         Route::Prefill(binding) => {
-            let listed = binding.router().view().routable();
+            let listed = binding.dispatcher().view().routable();
             let ids: BTreeSet<InstanceId> = listed.iter().map(|i| i.instance_id).collect();
             assert_eq!(
                 ids.len(),
@@ -103,7 +103,7 @@ pub fn routable(front: &Frontend) -> BTreeSet<InstanceId> {
 /// not: a breaker opened by failed requests does not take it out of admission).
 pub fn discovered(front: &Frontend, id: InstanceId) -> bool {
     match front.router.route() {
-        Route::Prefill(binding) => binding.router().view().is_discovered(id),
+        Route::Prefill(binding) => binding.dispatcher().view().is_discovered(id),
         Route::Bypass(_) => false,
     }
 }

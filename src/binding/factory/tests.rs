@@ -83,7 +83,7 @@ async fn prefill_with(mutant: bool) -> Arc<BindingStats> {
 async fn discovery_settled(binding: &PrefillBinding, mutant: bool) {
     let expected = if mutant { 2 } else { 1 };
     binding
-        .router()
+        .dispatcher()
         .view()
         .wait_for(|routable| routable.len() == expected)
         .await;
@@ -112,7 +112,7 @@ async fn binding_health_reports_the_open_breaker_and_the_retry_it_caused() {
     .unwrap();
     tokio::time::timeout(
         Duration::from_secs(10),
-        binding.router().view().wait_for(|r| r.len() == 2),
+        binding.dispatcher().view().wait_for(|r| r.len() == 2),
     )
     .await
     .unwrap();
@@ -179,7 +179,7 @@ async fn a_picked_prefill_runs_on_the_picked_worker_and_releases_its_load() {
     .unwrap();
     tokio::time::timeout(
         Duration::from_secs(10),
-        binding.router().view().wait_for(|r| r.len() == 2),
+        binding.dispatcher().view().wait_for(|r| r.len() == 2),
     )
     .await
     .unwrap();

@@ -1,4 +1,4 @@
-//! What a dispatch hands back: a held pick ([`Selection`]) and a routed request's responses
+//! What a dispatch hands back: a held pick ([`HeldPick`]) and a routed request's responses
 //! ([`RoutedStream`]), and how a link's failure becomes a router error.
 
 use std::pin::Pin;
@@ -50,16 +50,16 @@ pub(super) fn classify(
 
 /// A pick of [`Dispatcher::select_held`]: the instance, and the work booked on it until
 /// dropped (or until the stream of [`Dispatcher::dispatch_held`] that took it ends).
-pub struct Selection {
+pub struct HeldPick {
     instance: Arc<Instance>,
     overlap: Option<usize>,
     affinity: Option<AffinityOutcome>,
     booking: Option<Booking>,
 }
 
-impl From<Pick> for Selection {
+impl From<Pick> for HeldPick {
     fn from(pick: Pick) -> Self {
-        Selection {
+        HeldPick {
             instance: pick.instance,
             overlap: pick.overlap,
             affinity: pick.affinity,
@@ -68,16 +68,16 @@ impl From<Pick> for Selection {
     }
 }
 
-impl std::fmt::Debug for Selection {
+impl std::fmt::Debug for HeldPick {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Selection")
+        f.debug_struct("HeldPick")
             .field("instance", &self.instance.instance_id)
             .field("overlap", &self.overlap)
             .finish()
     }
 }
 
-impl Selection {
+impl HeldPick {
     /// The picked instance.
     pub fn instance(&self) -> &Arc<Instance> {
         &self.instance
@@ -113,7 +113,7 @@ impl<L: WorkerLink> Dispatcher<L> {
     /// Nothing is retried: a caller that wants a retry elsewhere picks again.
     pub async fn dispatch_held(
         &self,
-        selection: Selection,
+        selection: HeldPick,
         request: GenerateRequest,
     ) -> Result<RoutedStream<L::Stream>, PushError> {
         let deadline = self

@@ -9,9 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
-use crate::push::{
-    Dispatcher, LoadBoard, PushConfig, PushError, PushMode, RoutableView, Selection,
-};
+use crate::push::{Dispatcher, HeldPick, LoadBoard, PushConfig, PushError, PushMode, RoutableView};
 use crate::transport::GenerateRequest;
 
 fn instance(id: InstanceId) -> Instance {
@@ -92,7 +90,7 @@ fn op() -> impl Strategy<Value = Op> {
 /// Run `ops`, then end every held pick; the booked work left over (0 when nothing leaks), and
 /// whether the board ever disagreed with the sum of the held bookings along the way.
 fn run(dispatcher: &Dispatcher, ops: &[Op]) -> (u64, Option<String>) {
-    let mut held: Vec<(Selection, GenerateRequest)> = Vec::new();
+    let mut held: Vec<(HeldPick, GenerateRequest)> = Vec::new();
     let mut disagreement = None;
     for op in ops {
         match op {

@@ -5,14 +5,14 @@ use proptest::prelude::*;
 use super::*;
 
 /// The router's decision: no policy configured is off.
-fn decide(policy: Option<&ConditionalPolicy>, probe: &PrefillProbe) -> Option<ConditionalSkip> {
+fn decide(policy: Option<&ConditionalPolicy>, probe: &PrefillEstimate) -> Option<ConditionalSkip> {
     policy.and_then(|p| p.decide(probe))
 }
 
-type DecideFn = fn(Option<&ConditionalPolicy>, &PrefillProbe) -> Option<ConditionalSkip>;
+type DecideFn = fn(Option<&ConditionalPolicy>, &PrefillEstimate) -> Option<ConditionalSkip>;
 
 /// The documented function, written out independently of `decide`.
-fn spec(policy: Option<&ConditionalPolicy>, probe: &PrefillProbe) -> Option<ConditionalSkip> {
+fn spec(policy: Option<&ConditionalPolicy>, probe: &PrefillEstimate) -> Option<ConditionalSkip> {
     let policy = policy?;
     let uncached = probe.prompt_tokens.saturating_sub(probe.cached_tokens);
     match (
@@ -29,7 +29,7 @@ fn spec(policy: Option<&ConditionalPolicy>, probe: &PrefillProbe) -> Option<Cond
 fn check(
     decide: DecideFn,
     policy: Option<ConditionalPolicy>,
-    probe: PrefillProbe,
+    probe: PrefillEstimate,
 ) -> Result<(), String> {
     let got = decide(policy.as_ref(), &probe);
     if got != spec(policy.as_ref(), &probe) {
@@ -63,12 +63,12 @@ fn policies() -> impl Strategy<Value = Option<ConditionalPolicy>> {
     )
 }
 
-fn probes() -> impl Strategy<Value = PrefillProbe> {
+fn probes() -> impl Strategy<Value = PrefillEstimate> {
     prop_oneof![
         (0u32..64, 0u32..16, 0u64..48),
         (0u32..8192, 0u32..8192, 0u64..40_000),
     ]
-    .prop_map(|(prompt, cached, load)| PrefillProbe {
+    .prop_map(|(prompt, cached, load)| PrefillEstimate {
         prompt_tokens: prompt,
         cached_tokens: cached,
         pool_tokens_per_worker: load,
@@ -110,8 +110,8 @@ proptest! {
 #[test]
 fn the_check_catches_a_policy_that_ignores_the_cache() {
     // Mutant: the uncached part is the whole prompt (upstream's probe without overlap).
-    fn mutant(p: Option<&ConditionalPolicy>, probe: &PrefillProbe) -> Option<ConditionalSkip> {
-        let whole = PrefillProbe {
+    fn mutant(p: Option<&ConditionalPolicy>, probe: &PrefillEstimate) -> Option<ConditionalSkip> {
+        let whole = PrefillEstimate {
             cached_tokens: 0,
             ..*probe
         };
@@ -123,7 +123,7 @@ fn the_check_catches_a_policy_that_ignores_the_cache() {
 #[test]
 fn the_check_catches_an_inclusive_threshold() {
     // Mutant: `<=` instead of `<` on the short threshold.
-    fn mutant(p: Option<&ConditionalPolicy>, probe: &PrefillProbe) -> Option<ConditionalSkip> {
+    fn mutant(p: Option<&ConditionalPolicy>, probe: &PrefillEstimate) -> Option<ConditionalSkip> {
         let p = p.map(|p| ConditionalPolicy {
             min_uncached_tokens: p.min_uncached_tokens.map(|m| m.saturating_add(1)),
             ..*p
@@ -136,7 +136,7 @@ fn the_check_catches_an_inclusive_threshold() {
 #[test]
 fn the_check_catches_a_busy_test_that_ignores_its_threshold() {
     // Mutant: busy whenever the pool has any load.
-    fn mutant(p: Option<&ConditionalPolicy>, probe: &PrefillProbe) -> Option<ConditionalSkip> {
+    fn mutant(p: Option<&ConditionalPolicy>, probe: &PrefillEstimate) -> Option<ConditionalSkip> {
         let p = p.map(|p| ConditionalPolicy {
             max_pool_tokens_per_worker: p.max_pool_tokens_per_worker.map(|_| 0),
             ..*p
@@ -149,7 +149,7 @@ fn the_check_catches_a_busy_test_that_ignores_its_threshold() {
 #[test]
 fn the_check_catches_a_policy_that_skips_while_off() {
     // Mutant: an unset policy behaves as a default one with a short threshold.
-    fn mutant(p: Option<&ConditionalPolicy>, probe: &PrefillProbe) -> Option<ConditionalSkip> {
+    fn mutant(p: Option<&ConditionalPolicy>, probe: &PrefillEstimate) -> Option<ConditionalSkip> {
         let fallback = ConditionalPolicy {
             min_uncached_tokens: Some(512),
             max_pool_tokens_per_worker: None,

@@ -16,7 +16,7 @@ use crate::discovery::{EndpointId, InstanceId};
 use crate::push::PushError;
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
-    PrefillOutcome, PrefillPick, PrefillProbe, WorkerSetTarget, WorkerSetTargetId,
+    PrefillEstimate, PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
 };
 use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 
@@ -106,9 +106,9 @@ impl Prefill for FakeBinding {
 
     /// Probes the prompt length and the log's `pool_load`; holds this binding's target.
     fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
-        let probe = PrefillProbe {
+        let probe = PrefillEstimate {
             pool_tokens_per_worker: self.log.pool_load.load(Ordering::SeqCst),
-            ..PrefillProbe::prompt_only(request.token_ids.len())
+            ..PrefillEstimate::prompt_only(request.token_ids.len())
         };
         Ok(PrefillPick::new(
             probe,

@@ -492,7 +492,7 @@ async fn compare(
             let status = s.router().status();
             status.lifecycle == Lifecycle::Active
                 && s.router().route().binding().is_some_and(|b| {
-                    b.resolved().router_mode == mode && b.router().view().routable().len() == 3
+                    b.resolved().router_mode == mode && b.dispatcher().view().routable().len() == 3
                 })
         })
         .await?;
