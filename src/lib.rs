@@ -64,12 +64,10 @@ pub mod mock;
 pub mod push;
 #[cfg(feature = "sim")]
 pub mod replay;
-pub mod snapshot;
-
-#[cfg(feature = "runtime")]
 pub mod rng;
 #[cfg(feature = "runtime")]
 pub mod router;
+pub mod snapshot;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod sync;
