@@ -67,9 +67,9 @@ pub mod replay;
 pub mod rng;
 #[cfg(feature = "runtime")]
 pub mod router;
-pub mod snapshot;
 #[cfg(feature = "sim")]
 pub mod sim;
+pub mod snapshot;
 mod sync;
 #[cfg(feature = "runtime")]
 pub mod topology;
