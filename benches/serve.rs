@@ -23,8 +23,11 @@
 #[path = "../tests/request_plane/certs.rs"]
 mod certs;
 
+#[path = "support/args.rs"]
+mod args;
 #[path = "support/worker.rs"]
 mod worker;
+use args::{arg, num};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -48,18 +51,6 @@ use tokio::net::{TcpListener, TcpStream};
 
 const MAX_TOKENS: u32 = 4;
 const PROMPT: &str = "the prefill hop routes one request to one worker";
-
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-}
-
-fn num(name: &str, default: u64) -> u64 {
-    arg(name).and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// The latencies of one side in one round, and its request rate.
 struct Run {

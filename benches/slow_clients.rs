@@ -21,6 +21,8 @@
 //! [--stalled K] [--timeout-ms T] [--svg PATH]` (defaults: 6 s phases, 3 rounds, 16 clients,
 //! 1,000 stalled, 2,000 ms header and body timeouts).
 
+#[path = "support/args.rs"]
+mod args;
 #[path = "../tests/frontend/mod.rs"]
 mod frontend;
 
@@ -31,19 +33,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use args::{arg, num};
 use frontend::{Cluster, Proc, WAIT};
-
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-}
-
-fn num(name: &str, default: u64) -> u64 {
-    arg(name).and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// One normal request's outcome.
 #[derive(Clone, Copy)]
