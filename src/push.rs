@@ -26,6 +26,7 @@ mod tests;
 mod view;
 
 pub(crate) use affinity::AffinityTable;
+pub(crate) use dispatcher::DispatchMutant;
 pub use affinity::{AffinityCounts, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
 pub use dispatcher::{
     Dispatch, Dispatcher, HeldPick, OverloadCounts, OverloadStats, PushConfig, PushMode,

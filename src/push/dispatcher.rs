@@ -21,7 +21,7 @@ use super::view::{InstanceStatus, RoutableView};
 use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
 use crate::discovery::{Instance, InstanceId};
 use crate::health::{BackoffPolicy, FailureClass};
-use crate::hooks::DispatchHooks;
+use crate::hooks::Seam;
 use crate::kv_events::{Applied, EventBatch};
 use crate::transport::{ClientConfig, GenerateRequest, TransportError};
 use booking::{Booking, Bookings};
@@ -115,6 +115,19 @@ impl Default for PushConfig {
     }
 }
 
+/// A deliberate mutant of the dispatcher (see `crate::hooks` and [`Dispatcher::with_mutant`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DispatchMutant {
+    /// A retry may pick the worker that just failed (the retry tests must catch it).
+    ReuseFailed,
+    /// Session affinity sends a session to its remembered worker whether or not it is still
+    /// routable (outside admission, breaker open); the affinity checks must catch it.
+    AffinityIgnoresRoutable,
+    /// A reconnect or a closed connection keeps the worker's KV index entries (the KV feed
+    /// tests must catch it).
+    KeepKvOnReconnect,
+}
+
 /// No busy threshold, in [`Dispatcher`]'s atomic.
 const NO_THRESHOLD: u64 = u64::MAX;
 
@@ -139,9 +152,9 @@ pub struct Dispatcher<L = TcpLink> {
     busy_threshold: AtomicU64,
     overload: Arc<OverloadCounts>,
     retries: Arc<RetryCounts>,
-    /// Where the mutant whose retries reuse the failed worker breaks the pick; zero-sized in
+    /// Where the dispatcher's mutants break the pick, the retry and the KV feed; zero-sized in
     /// normal builds.
-    hooks: DispatchHooks,
+    mutant: Seam<DispatchMutant>,
     /// Session → worker, while younger than the binding's TTL (`None`: no affinity).
     affinity: Option<Arc<AffinityTable>>,
 }
@@ -182,15 +195,15 @@ impl Dispatcher<TcpLink> {
         })
     }
 
-    /// A dispatcher running the mutant that keeps a worker's KV index entries across a
-    /// reconnect or a closed connection.
+    /// A dispatcher running a deliberate mutant (see [`DispatchMutant`]).
     #[cfg(test)]
-    pub(crate) fn with_keep_kv_on_reconnect_mutant(mut self) -> Self {
-        self.hooks = DispatchHooks::keep_kv_on_reconnect();
+    pub(crate) fn with_mutant(mut self, mutant: DispatchMutant) -> Self {
+        self.mutant = Seam::on(mutant);
+        // The KV feed runs it too: a new feed, handed to the link.
         self.kv_feed = self
             .kv
             .as_ref()
-            .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), self.view.clone(), self.hooks)));
+            .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), self.view.clone(), self.mutant)));
         self.link.set_kv_feed(self.kv_feed.clone());
         self
     }
@@ -225,10 +238,10 @@ impl<L: WorkerLink> Dispatcher<L> {
             )))),
             _ => None,
         };
-        let hooks = DispatchHooks::default();
+        let mutant = Seam::off();
         let kv_feed = kv
             .as_ref()
-            .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), view.clone(), hooks)));
+            .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), view.clone(), mutant)));
         let link = link(&view, kv_feed.as_ref());
         Dispatcher {
             rng: AtomicU64::new(config.seed),
@@ -243,7 +256,7 @@ impl<L: WorkerLink> Dispatcher<L> {
             busy_threshold: AtomicU64::new(threshold.unwrap_or(NO_THRESHOLD)),
             overload: Arc::default(),
             retries: Arc::default(),
-            hooks,
+            mutant,
             affinity: None,
         }
     }
@@ -303,21 +316,6 @@ impl<L: WorkerLink> Dispatcher<L> {
     /// The retries this dispatcher counted, by the class of the failure that caused them.
     pub fn retry_counts(&self) -> &Arc<RetryCounts> {
         &self.retries
-    }
-
-    /// A dispatcher running the mutant whose retries may pick the worker that just failed.
-    #[cfg(test)]
-    pub(crate) fn with_reuse_failed_mutant(mut self) -> Self {
-        self.hooks = DispatchHooks::reuse_failed();
-        self
-    }
-
-    /// A dispatcher running the mutant whose session affinity sends a session to its
-    /// remembered worker even when that is no longer routable.
-    #[cfg(test)]
-    pub(crate) fn with_affinity_ignores_routable_mutant(mut self) -> Self {
-        self.hooks = DispatchHooks::affinity_ignores_routable();
-        self
     }
 
     /// What the workers' KV event streams delivered (`None` when not in KV mode).
@@ -660,7 +658,7 @@ impl<L: WorkerLink> Dispatcher<L> {
             }
             self.retries.record(class);
             tracing::debug!(instance = id, %class, attempt = attempts.len(), "retrying the request on another worker");
-            if self.hooks.excludes_failed() {
+            if !self.mutant.is(DispatchMutant::ReuseFailed) {
                 excluded.push(id);
             }
         }

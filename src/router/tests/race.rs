@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::fakes::{target, ScriptFactory};
-use crate::router::{Prefill, PrefillRouter, PrefillRouterConfig};
+use crate::router::{Prefill, PrefillRouter, PrefillRouterConfig, RouterMutant};
 use crate::snapshot::Route;
 use crate::transport::GenerateRequest;
 
@@ -99,7 +99,7 @@ async fn race_check_catches_a_route_published_asynchronously() {
     for _ in 0..5 {
         let (factory, _log) = ScriptFactory::instant();
         let router =
-            PrefillRouter::with_lagging_route_mutant(factory, PrefillRouterConfig::default());
+            PrefillRouter::with_mutant(factory, PrefillRouterConfig::default(), RouterMutant::LaggingRoute);
         let (_dispatched, violations) = race(router).await;
         seen += violations;
         if seen > 0 {
