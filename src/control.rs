@@ -60,9 +60,9 @@ mod retired;
 pub use effects::{Effect, Effects, EffectsIntoIter};
 // The deliberate mutants of the core, for the loom suite (an integration test) and the unit
 // tests; the type stays private to normal builds, where nothing arms it.
+use mutant::ControlSeam;
 #[cfg(any(test, prefill_loom))]
 pub use mutant::Mutant;
-use mutant::ControlSeam;
 
 use retired::Retired;
 

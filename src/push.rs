@@ -26,8 +26,8 @@ mod tests;
 mod view;
 
 pub(crate) use affinity::AffinityTable;
-pub(crate) use dispatcher::DispatchMutant;
 pub use affinity::{AffinityCounts, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
+pub(crate) use dispatcher::DispatchMutant;
 pub use dispatcher::{
     Dispatch, Dispatcher, HeldPick, OverloadCounts, OverloadStats, PushConfig, PushMode,
     RoutedStream, TcpLink, WorkerLink,

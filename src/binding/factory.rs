@@ -13,9 +13,6 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::Instrument;
 
 use super::TokenLoad;
-use mutant::FactorySeam;
-#[cfg(test)]
-pub(crate) use mutant::FactoryMutant;
 use crate::advert::{self, DecodeDefaults, PrefillConfig};
 use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::push::HeldPick;
@@ -25,6 +22,9 @@ use crate::router::{
     PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
 };
 use crate::transport::GenerateRequest;
+#[cfg(test)]
+pub(crate) use mutant::FactoryMutant;
+use mutant::FactorySeam;
 
 /// How long a prefill waits for its view to show admitted instances it has not discovered
 /// yet before failing with [`crate::push::PushError::NoRoutableInstances`].

@@ -1,4 +1,4 @@
-//! The router side of the workers' KV event streams: each worker connection's batches, decoded
+//! The dispatcher's side of the workers' KV event streams: each worker connection's batches, decoded
 //! by the transport, reach the binding's [`KvSelector`] here, and the end of a connection drops
 //! the worker's entries (no stale credit across a reconnect).
 //!
@@ -14,8 +14,8 @@ use parking_lot::Mutex;
 
 use super::kv::KvSelector;
 use super::view::{InstanceStatus, RoutableView};
-use crate::discovery::InstanceId;
 use super::DispatchMutant;
+use crate::discovery::InstanceId;
 use crate::hooks::Seam;
 use crate::kv_events::{Applied, EventBatch};
 use crate::transport::{KvEventSink, KvStreamError};
@@ -55,7 +55,7 @@ impl KvEventCounts {
         self.refused.load(Ordering::Relaxed)
     }
 
-    /// Batches dropped because the router fell behind ([`KvStreamError::Lagged`]).
+    /// Batches dropped because the dispatcher fell behind ([`KvStreamError::Lagged`]).
     pub fn lagged(&self) -> u64 {
         self.lagged.load(Ordering::Relaxed)
     }

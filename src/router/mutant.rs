@@ -6,9 +6,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use futures_util::future::{BoxFuture, OptionFuture};
 
 use crate::hooks::{Seam, ARMABLE};
-use crate::snapshot::Route;
 #[cfg(test)]
 use crate::snapshot::BypassReason;
+use crate::snapshot::Route;
 
 /// A deliberate mutant of the router's request path (see `PrefillRouter::with_mutant`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -98,8 +98,11 @@ async fn race_check_catches_a_route_published_asynchronously() {
     let mut seen = 0;
     for _ in 0..5 {
         let (factory, _log) = ScriptFactory::instant();
-        let router =
-            PrefillRouter::with_mutant(factory, PrefillRouterConfig::default(), RouterMutant::LaggingRoute);
+        let router = PrefillRouter::with_mutant(
+            factory,
+            PrefillRouterConfig::default(),
+            RouterMutant::LaggingRoute,
+        );
         let (_dispatched, violations) = race(router).await;
         seen += violations;
         if seen > 0 {

@@ -21,9 +21,7 @@ use crate::discovery::{
     EndpointId, Instance, InstanceEvent, InstanceId, MemoryConfig, MemoryDiscovery,
 };
 use crate::health::{BackoffPolicy, FailureClass};
-use crate::push::{
-    AffinityOutcome, DispatchMutant, Dispatcher, Prober, PushConfig, RoutableView,
-};
+use crate::push::{AffinityOutcome, DispatchMutant, Dispatcher, Prober, PushConfig, RoutableView};
 use crate::transport::GenerateRequest;
 
 const WORKERS: u64 = 4;
