@@ -88,6 +88,8 @@ pub struct PushConfig {
     /// failure that is not the request's own fault ([`FailureClass::retry_elsewhere`]) and came
     /// before the worker produced any output (default 2, so at most 3 attempts; 0 disables
     /// retries). No attempt starts past the request's deadline. See docs/health.md.
+    ///
+    /// [`FailureClass::retry_elsewhere`]: crate::health::FailureClass::retry_elsewhere
     pub retry_budget: u32,
     /// Most sessions a dispatcher's session-affinity table remembers (least recently used
     /// evicted first; 0 disables affinity). Default [`DEFAULT_AFFINITY_CAPACITY`].
@@ -97,6 +99,8 @@ pub struct PushConfig {
     /// How long a request that finds every routable worker over the busy threshold waits for
     /// room before it fails with [`PushError::Overloaded`] (never past its deadline; default
     /// 2 s; zero fails at once).
+    ///
+    /// [`PushError::Overloaded`]: super::PushError::Overloaded
     pub overload_wait: Duration,
     /// Most requests waiting for room at once; one more fails with [`PushError::Overloaded`]
     /// at once (default 1,024).

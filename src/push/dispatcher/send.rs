@@ -23,6 +23,8 @@ impl<L: WorkerLink> Dispatcher<L> {
     /// arrived, nothing is retried. A request tried
     /// once fails with its own error; after retries, with [`PushError::Exhausted`] listing
     /// every attempt. `Direct` mode never retries.
+    ///
+    /// [`PushConfig::retry_budget`]: super::PushConfig::retry_budget
     pub async fn generate(
         &self,
         request: GenerateRequest,
