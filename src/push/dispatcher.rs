@@ -123,7 +123,7 @@ impl Default for PushConfig {
     }
 }
 
-/// A deliberate mutant of the dispatcher (see `crate::hooks` and [`Dispatcher::with_mutant`]).
+/// A deliberate mutant of the dispatcher (see `crate::hooks` and `Dispatcher::with_mutant`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum DispatchMutant {
     /// A retry may pick the worker that just failed (the retry tests must catch it).
