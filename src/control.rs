@@ -49,18 +49,20 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::hooks::ControlHooks;
 use crate::lifecycle::{Action, BuildId, Input, Lifecycle, Machine, RetryPolicy};
 use crate::snapshot::{BypassReason, Route, RouteCell, Snapshot, SnapshotGuard};
 use crate::sync::Mutex;
 
 mod effects;
+mod mutant;
 mod retired;
 
-// The deliberate mutants of the core (`crate::hooks`), for the loom suite and the unit tests.
-#[cfg(any(test, prefill_loom))]
-pub use crate::hooks::Mutant;
 pub use effects::{Effect, Effects, EffectsIntoIter};
+// The deliberate mutants of the core, for the loom suite (an integration test) and the unit
+// tests; the type stays private to normal builds, where nothing arms it.
+use mutant::ControlSeam;
+#[cfg(any(test, prefill_loom))]
+pub use mutant::Mutant;
 
 use retired::Retired;
 
@@ -165,7 +167,7 @@ pub struct Control<T, B> {
     inner: Mutex<Inner<T, B>>,
     cell: RouteCell<T, B>,
     /// Where the deliberate mutants break the publication protocol; zero-sized in normal builds.
-    hooks: ControlHooks<T, B>,
+    seam: ControlSeam<T, B>,
 }
 
 impl<T, B> Control<T, B>
@@ -186,7 +188,7 @@ where
                 retired: Retired::new(),
             }),
             cell: RouteCell::new(initial),
-            hooks: ControlHooks::default(),
+            seam: ControlSeam::default(),
         }
     }
 
@@ -195,7 +197,7 @@ where
     #[cfg(any(test, prefill_loom))]
     pub fn with_mutant(policy: RetryPolicy, mutant: Mutant) -> Self {
         let mut control = Control::new(policy);
-        control.hooks = ControlHooks::new(mutant);
+        control.seam = ControlSeam::on(mutant);
         control
     }
 
@@ -249,7 +251,7 @@ where
     /// the routing decision; do not hold it across an `.await`.
     #[inline]
     pub fn load(&self) -> SnapshotGuard<T, B> {
-        self.hooks.load(&self.cell)
+        self.seam.load(&self.cell)
     }
 
     /// The route for one request: one lock-free load, plus one `Arc` clone when prefilling.
@@ -352,10 +354,10 @@ where
                 report.epoch = Some((next.epoch(), next.lifecycle()));
                 inner.counters.snapshots = next.epoch();
             }
-            self.hooks.before_unlock(&mut trash, &mut built);
+            self.seam.before_unlock(&mut trash, &mut built);
             // Publish while the lock is held, so snapshots land in step order; the replaced
             // one drops after the lock, with the rest of the trash.
-            trash.old_snapshot = self.hooks.publish_and_unlock(&self.cell, next, guard);
+            trash.old_snapshot = self.seam.publish_and_unlock(&self.cell, next, guard);
         }
         self.finish(effects, trash, report, built)
     }

@@ -27,6 +27,7 @@ mod view;
 
 pub(crate) use affinity::AffinityTable;
 pub use affinity::{AffinityCounts, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
+pub(crate) use dispatcher::DispatchMutant;
 pub use dispatcher::{
     Dispatch, Dispatcher, HeldPick, OverloadCounts, OverloadStats, PushConfig, PushMode,
     RoutedStream, TcpLink, WorkerLink,

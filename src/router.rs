@@ -21,6 +21,7 @@ mod fallback;
 mod handle;
 mod legs;
 pub mod metrics;
+mod mutant;
 mod shared;
 mod status;
 mod target;
@@ -36,6 +37,9 @@ pub use legs::{
 };
 pub use status::{RouterCounters, RouterStatus};
 pub use target::{WorkerSetTarget, WorkerSetTargetId};
+
+#[cfg(test)]
+pub(crate) use mutant::{ProbeHook, RouterMutant};
 
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,7 @@
 //! [`DefaultBindingFactory`] and the binding it builds.
 
+mod mutant;
+
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -13,7 +15,6 @@ use tracing::Instrument;
 use super::TokenLoad;
 use crate::advert::{self, DecodeDefaults, PrefillConfig};
 use crate::discovery::{Discovery, EndpointId, InstanceId};
-use crate::hooks::FactoryHooks;
 use crate::push::HeldPick;
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::router::{
@@ -21,6 +22,9 @@ use crate::router::{
     PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
 };
 use crate::transport::GenerateRequest;
+#[cfg(test)]
+pub(crate) use mutant::FactoryMutant;
+use mutant::FactorySeam;
 
 /// How long a prefill waits for its view to show admitted instances it has not discovered
 /// yet before failing with [`crate::push::PushError::NoRoutableInstances`].
@@ -63,9 +67,8 @@ pub struct DefaultBindingFactory {
     discovery: Arc<dyn Discovery>,
     config: FactoryConfig,
     stats: Arc<BindingStats>,
-    /// Where the mutant that ignores the admission set breaks views; zero-sized in normal
-    /// builds.
-    hooks: FactoryHooks,
+    /// Where the factory's mutants break its builds; zero-sized in normal builds.
+    seam: FactorySeam,
 }
 
 impl std::fmt::Debug for DefaultBindingFactory {
@@ -83,8 +86,15 @@ impl DefaultBindingFactory {
             discovery,
             config,
             stats: Arc::default(),
-            hooks: FactoryHooks::default(),
+            seam: FactorySeam::default(),
         }
+    }
+
+    /// The factory running a deliberate mutant of its builds (see [`FactoryMutant`]).
+    #[cfg(test)]
+    pub(crate) fn with_mutant(mut self, mutant: FactoryMutant) -> Self {
+        self.seam = FactorySeam::on(mutant);
+        self
     }
 
     /// The counters of every binding this factory built.
@@ -133,7 +143,7 @@ impl DefaultBindingFactory {
                 Arc::clone(&self.stats.affinity),
             );
         let table = self
-            .hooks
+            .seam
             .affinity_table(dispatcher.affinity_table().cloned());
         dispatcher.with_affinity_table(table)
     }
@@ -155,7 +165,7 @@ impl DefaultBindingFactory {
             .await
             .map_err(|e| BuildError::new(format!("watching {}: {e}", target.endpoint)))?;
         let feed = cancel.child_token();
-        let admission = if self.hooks.ignores_admission() {
+        let admission = if self.seam.ignores_admission() {
             None
         } else {
             Some(target.admitted.clone())

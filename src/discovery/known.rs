@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use super::record::decode_record;
 use super::{EndpointId, Instance};
 use crate::advert::ModelCard;
+use crate::hooks::Seam;
 
 /// A change in the store, as a backend reports it. Keys are relative to the backend's root.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,6 +57,13 @@ pub(crate) enum Change {
     Removed(Instance),
 }
 
+/// A deliberate mutant of the known set (see `crate::hooks`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KnownMutant {
+    /// A resync replaces the known set without diffing it (the resync test must catch it).
+    BlindResync,
+}
+
 /// The records a watcher knows, keyed by store key.
 #[derive(Debug)]
 pub(crate) struct KnownSet {
@@ -64,7 +72,7 @@ pub(crate) struct KnownSet {
     /// Keys already reported as malformed: warn once per bad record, not once per resync.
     malformed: BTreeSet<String>,
     /// Where the blind-resync mutant breaks resyncs; zero-sized in normal builds.
-    hooks: crate::hooks::KnownHooks,
+    mutant: Seam<KnownMutant>,
 }
 
 impl KnownSet {
@@ -73,8 +81,15 @@ impl KnownSet {
             scope,
             records: BTreeMap::new(),
             malformed: BTreeSet::new(),
-            hooks: crate::hooks::KnownHooks::default(),
+            mutant: Seam::off(),
         }
+    }
+
+    /// The set running a deliberate mutant.
+    #[cfg(test)]
+    pub(crate) fn with_mutant(mut self, mutant: KnownMutant) -> Self {
+        self.mutant = Seam::on(mutant);
+        self
     }
 
     /// Number of records known.
@@ -121,7 +136,7 @@ impl KnownSet {
                     }
                 }
                 self.malformed.retain(|key| seen.contains(key));
-                if self.hooks.is_blind_resync() {
+                if self.mutant.is(KnownMutant::BlindResync) {
                     self.records.clear();
                 }
                 let gone: Vec<String> = self
@@ -198,8 +213,7 @@ mod tests {
 
     #[test]
     fn blind_resync_mutant_is_caught() {
-        let mut mutant = KnownSet::new(scope());
-        mutant.hooks = crate::hooks::KnownHooks::blind_resync();
+        let mutant = KnownSet::new(scope()).with_mutant(KnownMutant::BlindResync);
         let caught = std::panic::catch_unwind(move || check_resync_emits_only_what_changed(mutant));
         assert!(caught.is_err(), "a non-diffing resync went unnoticed");
     }

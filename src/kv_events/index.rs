@@ -27,6 +27,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::{EventBatch, KvEvent, MixState};
 use crate::discovery::InstanceId;
+use crate::hooks::Seam;
 
 /// Blocks one worker may hold in the index by default (a worker claiming more is dropped from
 /// the index, so one misbehaving worker cannot grow it without bound).
@@ -60,9 +61,16 @@ pub struct KvIndex {
     holders: HashMap<u64, Vec<InstanceId>, MixState>,
     workers: HashMap<InstanceId, WorkerEntry, MixState>,
     max_blocks_per_worker: usize,
-    /// The mutant of the property tests: removals are not applied.
-    #[cfg(test)]
-    ignore_removals: bool,
+    /// Where the index's mutant breaks it (see [`IndexMutant`]); zero-sized in normal builds.
+    mutant: Seam<IndexMutant>,
+}
+
+/// A deliberately broken variant of the index, caught by the property tests
+/// (docs/properties.md, "Mutants"; see `crate::hooks`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum IndexMutant {
+    /// Removals are not applied.
+    IgnoresRemovals,
 }
 
 impl Default for KvIndex {
@@ -78,15 +86,14 @@ impl KvIndex {
             holders: HashMap::default(),
             workers: HashMap::default(),
             max_blocks_per_worker: max_blocks_per_worker.max(1),
-            #[cfg(test)]
-            ignore_removals: false,
+            mutant: Seam::off(),
         }
     }
 
-    /// The mutant that ignores removals (the property tests must catch it).
+    /// The index running `mutant` (the property tests must catch it).
     #[cfg(test)]
-    pub(crate) fn ignoring_removals(mut self) -> Self {
-        self.ignore_removals = true;
+    pub(crate) fn with_mutant(mut self, mutant: IndexMutant) -> Self {
+        self.mutant = Seam::on(mutant);
         self
     }
 
@@ -168,8 +175,7 @@ impl KvIndex {
                     }
                 }
                 KvEvent::Removed { blocks } => {
-                    #[cfg(test)]
-                    if self.ignore_removals {
+                    if self.mutant.is(IndexMutant::IgnoresRemovals) {
                         continue;
                     }
                     for &h in blocks {

@@ -13,6 +13,7 @@ use super::load_board::{LoadBoard, Walk};
 use super::select::{self, is_busy, Candidate, Choice, KvCost};
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
+use crate::hooks::Seam;
 use crate::kv_events::{Applied, EventBatch, KvIndex};
 
 /// A block chain is remembered for at most this many workers (the most recent ones); a shared
@@ -77,20 +78,18 @@ pub struct KvSelector {
     /// [`select_on`](Self::select_on) lists the holders of a request's blocks from the first
     /// block held by at most this many workers (see [`KvIndex::deep_overlaps`]).
     deep_limit: usize,
-    /// The mutant of the selection tests: the load-order walk credits no shallow blocks (as if
-    /// the widely held prefix were held by nobody).
-    #[cfg(test)]
-    ignore_shallow: bool,
-    /// The mutants of the keep credit and recent work (see [`CostMutant`]).
-    #[cfg(test)]
-    mutant: Option<CostMutant>,
+    /// Where the selector's mutants break the walk and the keep credit (see [`KvMutant`]);
+    /// zero-sized in normal builds.
+    mutant: Seam<KvMutant>,
 }
 
-/// Deliberately broken variants of the keep credit, heat and recent work, each caught by a
-/// test (docs/properties.md, K2).
-#[cfg(test)]
+/// Deliberately broken variants of the selector's walk, keep credit, heat and recent work,
+/// each caught by a test (docs/properties.md, "Mutants"; see `crate::hooks`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum CostMutant {
+pub(crate) enum KvMutant {
+    /// The load-order walk credits no shallow blocks (as if the widely held prefix were held
+    /// by nobody).
+    IgnoresShallow,
     /// The walk's floor forgets the keep credit: it stops before a cold shallow holder.
     FloorIgnoresKeep,
     /// A load whose recent work cannot win ends the whole walk, not just that load.
@@ -137,31 +136,21 @@ impl KvSelector {
             index: KvIndex::default(),
             heat: PrefixHeat::new(config.prefill_heat_half_life),
             deep_limit: DEEP_HOLDERS_LIMIT,
-            #[cfg(test)]
-            ignore_shallow: false,
-            #[cfg(test)]
-            mutant: None,
+            mutant: Seam::off(),
         }
     }
 
-    /// The mutant: the walk in [`select_on`](Self::select_on) ignores the shallow blocks.
+    /// The selector running `mutant` (see [`KvMutant`]).
     #[cfg(test)]
-    pub(crate) fn ignoring_shallow_blocks(mut self) -> Self {
-        self.ignore_shallow = true;
+    pub(crate) fn with_mutant(mut self, mutant: KvMutant) -> Self {
+        self.mutant = Seam::on(mutant);
         self
     }
 
-    /// The selector with `mutant` (see [`CostMutant`]).
+    /// The selector whose cost runs `mutant` (see [`select::CostMutant`]).
     #[cfg(test)]
-    pub(crate) fn with_cost_mutant(mut self, mutant: CostMutant) -> Self {
-        self.mutant = Some(mutant);
-        self
-    }
-
-    /// The mutant of the selection properties: the cost ignores booked work.
-    #[cfg(test)]
-    pub(crate) fn ignoring_load(mut self) -> Self {
-        self.cost = self.cost.ignoring_load();
+    pub(crate) fn with_cost_mutant(mut self, mutant: select::CostMutant) -> Self {
+        self.cost = self.cost.with_mutant(mutant);
         self
     }
 
@@ -190,8 +179,7 @@ impl KvSelector {
 
     /// The coldness of the deepest of the `overlap` leading blocks of `hashes` (1 for none).
     fn coldness(&self, hashes: &[u64], overlap: usize) -> f64 {
-        #[cfg(test)]
-        if self.mutant == Some(CostMutant::IgnoresHeat) {
+        if self.mutant.is(KvMutant::IgnoresHeat) {
             return 1.0;
         }
         match overlap.checked_sub(1).and_then(|i| hashes.get(i)) {
@@ -216,8 +204,7 @@ impl KvSelector {
         if self.cost.keep_credit <= 0.0 {
             return 0.0;
         }
-        #[cfg(test)]
-        if self.mutant == Some(CostMutant::FloorIgnoresKeep) {
+        if self.mutant.is(KvMutant::FloorIgnoresKeep) {
             return 0.0;
         }
         let mut best = 0.0f64;
@@ -435,16 +422,18 @@ impl KvSelector {
                     return Walk::Stop;
                 }
                 if self.cost.floor(tokens, k, max_kept, load, recent) >= b {
-                    #[cfg(test)]
-                    if self.mutant == Some(CostMutant::RecentStopsWalk) {
+                    if self.mutant.is(KvMutant::RecentStopsWalk) {
                         return Walk::Stop;
                     }
                     return Walk::NextLoad;
                 }
             }
             let overlap = self.index.overlap(shallow, id);
-            #[cfg(test)]
-            let overlap = if self.ignore_shallow { 0 } else { overlap };
+            let overlap = if self.mutant.is(KvMutant::IgnoresShallow) {
+                0
+            } else {
+                overlap
+            };
             let c = Candidate::new(id, overlap, load)
                 .with_recent(recent)
                 .with_coldness(self.coldness(hashes, overlap));

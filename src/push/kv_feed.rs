@@ -1,4 +1,4 @@
-//! The router side of the workers' KV event streams: each worker connection's batches, decoded
+//! The dispatcher's side of the workers' KV event streams: each worker connection's batches, decoded
 //! by the transport, reach the binding's [`KvSelector`] here, and the end of a connection drops
 //! the worker's entries (no stale credit across a reconnect).
 //!
@@ -14,8 +14,9 @@ use parking_lot::Mutex;
 
 use super::kv::KvSelector;
 use super::view::{InstanceStatus, RoutableView};
+use super::DispatchMutant;
 use crate::discovery::InstanceId;
-use crate::hooks::DispatchHooks;
+use crate::hooks::Seam;
 use crate::kv_events::{Applied, EventBatch};
 use crate::transport::{KvEventSink, KvStreamError};
 
@@ -54,7 +55,7 @@ impl KvEventCounts {
         self.refused.load(Ordering::Relaxed)
     }
 
-    /// Batches dropped because the router fell behind ([`KvStreamError::Lagged`]).
+    /// Batches dropped because the dispatcher fell behind ([`KvStreamError::Lagged`]).
     pub fn lagged(&self) -> u64 {
         self.lagged.load(Ordering::Relaxed)
     }
@@ -74,7 +75,8 @@ impl KvEventCounts {
 pub(super) struct KvFeed {
     kv: Arc<Mutex<KvSelector>>,
     view: RoutableView,
-    hooks: DispatchHooks,
+    /// The dispatcher's mutant (`KeepKvOnReconnect` acts here).
+    mutant: Seam<DispatchMutant>,
     counts: Arc<KvEventCounts>,
     /// Worker → generation of its pooled connection (at most one entry per pooled worker).
     current: Mutex<HashMap<InstanceId, u64>>,
@@ -85,12 +87,12 @@ impl KvFeed {
     pub(super) fn new(
         kv: Arc<Mutex<KvSelector>>,
         view: RoutableView,
-        hooks: DispatchHooks,
+        mutant: Seam<DispatchMutant>,
     ) -> Self {
         KvFeed {
             kv,
             view,
-            hooks,
+            mutant,
             counts: Arc::default(),
             current: Mutex::new(HashMap::new()),
             next_generation: AtomicU64::new(1),
@@ -156,7 +158,7 @@ impl KvFeed {
     /// earlier connection is dropped (events in between may be lost).
     pub(super) fn adopt(&self, worker: InstanceId, generation: u64) {
         let previous = self.current.lock().insert(worker, generation);
-        if previous.is_some() && self.hooks.resets_kv_on_reconnect() {
+        if previous.is_some() && !self.mutant.is(DispatchMutant::KeepKvOnReconnect) {
             self.reset(worker);
         }
     }
@@ -214,7 +216,7 @@ impl KvEventSink for ConnectionSink {
             }
             current
         };
-        if current && self.feed.hooks.resets_kv_on_reconnect() {
+        if current && !self.feed.mutant.is(DispatchMutant::KeepKvOnReconnect) {
             self.feed.reset(self.worker);
         }
     }

@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use super::select::Candidate;
 use crate::discovery::{Instance, InstanceId};
+use crate::hooks::Seam;
 use crate::kv_events::{mix, MixState};
 
 /// Half-life of a worker's recent work, in picks noted on the board.
@@ -75,10 +76,18 @@ pub struct LoadBoard {
     /// Picks noted, and the pick at which the recent-work scale was 1.
     tick: u64,
     base: u64,
-    /// The mutant of the booking properties: a release on a worker that is no longer a member
-    /// is lost (its work stays booked forever).
-    #[cfg(test)]
-    leak_non_members: bool,
+    /// Where the board's mutant breaks releases (see [`BoardMutant`]); zero-sized in normal
+    /// builds.
+    mutant: Seam<BoardMutant>,
+}
+
+/// A deliberately broken variant of the board, caught by the booking properties
+/// (docs/properties.md, "Mutants"; see `crate::hooks`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BoardMutant {
+    /// A release on a worker that is no longer a member is lost (its work stays booked
+    /// forever).
+    LeaksNonMembers,
 }
 
 impl std::fmt::Debug for LoadBoard {
@@ -98,11 +107,11 @@ fn key(slot: &Slot, id: InstanceId) -> (u64, InstanceId) {
 }
 
 impl LoadBoard {
-    /// The board with the mutant whose releases on departed workers are lost.
+    /// The board running `mutant`.
     #[cfg(test)]
-    pub(crate) fn leaking_non_members() -> Self {
+    pub(crate) fn with_mutant(mutant: BoardMutant) -> Self {
         LoadBoard {
-            leak_non_members: true,
+            mutant: Seam::on(mutant),
             ..LoadBoard::default()
         }
     }
@@ -245,8 +254,7 @@ impl LoadBoard {
         let Some(slot) = self.slots.get_mut(&id) else {
             return;
         };
-        #[cfg(test)]
-        if self.leak_non_members && slot.member.is_none() {
+        if self.mutant.is(BoardMutant::LeaksNonMembers) && slot.member.is_none() {
             return;
         }
         let from = slot.load;

@@ -32,6 +32,7 @@
 //! candidate is over it the pick is [`Choice::Overloaded`], never a health failure.
 
 use crate::discovery::InstanceId;
+use crate::hooks::Seam;
 use crate::kv_events::mix;
 
 /// The terms of the KV cost (see the module docs), in blocks of `block_size` tokens.
@@ -58,10 +59,17 @@ pub struct KvCost {
     /// Weight of a worker's recent work ([`Candidate::recent`]) next to its booked work
     /// (finite, ≥ 0; 0: none).
     pub recent_weight: f64,
-    /// The mutant of the selection properties: the cost ignores booked work (as the old
-    /// score's load term did whenever requests rarely overlap in time).
-    #[cfg(test)]
-    pub(crate) ignore_load: bool,
+    /// Where the cost's mutant breaks it (see [`CostMutant`]); zero-sized in normal builds.
+    mutant: Seam<CostMutant>,
+}
+
+/// A deliberately broken variant of the cost, caught by a test (docs/properties.md,
+/// "Mutants"; see `crate::hooks`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CostMutant {
+    /// The cost ignores booked work (as the old score's load term did whenever requests
+    /// rarely overlap in time).
+    IgnoresLoad,
 }
 
 /// One candidate worker: its id, the leading blocks of the request it is credited with, the
@@ -157,8 +165,7 @@ impl KvCost {
             balance_slack: None,
             keep_credit: 0.0,
             recent_weight: 0.0,
-            #[cfg(test)]
-            ignore_load: false,
+            mutant: Seam::off(),
         }
     }
 
@@ -228,8 +235,11 @@ impl KvCost {
         let block = f64::from(self.block_size);
         let uncached = self.uncached(request_tokens, candidate.overlap) as f64 / block;
         let booked = candidate.load(self.recent_weight) / block;
-        #[cfg(test)]
-        let booked = if self.ignore_load { 0.0 } else { booked };
+        let booked = if self.mutant.is(CostMutant::IgnoresLoad) {
+            0.0
+        } else {
+            booked
+        };
         self.overlap_weight * uncached + self.load_scale * booked
             - self.keep_credit * candidate.coldness * candidate.overlap as f64
     }
@@ -253,10 +263,10 @@ impl KvCost {
         self.cost(request_tokens, &bare) - self.keep_credit * kept
     }
 
-    /// The same cost with the mutant that ignores booked work.
+    /// The same cost running `mutant`.
     #[cfg(test)]
-    pub(crate) fn ignoring_load(mut self) -> Self {
-        self.ignore_load = true;
+    pub(crate) fn with_mutant(mut self, mutant: CostMutant) -> Self {
+        self.mutant = Seam::on(mutant);
         self
     }
 }
@@ -467,7 +477,7 @@ mod tests {
     /// busier worker.
     #[test]
     fn the_mutant_that_ignores_load_is_caught() {
-        let mutant = unit().ignoring_load();
+        let mutant = unit().with_mutant(CostMutant::IgnoresLoad);
         let caught = (0..64u64).any(|salt| {
             let booked = [salt * 100, 0, 5_000, 300];
             equal_overlaps_violation(&mutant, &booked, 3).is_some()

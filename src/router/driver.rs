@@ -77,7 +77,7 @@ impl<F: BindingFactory> Driver<F> {
                     Some(Msg::Finished(build, effects)) => {
                         // Finished, not cancelled: its token must live on with its binding.
                         self.running.retain(|(id, _)| *id != build);
-                        self.shared.hooks.build_finished(|| self.shared.control.route());
+                        self.shared.seam.build_finished(|| self.shared.control.route());
                         self.carry_out(effects);
                     }
                     // Shared holds the sender and we hold Shared: unreachable, but ending is

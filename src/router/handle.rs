@@ -16,11 +16,11 @@ use super::error::{GenerateError, WaitError};
 use super::fallback::{AfterWait, Fallback, FallbackPolicy, Final};
 use super::legs::{BindingFactory, Decode, DecodeError, DecodeStream, Prefill as _, PrefillError};
 use super::metrics::{RouterCollector, StatusSource};
+use super::mutant::RouterSeam;
 use super::shared::{Announced, Msg, Shared};
 use super::status::{bump, RouterStatus, Tally};
 use super::target::WorkerSetTarget;
 use crate::control::Control;
-use crate::hooks::RouterHooks;
 use crate::lifecycle::Lifecycle;
 use crate::push::PushError;
 use crate::snapshot::{BypassReason, Route, SnapshotGuard};
@@ -69,28 +69,33 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// # Panics
     /// If called outside a tokio runtime (like `tokio::spawn`).
     pub fn new(factory: F, config: PrefillRouterConfig) -> Self {
-        Self::build(factory, config, RouterHooks::default())
+        Self::build(factory, config, RouterSeam::default())
     }
 
-    /// A router whose request path reads a lagging copy of the route (a deliberate mutant).
+    /// A router running a deliberate mutant of its request path (see
+    /// [`RouterMutant`](super::RouterMutant)).
     #[cfg(test)]
-    pub(crate) fn with_lagging_route_mutant(factory: F, config: PrefillRouterConfig) -> Self {
-        Self::build(factory, config, RouterHooks::lagging_route())
+    pub(crate) fn with_mutant(
+        factory: F,
+        config: PrefillRouterConfig,
+        mutant: super::RouterMutant,
+    ) -> Self {
+        Self::build(factory, config, RouterSeam::on(Some(mutant), None))
     }
 
-    /// A router awaiting `hook` between each conditional probe and its dispatch; with
-    /// `reload`, the mutant whose dispatch loads the route again (upstream's W10).
+    /// A router awaiting `hook` between each conditional probe and its dispatch, running
+    /// `mutant` if any.
     #[cfg(test)]
     pub(crate) fn with_probe_hook(
         factory: F,
         config: PrefillRouterConfig,
-        hook: crate::hooks::ProbeHook,
-        reload: bool,
+        hook: super::ProbeHook,
+        mutant: Option<super::RouterMutant>,
     ) -> Self {
-        Self::build(factory, config, RouterHooks::probe_hook(hook, reload))
+        Self::build(factory, config, RouterSeam::on(mutant, Some(hook)))
     }
 
-    fn build(factory: F, config: PrefillRouterConfig, hooks: RouterHooks<F::Binding>) -> Self {
+    fn build(factory: F, config: PrefillRouterConfig, seam: RouterSeam<F::Binding>) -> Self {
         let (to_driver, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             control: Control::new(config.retry),
@@ -107,7 +112,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             shut_down: Default::default(),
-            hooks,
+            seam,
         });
         let driver = Driver::new(Arc::clone(&shared), rx);
         shared.tracker.spawn(driver.run());
@@ -128,7 +133,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// even if it is retired meanwhile), or bypass and why. One lock-free load.
     #[inline]
     pub fn route(&self) -> Route<F::Binding> {
-        self.shared.hooks.route(|| self.shared.control.route())
+        self.shared.seam.route(|| self.shared.control.route())
     }
 
     /// The current snapshot, pinned (for decisions that need the target or epoch too). Do not
@@ -247,12 +252,12 @@ impl<F: BindingFactory> PrefillRouter<F> {
                     tracing::trace!(router = %self.shared.config.name, %skip, "prefill skipped: decode runs the whole request");
                     return Ok(decode.decode(request, None).await?);
                 }
-                self.shared.hooks.after_probe().await;
+                self.shared.seam.after_probe().await;
                 Some(pick)
             }
         };
         let binding = match pick {
-            Some(_) => self.shared.hooks.dispatch_binding(binding, || self.route()),
+            Some(_) => self.shared.seam.dispatch_binding(binding, || self.route()),
             None => binding,
         };
         bump(&self.shared.tally.prefilled);

@@ -48,8 +48,9 @@ pub(crate) struct Shared<F: BindingFactory> {
     /// Every task the router spawns (driver, builds).
     pub(crate) tracker: TaskTracker,
     pub(crate) shut_down: AtomicBool,
-    /// Where the lagging-route mutant breaks the request path; zero-sized in normal builds.
-    pub(crate) hooks: crate::hooks::RouterHooks<F::Binding>,
+    /// Where the router's mutants (and the probe hook) act on the request path; zero-sized in
+    /// normal builds.
+    pub(crate) seam: super::mutant::RouterSeam<F::Binding>,
 }
 
 impl<F: BindingFactory> Shared<F> {

@@ -51,7 +51,7 @@ async fn prefill_with(mutant: bool) -> Arc<BindingStats> {
     let _w2 = prefill_worker(&discovery, &endpoint, 2).await;
     let mut factory = DefaultBindingFactory::new(Arc::clone(&discovery), FactoryConfig::default());
     if mutant {
-        factory.hooks = FactoryHooks::ignore_admission();
+        factory = factory.with_mutant(FactoryMutant::IgnoreAdmission);
     }
     let (_admit, admitted) = watch::channel(BTreeSet::from([1]));
     let target = WorkerSetTarget::new(

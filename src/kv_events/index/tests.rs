@@ -284,7 +284,7 @@ fn the_soundness_check_catches_an_index_that_ignores_removals() {
         let mut real = KvIndex::default();
         let at = feed(&mut real, &order);
         assert_eq!(check_sound(&real, &published, &at), Ok(()));
-        let mut mutant = KvIndex::default().ignoring_removals();
+        let mut mutant = KvIndex::default().with_mutant(IndexMutant::IgnoresRemovals);
         let at = feed(&mut mutant, &order);
         if check_sound(&mutant, &published, &at).is_err() {
             caught += 1;

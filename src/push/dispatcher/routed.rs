@@ -1,5 +1,5 @@
 //! What a dispatch hands back: a held pick ([`HeldPick`]) and a routed request's responses
-//! ([`RoutedStream`]), and how a link's failure becomes a router error.
+//! ([`RoutedStream`]), and how a link's failure becomes a dispatcher error.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use crate::push::view::InstanceStatus;
 use crate::push::{PushError, RoutableView};
 use crate::transport::{GenerateRequest, GenerateResponse, ResponseStream, TransportError};
 
-/// Map a transport failure to a router error and its class, and report it to the instance's
+/// Map a transport failure to a dispatcher error and its class, and report it to the instance's
 /// breaker (which opens only on a connection-level failure, per [`failure_class`]).
 pub(super) fn classify(
     view: &RoutableView,

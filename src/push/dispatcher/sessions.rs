@@ -5,7 +5,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::booking::Booking;
-use super::{Candidates, Dispatcher, Pick, PushMode, WorkerLink};
+use super::{Candidates, DispatchMutant, Dispatcher, Pick, PushMode, WorkerLink};
 use crate::discovery::Instance;
 use crate::push::affinity::{session_key, AffinityOutcome, AffinityTable};
 use crate::push::kv::block_hashes;
@@ -29,7 +29,7 @@ impl<L: WorkerLink> Dispatcher<L> {
         let now = Instant::now();
         let outcome = match table.remembered(key, now) {
             Some(remembered) => {
-                let found = if self.hooks.affinity_checks_routable() {
+                let found = if !self.mutant.is(DispatchMutant::AffinityIgnoresRoutable) {
                     // The routable set is sorted by id: O(log n), not a pass over the pool.
                     routable
                         .binary_search_by_key(&remembered.instance_id, |i| i.instance_id)

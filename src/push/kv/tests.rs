@@ -71,10 +71,10 @@ fn an_evicted_prefix_stops_attracting_requests_once_the_worker_reports_it() {
 
 /// Where a hot prefix sends a request, and whether a cold one stays: worker 1 holds an
 /// 8-block prefix and has 100 tokens booked, worker 2 holds nothing and is idle.
-fn hot_and_cold_picks(mutant: Option<CostMutant>) -> (Option<InstanceId>, Option<InstanceId>) {
+fn hot_and_cold_picks(mutant: Option<KvMutant>) -> (Option<InstanceId>, Option<InstanceId>) {
     let mut kv = KvSelector::new(4, &KvRouterConfig::default(), 1024);
     if let Some(m) = mutant {
-        kv = kv.with_cost_mutant(m);
+        kv = kv.with_mutant(m);
     }
     let prefix: Vec<u64> = (1..=8).collect();
     kv.apply_events(1, &stored(0, &prefix));
@@ -99,7 +99,7 @@ fn a_cold_prefix_keeps_its_request_and_a_hot_one_spreads_by_load() {
 #[test]
 fn the_mutant_whose_prefixes_never_heat_up_is_caught() {
     assert_ne!(
-        hot_and_cold_picks(Some(CostMutant::IgnoresHeat)),
+        hot_and_cold_picks(Some(KvMutant::IgnoresHeat)),
         hot_and_cold_picks(None)
     );
 }

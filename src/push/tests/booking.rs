@@ -9,6 +9,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
+use crate::push::load_board::BoardMutant;
+use crate::push::select::CostMutant;
 use crate::push::{Dispatcher, HeldPick, LoadBoard, PushConfig, PushError, PushMode, RoutableView};
 use crate::transport::GenerateRequest;
 
@@ -180,7 +182,7 @@ fn mutant_that_loses_releases() {
         KvRouterConfig::default(),
         PushConfig::default(),
     )
-    .with_board(LoadBoard::leaking_non_members());
+    .with_board(LoadBoard::with_mutant(BoardMutant::LeaksNonMembers));
     let (left, _) = run(&mutant, &ops);
     assert!(left > 0, "the leaking board was not caught");
 }
@@ -232,7 +234,7 @@ fn prefix_everywhere_is_spread() {
         KvRouterConfig::default(),
         PushConfig::default(),
     )
-    .map_kv(crate::push::KvSelector::ignoring_load);
+    .map_kv(|kv| kv.with_cost_mutant(CostMutant::IgnoresLoad));
     assert!(
         spread(mutant) > 0,
         "the mutant that ignores load was not caught"

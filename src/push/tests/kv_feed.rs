@@ -11,7 +11,7 @@ use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent};
 use crate::health::BackoffPolicy;
 use crate::mock::{MockConfig, MockPrefill};
-use crate::push::{Dispatcher, PushConfig, PushMode, RoutableView};
+use crate::push::{DispatchMutant, Dispatcher, PushConfig, PushMode, RoutableView};
 use crate::transport::{serve_with_kv_events, GenerateRequest, ServerConfig};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -57,7 +57,7 @@ async fn entries_dropped_after_disconnect(mutant: bool) -> bool {
     };
     let mut router = Dispatcher::new(view, mode, PushConfig::default());
     if mutant {
-        router = router.with_keep_kv_on_reconnect_mutant();
+        router = router.with_mutant(DispatchMutant::KeepKvOnReconnect);
     }
     let mut s = router
         .generate_direct(4, GenerateRequest::new((0..16).collect(), 1))
@@ -105,7 +105,7 @@ async fn only_the_workers_current_connection_feeds_or_resets_its_entries() {
 
     use parking_lot::Mutex;
 
-    use crate::hooks::DispatchHooks;
+    use crate::hooks::Seam;
     use crate::kv_events::{EventBatch, KvEvent};
     use crate::push::kv::KvSelector;
     use crate::push::kv_feed::KvFeed;
@@ -128,7 +128,7 @@ async fn only_the_workers_current_connection_feeds_or_resets_its_entries() {
         &KvRouterConfig::default(),
         1024,
     )));
-    let feed = Arc::new(KvFeed::new(Arc::clone(&kv), view, DispatchHooks::default()));
+    let feed = Arc::new(KvFeed::new(Arc::clone(&kv), view, Seam::off()));
     let indexed = || kv.lock().index().publishes(4);
     let batch = |seq| EventBatch {
         epoch: 1,

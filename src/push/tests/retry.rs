@@ -13,7 +13,7 @@ use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::health::{BackoffPolicy, FailureClass};
 use crate::mock::{MockConfig, MockPrefill};
-use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
+use crate::push::{DispatchMutant, Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::transport::{serve, GenerateRequest, ServerConfig, ServerHandle};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -73,7 +73,7 @@ async fn overloaded_best_worker(mutant: bool) -> (Result<InstanceId, PushError>,
         PushConfig::default(),
     );
     if mutant {
-        dispatcher = dispatcher.with_reuse_failed_mutant();
+        dispatcher = dispatcher.with_mutant(DispatchMutant::ReuseFailed);
     }
     let prompt: Vec<u32> = (0..64).collect();
     // Only worker 1 discovered: the selector attributes the prompt's blocks to it.

@@ -8,7 +8,7 @@ use proptest::prelude::*;
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceId};
 use crate::kv_events::{EventBatch, KvEvent};
-use crate::push::kv::CostMutant;
+use crate::push::kv::KvMutant;
 use crate::push::select::{is_busy, Choice};
 use crate::push::{KvSelector, LoadBoard};
 
@@ -132,7 +132,7 @@ fn build_on(
 ) -> (KvSelector, LoadBoard) {
     let mut kv = KvSelector::new(4, config, 64).with_deep_limit(deep_limit);
     if mutant {
-        kv = kv.ignoring_shallow_blocks();
+        kv = kv.with_mutant(KvMutant::IgnoresShallow);
     }
     let mut board = LoadBoard::default();
     board.set_members(members(&(0..12).collect::<Vec<_>>()));
@@ -291,7 +291,7 @@ fn case() -> impl Strategy<Value = Case> {
 }
 
 /// The property on one case, for the selector with `mutant` (none: the real one).
-fn property(case: &Case, mutant: Option<CostMutant>) -> Result<(), String> {
+fn property(case: &Case, mutant: Option<KvMutant>) -> Result<(), String> {
     let (steps, request, excluded, random, deep_limit, threshold, terms) = case;
     let config = KvRouterConfig {
         overlap_score_weight: terms.0,
@@ -302,7 +302,7 @@ fn property(case: &Case, mutant: Option<CostMutant>) -> Result<(), String> {
     };
     let (mut kv, board) = build_on(steps, *deep_limit, false, &config);
     if let Some(m) = mutant {
-        kv = kv.with_cost_mutant(m);
+        kv = kv.with_mutant(m);
     }
     let hashes = chain(request.0, request.1);
     let pick = kv.select_on(
@@ -327,7 +327,7 @@ proptest! {
 
 /// Whether the property finds a case the selector with `mutant` gets wrong (a seeded search,
 /// as the proptest runs it).
-fn caught(mutant: CostMutant) -> bool {
+fn caught(mutant: KvMutant) -> bool {
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
         cases: 4_096,
         failure_persistence: None,
@@ -345,14 +345,14 @@ fn caught(mutant: CostMutant) -> bool {
 /// stops before a cold shallow holder that would have won.
 #[test]
 fn the_check_catches_a_floor_that_ignores_the_keep_credit() {
-    assert!(caught(CostMutant::FloorIgnoresKeep));
+    assert!(caught(KvMutant::FloorIgnoresKeep));
 }
 
 /// The property bites on the walk's recent-work order: ending the whole walk where only the
 /// rest of one load was beaten misses a cheaper member of a later load.
 #[test]
 fn the_check_catches_a_walk_that_stops_on_recent_work() {
-    assert!(caught(CostMutant::RecentStopsWalk));
+    assert!(caught(KvMutant::RecentStopsWalk));
 }
 
 /// The check bites: a fast path that scores only the holders (forgetting that an idle worker

@@ -9,8 +9,9 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::fakes::{target, FactoryLog, FakeDecode, ScriptFactory};
-use crate::hooks::ProbeHook;
-use crate::router::{ConditionalPolicy, ConditionalSkip, PrefillRouter, PrefillRouterConfig};
+use crate::router::{
+    ConditionalPolicy, ConditionalSkip, PrefillRouter, PrefillRouterConfig, ProbeHook, RouterMutant,
+};
 use crate::transport::GenerateRequest;
 
 fn with_policy(policy: Option<ConditionalPolicy>) -> PrefillRouterConfig {
@@ -111,7 +112,7 @@ async fn retarget_between_probe_and_dispatch(
         factory,
         with_policy(Some(policy)),
         hook,
-        reload_mutant,
+        reload_mutant.then_some(RouterMutant::ReloadForDispatch),
     ));
     router.set_target(Some(target(1)));
     router.wait_active(Duration::from_secs(5)).await.unwrap();

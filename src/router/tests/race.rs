@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::fakes::{target, ScriptFactory};
-use crate::router::{Prefill, PrefillRouter, PrefillRouterConfig};
+use crate::router::{Prefill, PrefillRouter, PrefillRouterConfig, RouterMutant};
 use crate::snapshot::Route;
 use crate::transport::GenerateRequest;
 
@@ -98,8 +98,11 @@ async fn race_check_catches_a_route_published_asynchronously() {
     let mut seen = 0;
     for _ in 0..5 {
         let (factory, _log) = ScriptFactory::instant();
-        let router =
-            PrefillRouter::with_lagging_route_mutant(factory, PrefillRouterConfig::default());
+        let router = PrefillRouter::with_mutant(
+            factory,
+            PrefillRouterConfig::default(),
+            RouterMutant::LaggingRoute,
+        );
         let (_dispatched, violations) = race(router).await;
         seen += violations;
         if seen > 0 {

@@ -15,13 +15,13 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::advert::{PrefillConfig, SelectionMode};
+use crate::binding::factory::FactoryMutant;
 use crate::binding::{DefaultBindingFactory, FactoryConfig};
 use crate::discovery::{
     EndpointId, Instance, InstanceEvent, InstanceId, MemoryConfig, MemoryDiscovery,
 };
 use crate::health::{BackoffPolicy, FailureClass};
-use crate::hooks::FactoryHooks;
-use crate::push::{AffinityOutcome, Dispatcher, Prober, PushConfig, RoutableView};
+use crate::push::{AffinityOutcome, DispatchMutant, Dispatcher, Prober, PushConfig, RoutableView};
 use crate::transport::GenerateRequest;
 
 const WORKERS: u64 = 4;
@@ -109,7 +109,7 @@ fn run(mode: SelectionMode, events: &[Event], plant: Plant) -> Result<(), String
             },
         );
         if plant == Plant::InheritsTable {
-            factory.hooks = FactoryHooks::inherit_affinity();
+            factory = factory.with_mutant(FactoryMutant::InheritAffinity);
         }
         let resolved = PrefillConfig {
             router_mode: mode,
@@ -137,7 +137,7 @@ fn run(mode: SelectionMode, events: &[Event], plant: Plant) -> Result<(), String
         let build = |factory: &DefaultBindingFactory| {
             let d = factory.dispatcher(view.clone(), &resolved);
             let d = if plant == Plant::IgnoresRoutable {
-                d.with_affinity_ignores_routable_mutant()
+                d.with_mutant(DispatchMutant::AffinityIgnoresRoutable)
             } else {
                 d
             };

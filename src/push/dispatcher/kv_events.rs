@@ -1,0 +1,57 @@
+//! The dispatcher's side of the workers' KV events: batches and resets go to its feed
+//! (`push/kv_feed.rs`), and departed workers leave the index.
+
+use super::{Dispatcher, WorkerLink};
+use crate::discovery::InstanceId;
+use crate::kv_events::{Applied, EventBatch};
+use crate::push::kv::KvSelector;
+use crate::push::view::InstanceStatus;
+
+impl<L: WorkerLink> Dispatcher<L> {
+    /// Apply one batch of `worker`'s KV cache events to the KV index (see
+    /// [`KvSelector::apply_events`]). `None` when not in KV mode, or when the worker is not
+    /// discovered and admitted: then whatever the index held for it is dropped and the batch
+    /// ignored (a worker outside admission earns no credit; its next batch once admitted
+    /// starts it afresh).
+    pub fn apply_kv_events(&self, worker: InstanceId, batch: &EventBatch) -> Option<Applied> {
+        self.kv_feed.as_ref()?.apply(worker, batch)
+    }
+
+    /// Drop what the KV index knows of `worker` (its event stream reconnected or was lost):
+    /// until its next batch it is scored by prediction.
+    pub fn reset_kv_events(&self, worker: InstanceId) {
+        if let Some(feed) = &self.kv_feed {
+            feed.reset(worker);
+        }
+    }
+
+    /// Whether the KV index scores `worker` from its events (false when not in KV mode, or
+    /// when the worker is scored by prediction).
+    pub fn kv_indexed(&self, worker: InstanceId) -> bool {
+        self.kv
+            .as_ref()
+            .is_some_and(|kv| kv.lock().index().publishes(worker))
+    }
+
+    /// Drop indexed workers that are no longer discovered and admitted.
+    pub(super) fn prune_kv_index(&self, kv: &mut KvSelector) {
+        kv.retain_indexed(|w| {
+            matches!(
+                self.view.status(w),
+                InstanceStatus::Routable(_) | InstanceStatus::Unhealthy(_)
+            )
+        });
+    }
+
+    /// Forget a departed worker in the KV index (callers may call it on `Removed` events; the
+    /// dispatcher also works without, since only routable workers are scored).
+    pub fn forget(&self, id: InstanceId) {
+        if let Some(kv) = &self.kv {
+            kv.lock().forget(id);
+        }
+        if let Some(feed) = &self.kv_feed {
+            feed.forget(id);
+        }
+        self.link.forget(id);
+    }
+}

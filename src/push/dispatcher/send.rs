@@ -1,0 +1,178 @@
+//! The dispatcher's send: one attempt through its link to the picked instance, and the retry
+//! loop that takes the mode's next-best pick after a failure that may be retried elsewhere.
+
+use tokio::time::Instant;
+
+use super::pick::Pick;
+use super::routed::classify;
+use super::{Dispatch, DispatchMutant, Dispatcher, PushMode, RoutedStream, WorkerLink};
+use crate::discovery::InstanceId;
+use crate::health::FailureClass;
+use crate::push::error::{Attempt, PushError};
+use crate::transport::{GenerateRequest, TransportError};
+
+impl<L: WorkerLink> Dispatcher<L> {
+    /// Route `request` per the mode and stream its responses.
+    ///
+    /// A failure before the worker produced any output (sending, or the first stream item an
+    /// error) whose class may be retried elsewhere ([`FailureClass::retry_elsewhere`]) is
+    /// retried on a different routable worker (the mode's next-best pick, never one the
+    /// request already failed on), at most [`PushConfig::retry_budget`] times and never past
+    /// the deadline. With a budget above 0 the call waits for the first response before
+    /// returning the stream (a first-item error is returned by this call); once a response
+    /// arrived, nothing is retried. A request tried
+    /// once fails with its own error; after retries, with [`PushError::Exhausted`] listing
+    /// every attempt. `Direct` mode never retries.
+    ///
+    /// [`PushConfig::retry_budget`]: super::PushConfig::retry_budget
+    pub async fn generate(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<RoutedStream<L::Stream>, PushError> {
+        let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
+        let budget = if matches!(self.mode, PushMode::Direct(_)) {
+            0
+        } else {
+            self.config.retry_budget
+        };
+        if budget == 0 {
+            let pick = self.select_or_wait(&request, &[], deadline).await?;
+            return self.dispatch(pick, request, deadline).await;
+        }
+        // `excluded` stays the workers failed so far, in order (bar the test mutant that
+        // reuses them), which is what the link is told.
+        let mut attempts: Vec<Attempt> = Vec::new();
+        let mut excluded: Vec<InstanceId> = Vec::new();
+        let mut request = Some(request);
+        loop {
+            // Taken only by the last attempt, which never loops back.
+            let Some(current) = request.as_ref() else {
+                return Err(exhausted(attempts, PushError::NoRoutableInstances));
+            };
+            let pick = match self.select_or_wait(current, &excluded, deadline).await {
+                Ok(pick) => pick,
+                Err(e) => return Err(exhausted(attempts, e)),
+            };
+            let id = pick.instance.instance_id;
+            let last = attempts.len() >= budget as usize;
+            // Keep a copy only while another attempt may follow.
+            let this = if last {
+                request.take()
+            } else {
+                request.clone()
+            }
+            .unwrap_or_default();
+            let attempt = u32::try_from(attempts.len()).unwrap_or(u32::MAX);
+            let sent = self
+                .dispatch_classified(pick, this, deadline, (attempt, &excluded))
+                .await;
+            let failure = match sent {
+                // Every attempt reads its first item ahead, the last one too: a request that was
+                // retried ends with one error listing its attempts, never a stream error.
+                Ok(mut stream) => match stream.peek().await {
+                    None => return Ok(stream),
+                    Some((error, class)) => (error, class),
+                },
+                Err(failure) => failure,
+            };
+            let (error, class) = failure;
+            attempts.push(Attempt {
+                instance: id,
+                class,
+                error,
+            });
+            let expired = deadline.is_some_and(|d| Instant::now() >= d);
+            if last || !class.retry_elsewhere() || expired {
+                return Err(exhausted(attempts, PushError::NoRoutableInstances));
+            }
+            self.retries.record(class);
+            tracing::debug!(instance = id, %class, attempt = attempts.len(), "retrying the request on another worker");
+            if !self.mutant.is(DispatchMutant::ReuseFailed) {
+                excluded.push(id);
+            }
+        }
+    }
+
+    /// Send `request` to the named instance, whatever the mode.
+    pub async fn generate_direct(
+        &self,
+        instance: InstanceId,
+        request: GenerateRequest,
+    ) -> Result<RoutedStream<L::Stream>, PushError> {
+        let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
+        let target = self.direct_target(instance)?;
+        let pick = Pick {
+            instance: target,
+            overlap: None,
+            affinity: None,
+            booking: None,
+        };
+        self.dispatch(pick, request, deadline).await
+    }
+
+    /// A request's only attempt (no retries).
+    pub(super) async fn dispatch(
+        &self,
+        pick: Pick,
+        request: GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> Result<RoutedStream<L::Stream>, PushError> {
+        self.dispatch_classified(pick, request, deadline, (0, &[]))
+            .await
+            .map_err(|(e, _)| e)
+    }
+
+    /// Send one attempt (number `attempt`, after failing on `failed`) of `request` through
+    /// the link to the picked instance; the pick's booking then lives in the stream.
+    async fn dispatch_classified(
+        &self,
+        pick: Pick,
+        request: GenerateRequest,
+        deadline: Option<Instant>,
+        (attempt, failed): (u32, &[InstanceId]),
+    ) -> Result<RoutedStream<L::Stream>, (PushError, FailureClass)> {
+        let Pick {
+            instance,
+            overlap,
+            affinity,
+            booking,
+        } = pick;
+        let id = instance.instance_id;
+        let dispatch = Dispatch {
+            instance: &instance,
+            attempt,
+            failed,
+            expected_overlap_blocks: overlap,
+            affinity,
+        };
+        let send = self.link.open(dispatch, request, deadline);
+        let sent = match deadline {
+            Some(d) => tokio::time::timeout_at(d, send)
+                .await
+                .unwrap_or(Err(TransportError::Timeout)),
+            None => send.await,
+        };
+        match sent {
+            Ok(inner) => Ok(RoutedStream {
+                instance: id,
+                overlap,
+                affinity,
+                inner,
+                view: self.view.clone(),
+                peeked: None,
+                _booking: booking,
+            }),
+            Err(e) => Err(classify(&self.view, id, e)),
+        }
+    }
+}
+
+/// The error a request ends with: its only attempt's own error, or [`PushError::Exhausted`]
+/// after retries; `none_left` (why no attempt could start) when there was no attempt.
+fn exhausted(mut attempts: Vec<Attempt>, none_left: PushError) -> PushError {
+    match attempts.len() {
+        0 => none_left,
+        1 => attempts.pop().map_or(none_left, |a| a.error),
+        _ => PushError::Exhausted { attempts },
+    }
+}
