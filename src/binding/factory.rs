@@ -12,15 +12,15 @@ use tracing::Instrument;
 
 use super::TokenLoad;
 use crate::advert::{self, DecodeDefaults, PrefillConfig};
+use crate::binding::{
+    Binding, BindingFactory, BindingHealth, BuildError, PrefillError, PrefillEstimate,
+    PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
+};
 use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::hooks::FactoryHooks;
 use crate::push::HeldPick;
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
-use crate::router::{
-    BindingFactory, BindingHealth, BuildError, Prefill, PrefillError, PrefillEstimate,
-    PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
-};
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 /// How long a prefill waits for its view to show admitted instances it has not discovered
 /// yet before failing with [`crate::push::PushError::NoRoutableInstances`].
@@ -244,7 +244,7 @@ impl PrefillBinding {
     }
 }
 
-impl Prefill for PrefillBinding {
+impl Binding for PrefillBinding {
     fn prefill(
         &self,
         request: GenerateRequest,
@@ -301,7 +301,7 @@ impl Prefill for PrefillBinding {
     /// (KV mode; 0 otherwise) times the block size, its load the binding's in-flight
     /// uncached tokens over the routable workers. A pick that finds nothing routable, or every
     /// worker over the busy threshold, holds nothing: its dispatch then takes
-    /// [`prefill`](Prefill::prefill)'s path (which waits for the view to catch up or for room
+    /// [`prefill`](Binding::prefill)'s path (which waits for the view to catch up or for room
     /// in the overload queue, or fails typed).
     fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
         let mut probe = PrefillEstimate::prompt_only(request.token_ids.len());
@@ -333,7 +333,7 @@ impl Prefill for PrefillBinding {
 
     /// Dispatches the held selection ([`Dispatcher::dispatch_held`]): its booking moves into
     /// the routed stream, so the pick's KV load counts until the prefill ends, as on
-    /// [`prefill`](Prefill::prefill)'s path. If that send fails (the worker left the view, or
+    /// [`prefill`](Binding::prefill)'s path. If that send fails (the worker left the view, or
     /// the connection failed: nothing reached a worker), the request takes `prefill`'s path
     /// on this same binding: a fresh pick with retries.
     fn prefill_picked(

@@ -14,17 +14,16 @@ use super::config::PrefillRouterConfig;
 use super::driver::{deadline_after, Driver};
 use super::error::{GenerateError, WaitError};
 use super::fallback::{AfterWait, Fallback, FallbackPolicy, Final};
-use super::legs::{BindingFactory, Decode, DecodeError, DecodeStream, Prefill as _, PrefillError};
 use super::metrics::{RouterCollector, StatusSource};
 use super::shared::{Announced, Msg, Shared};
 use super::status::{bump, RouterStatus, Tally};
-use super::target::WorkerSetTarget;
+use crate::binding::{Binding as _, BindingFactory, PrefillError, WorkerSetTarget};
 use crate::control::Control;
+use crate::decode::{Decode, DecodeError, DecodeStream};
 use crate::hooks::RouterHooks;
 use crate::lifecycle::Lifecycle;
-use crate::push::PushError;
+use crate::request::{GenerateRequest, GenerateResponse};
 use crate::snapshot::{BypassReason, Route, SnapshotGuard};
-use crate::transport::{GenerateRequest, GenerateResponse};
 
 /// Times [`PrefillRouter::generate`] routes one request again after its binding was retired
 /// under it (each time means another retarget raced the request: a bound keeps a storm finite).
@@ -117,7 +116,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// The controller's decision: prefill on `target`, or on nothing (`None`).
     ///
     /// Synchronous and never awaits (callable from any thread, under the caller's own locks).
-    /// When it returns, every later [`snapshot`](Self::route) sees the new decision: a clear or a
+    /// When it returns, every later [`route`](Self::route) sees the new decision: a clear or a
     /// retarget is never observed late by a request that loads the route afterwards.
     pub fn set_target(&self, target: Option<WorkerSetTarget>) {
         let effects = self.shared.control.set_target(target);
@@ -141,7 +140,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// Serve one request: when Active, prefill on the loaded binding with `max_tokens` 1 and
     /// hand off to `decode` with the original request; otherwise apply the fallback policy.
     /// With a [`ConditionalPolicy`](super::ConditionalPolicy) configured, an Active hop first
-    /// asks the binding for its pick ([`Prefill::pick`](super::Prefill::pick)) and sends the
+    /// asks the binding for its pick ([`Binding::pick`](crate::binding::Binding::pick)) and sends the
     /// request to decode whole when the policy says skip; otherwise it prefills on that pick,
     /// on the same binding.
     ///
@@ -153,9 +152,9 @@ impl<F: BindingFactory> PrefillRouter<F> {
     ///
     /// A request whose binding is retired between its route load and its pick of a worker,
     /// and whose admission set empties meanwhile (a retarget storm does it), would fail with
-    /// [`PushError::NoRoutableInstances`](crate::push::PushError::NoRoutableInstances)
-    /// although nothing was sent anywhere: it is routed again on the current snapshot
-    /// instead, at most [`MAX_REROUTES`] times (counted in `rerouted`).
+    /// [`PrefillError::NoRoutableWorker`] although nothing was sent anywhere: it is routed
+    /// again on the current snapshot instead, at most [`MAX_REROUTES`] times (counted in
+    /// `rerouted`).
     pub async fn generate(
         &self,
         mut request: GenerateRequest,
@@ -309,9 +308,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
         match error {
             // Nothing was sent: the binding lost its last admitted worker because it was
             // retired under this request. Route again on what is published now.
-            PrefillError::Push(PushError::NoRoutableInstances)
-                if may_reroute && !self.serves(binding) =>
-            {
+            PrefillError::NoRoutableWorker if may_reroute && !self.serves(binding) => {
                 Err(Failed::Reroute(request))
             }
             // No prefill worker could be reached: the hop is as good as not Active for this

@@ -8,8 +8,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::sets::{Topology, TopologySnapshot};
+use crate::binding::{BindingFactory, WorkerSetTarget, WorkerSetTargetId};
 use crate::discovery::{Discovery, DiscoveryError};
-use crate::router::{BindingFactory, PrefillRouter, WorkerSetTarget, WorkerSetTargetId};
+use crate::router::PrefillRouter;
 
 /// Whatever takes the watcher's targets: a [`PrefillRouter`], or a test double.
 pub trait TargetSink: Send + Sync + 'static {

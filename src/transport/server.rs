@@ -15,12 +15,13 @@ use tokio::sync::Notify;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-use super::engine::{Engine, EngineError, EngineStream, GenerateRequest, GenerateResponse};
+use super::engine::{Engine, EngineError, EngineStream};
 use super::error::{FrameError, RemoteError};
 use super::events::{Hub, KvEventSource};
 use super::stream::{self, ReadHalf, WriteHalf};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
 use super::writer::Writer;
+use crate::request::{GenerateRequest, GenerateResponse};
 
 /// Worker-side limits.
 #[derive(Clone, Debug)]

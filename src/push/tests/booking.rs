@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::push::{Dispatcher, HeldPick, LoadBoard, PushConfig, PushError, PushMode, RoutableView};
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 fn instance(id: InstanceId) -> Instance {
     Instance {

@@ -10,8 +10,8 @@ use tokio::sync::Notify;
 
 use super::fakes::{target, FactoryLog, FakeDecode, ScriptFactory};
 use crate::hooks::ProbeHook;
+use crate::request::GenerateRequest;
 use crate::router::{ConditionalPolicy, ConditionalSkip, PrefillRouter, PrefillRouterConfig};
-use crate::transport::GenerateRequest;
 
 fn with_policy(policy: Option<ConditionalPolicy>) -> PrefillRouterConfig {
     PrefillRouterConfig {

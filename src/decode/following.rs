@@ -9,12 +9,13 @@ use futures_util::FutureExt;
 use tokio::sync::watch;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use crate::binding::DecodePool;
+use super::DecodePool;
+use super::{Decode, DecodeError, DecodeStream};
+use crate::binding::PrefillOutcome;
 use crate::discovery::{Discovery, EndpointId};
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
-use crate::router::{Decode, DecodeError, DecodeStream, PrefillOutcome};
+use crate::request::GenerateRequest;
 use crate::topology::TopologySnapshot;
-use crate::transport::GenerateRequest;
 
 /// One decode endpoint's dispatcher and the guard of its discovery feed.
 struct Slot {
