@@ -7,7 +7,7 @@
 //!   reuse, stale-build rejection, retry with backoff). No I/O, no clock, no locks.
 //! - [`health`]: the pure worker-health machine: a circuit breaker per instance in discovery,
 //!   probed with capped, jittered backoff; only connection-level failures count. No I/O, no clock.
-//! - [`snapshot`]: the published view requests read: one immutable snapshot per change in one
+//! - [`snapshot`]: the published state requests read: one immutable snapshot per change in one
 //!   lock-free cell, answering [`snapshot::Route`] (prefill on a binding, or bypass and why).
 //! - [`batch`]: the one inline output batch both the machine and the control core return.
 //! - [`control`]: the synchronous, thread-safe control core driving the machine and publishing

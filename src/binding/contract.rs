@@ -171,7 +171,8 @@ pub trait Binding: Send + Sync + 'static {
     }
 
     /// Pick the worker `request` would prefill on and hold that pick (its share of the load)
-    /// without sending anything: the probe of conditional disaggregation. The router then
+    /// without sending anything, and report its [`PrefillEstimate`]: what conditional
+    /// disaggregation decides on. The router then
     /// either dispatches on this very pick ([`prefill_picked`](Self::prefill_picked), on this
     /// very binding) or drops it. The default knows only the prompt and holds nothing.
     ///
@@ -226,23 +227,23 @@ impl PrefillEstimate {
     }
 }
 
-/// A binding's held pick for one request ([`Binding::pick`]): the probe the policy decides on,
-/// and whatever the binding holds for the dispatch (its selection and load share), released
-/// on drop.
+/// A binding's held pick for one request ([`Binding::pick`]): the estimate the policy decides
+/// on, and whatever the binding holds for the dispatch (the dispatcher's held pick and its load
+/// share), released on drop.
 pub struct PrefillPick {
-    probe: PrefillEstimate,
+    estimate: PrefillEstimate,
     held: Option<Box<dyn std::any::Any + Send>>,
 }
 
 impl PrefillPick {
-    /// A pick reporting `probe` and holding `held` until dispatched or dropped.
-    pub fn new(probe: PrefillEstimate, held: Option<Box<dyn std::any::Any + Send>>) -> Self {
-        PrefillPick { probe, held }
+    /// A pick reporting `estimate` and holding `held` until dispatched or dropped.
+    pub fn new(estimate: PrefillEstimate, held: Option<Box<dyn std::any::Any + Send>>) -> Self {
+        PrefillPick { estimate, held }
     }
 
     /// What the pick says about the request's prefill.
-    pub fn probe(&self) -> &PrefillEstimate {
-        &self.probe
+    pub fn estimate(&self) -> &PrefillEstimate {
+        &self.estimate
     }
 
     /// The held part, to be downcast by the binding that made it (`None` if the pick holds
@@ -255,7 +256,7 @@ impl PrefillPick {
 impl std::fmt::Debug for PrefillPick {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PrefillPick")
-            .field("probe", &self.probe)
+            .field("estimate", &self.estimate)
             .field("held", &self.held.is_some())
             .finish()
     }

@@ -226,7 +226,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
             handoff: None,
             ..request.clone()
         };
-        // Conditional disaggregation: probe on this binding, decide, then dispatch on this
+        // Conditional disaggregation: pick on this binding, decide, then dispatch on this
         // very pick of this very binding (or drop it). Never a second route load (W10).
         let pick = match &self.shared.config.conditional {
             None => None,
@@ -239,7 +239,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
                             .await
                     }
                 };
-                if let Some(skip) = policy.decide(pick.probe()) {
+                if let Some(skip) = policy.decide(pick.estimate()) {
                     drop(pick);
                     drop(binding);
                     self.shared.tally.skip(skip);

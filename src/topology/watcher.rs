@@ -1,4 +1,4 @@
-//! The watcher task: a namespace watch in, `set_target` calls and a published view out.
+//! The watcher task: a namespace watch in, `set_target` calls and a topology snapshot out.
 
 use std::sync::Arc;
 
