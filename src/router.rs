@@ -2,12 +2,12 @@
 //! with real builds, timers and a request path (feature `runtime`).
 //!
 //! - [`PrefillRouter`]: `set_target` (synchronous), `route`, `generate` (prefill with
-//!   `max_tokens` 1, then [`Decode`](crate::decode::Decode)), `status`, `subscribe`,
+//!   `max_tokens` 1, then [`decode::Decode`](crate::decode::Decode)), `status`, `subscribe`,
 //!   `wait_active`, `shutdown`. It points the hop at a
-//!   [`WorkerSetTarget`](crate::binding::WorkerSetTarget) and has its
-//!   [`BindingFactory`](crate::binding::BindingFactory) build a
-//!   [`Binding`](crate::binding::Binding) for it (async, cancellable, fallible, under a build
-//!   timeout).
+//!   [`binding::WorkerSetTarget`](crate::binding::WorkerSetTarget) and has its
+//!   [`binding::BindingFactory`](crate::binding::BindingFactory) build a
+//!   [`binding::Binding`](crate::binding::Binding) for it (async, cancellable, fallible, under
+//!   a build timeout).
 //! - [`FallbackPolicy`]: what requests do while the hop is not Active.
 //! - [`ConditionalPolicy`]: per request, skip the remote prefill when it gains nothing
 //!   (off by default; [`conditional`]).

@@ -149,7 +149,8 @@ impl BuildError {
     }
 }
 
-/// A binding: the router and clients one target's requests prefill through.
+/// A binding: what one target's requests prefill through (for the default factory, a
+/// dispatcher and its clients over the target's admitted workers).
 ///
 /// Retired bindings stay usable by the requests that hold them; once a retired binding's
 /// admission set empties, new prefills on it must fail promptly with
