@@ -6,7 +6,6 @@
 mod following;
 mod pool;
 
-pub(crate) use following::follow;
 pub use following::FollowingDecode;
 pub use pool::DecodePool;
 

@@ -26,6 +26,7 @@
 //!
 //! The lower-level types stay public for frontends that need another arrangement.
 
+mod follow;
 mod status;
 #[cfg(test)]
 mod tests;
@@ -148,7 +149,7 @@ impl PrefillHop {
             config.decode_push.clone(),
         ));
         let (decode_changed_tx, decode_changed) = watch::channel(());
-        tracker.spawn(crate::decode::follow(
+        tracker.spawn(follow::follow(
             Arc::clone(&decode),
             discovery,
             topology.clone(),
