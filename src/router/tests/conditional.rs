@@ -89,7 +89,7 @@ async fn a_saturated_pool_sends_long_prompts_to_decode_as_conditional_busy() {
 /// generation 2 is published before letting the dispatch go. Returns the picks' log.
 async fn retarget_between_probe_and_dispatch(
     reload_mutant: bool,
-) -> Vec<(Option<crate::router::WorkerSetTargetId>, u64)> {
+) -> Vec<(Option<crate::binding::WorkerSetTargetId>, u64)> {
     let (factory, log) = ScriptFactory::instant();
     let probed = Arc::new(Notify::new());
     let go = Arc::new(Notify::new());

@@ -133,10 +133,10 @@ impl Binding for FakeBinding {
 
     /// One open breaker per admitted instance past the first, one overload retry and two
     /// affinity hits per prefill served: distinct values for the metrics test to find.
-    fn health(&self) -> crate::router::BindingHealth {
+    fn health(&self) -> crate::binding::BindingHealth {
         let open = self.admitted.borrow().len().saturating_sub(1);
         let served = self.prefills.lock().len() as u64;
-        crate::router::BindingHealth::new(
+        crate::binding::BindingHealth::new(
             open,
             [(crate::health::FailureClass::Overloaded, served)].into(),
         )
