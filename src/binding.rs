@@ -1,7 +1,17 @@
-//! The default binding factory: what a prefill target becomes over real discovery and push
-//! routers, and the decode hop over a decode dispatcher.
+//! Bindings: what the router prefills through, and the default factory building them.
 //!
-//! A build (see [`DefaultBindingFactory`]):
+//! # The seam
+//!
+//! A binding implements [`Binding`] (prefill a request into a [`PrefillOutcome`], pick and hold
+//! a worker as a [`PrefillPick`] reporting a [`PrefillEstimate`], report its [`BindingHealth`])
+//! and fails with [`PrefillError`]. A [`BindingFactory`] builds one per [`WorkerSetTarget`]
+//! (one generation of a prefill worker set, what the controller points the hop at) or fails
+//! with [`BuildError`]. The router speaks only these words to a binding.
+//!
+//! # The default factory
+//!
+//! What a prefill target becomes over real discovery and dispatchers. A build (see
+//! [`DefaultBindingFactory`]):
 //! 1. resolves the hop's configuration from exactly `[target.card]` (the committed, first-wins
 //!    card; the raw per-worker cards are ignored, as upstream's committed targets do);
 //! 2. opens the endpoint's discovery watch and builds a [`RoutableView`] over it with the
@@ -14,13 +24,21 @@
 //! [`RoutableView`]: crate::push::RoutableView
 //! [`Dispatcher`]: crate::push::Dispatcher
 
-mod decode;
+mod contract;
 mod factory;
 mod load;
+mod target;
 
-pub use decode::DecodePool;
+pub use contract::{
+    Binding, BindingFactory, BindingHealth, BuildError, PrefillError, PrefillEstimate,
+    PrefillOutcome, PrefillPick,
+};
 pub(crate) use load::TokenLoad;
+pub use target::{WorkerSetTarget, WorkerSetTargetId};
 
 pub use factory::{
     BindingStats, DefaultBindingFactory, FactoryConfig, PrefillBinding, DISCOVERY_CATCH_UP,
 };
+
+// Temporary: the decode pool at its old path (for benches); it lives in `crate::decode`.
+pub use crate::decode::DecodePool;

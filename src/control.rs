@@ -2,9 +2,9 @@
 //! binding store, and the published [`RouteCell`].
 //!
 //! Every method takes the lock, feeds one input to the machine, applies the actions that touch
-//! only memory (`Publish`, `Retire`, `Discard`), publishes the new [`Snapshot`] if the view
-//! changed, releases the lock, and only then drops whatever bindings and snapshots it took
-//! out. It returns the [`Effects`] the async side must carry out (start or cancel a build, arm
+//! only memory (`Publish`, `Retire`, `Discard`), publishes the new [`Snapshot`] if what it
+//! shows requests changed, releases the lock, and only then drops whatever bindings and
+//! snapshots it took out. It returns the [`Effects`] the async side must carry out (start or cancel a build, arm
 //! or disarm a retry timer).
 //!
 //! Why publish under the lock: two concurrent calls must publish in the order the machine
@@ -120,7 +120,7 @@ struct Inner<T, B> {
     /// What the last published snapshot shows requests, kept to skip no-op publishes. A key,
     /// not an `Arc` of the snapshot: holding one would cost two more atomic refcount updates
     /// per publish.
-    view: View<T>,
+    shown: SnapshotKey<T>,
     /// The epoch of the last published snapshot.
     epoch: u64,
     last_error: Option<String>,
@@ -181,7 +181,7 @@ where
             inner: Mutex::new(Inner {
                 machine: Machine::new(policy),
                 held: None,
-                view: View::of(&initial),
+                shown: SnapshotKey::of(&initial),
                 epoch: initial.epoch(),
                 last_error: None,
                 counters: Counters::default(),
@@ -397,16 +397,16 @@ where
 /// What a snapshot shows requests, epoch aside. The binding is identified by its build id:
 /// Control holds exactly one binding per held build.
 #[derive(Debug, PartialEq, Eq)]
-struct View<T> {
+struct SnapshotKey<T> {
     lifecycle: Lifecycle,
     bypass: Option<BypassReason>,
     target: Option<T>,
     build: Option<BuildId>,
 }
 
-impl<T: Clone> View<T> {
+impl<T: Clone> SnapshotKey<T> {
     fn of<B>(s: &Snapshot<T, B>) -> Self {
-        View {
+        SnapshotKey {
             lifecycle: s.lifecycle(),
             bypass: s.bypass(),
             target: s.target().cloned(),
@@ -416,7 +416,7 @@ impl<T: Clone> View<T> {
 }
 
 /// The snapshot the machine's state calls for, or `None` if it shows requests nothing new.
-/// Updates the view key and the epoch when it returns a snapshot.
+/// Updates the snapshot key and the epoch when it returns a snapshot.
 fn next_snapshot<T, B>(inner: &mut Inner<T, B>) -> Option<Arc<Snapshot<T, B>>>
 where
     T: Clone + Eq + fmt::Debug,
@@ -439,11 +439,11 @@ where
             (None, None) => (Some(BypassReason::Building), None),
         },
     };
-    let view = &inner.view;
-    if view.lifecycle == lifecycle
-        && view.bypass == bypass
-        && view.build == build
-        && view.target.as_ref() == m.desired()
+    let shown = &inner.shown;
+    if shown.lifecycle == lifecycle
+        && shown.bypass == bypass
+        && shown.build == build
+        && shown.target.as_ref() == m.desired()
     {
         return None;
     }
@@ -454,7 +454,7 @@ where
     };
     let target = m.desired().cloned();
     inner.epoch += 1;
-    inner.view = View {
+    inner.shown = SnapshotKey {
         lifecycle,
         bypass,
         target: target.clone(),

@@ -8,7 +8,7 @@
 //! # async fn example(discovery: std::sync::Arc<dyn prefill_router::discovery::Discovery>)
 //! # -> Result<(), Box<dyn std::error::Error>> {
 //! use prefill_router::{PrefillHop, PrefillHopConfig};
-//! use prefill_router::transport::GenerateRequest;
+//! use prefill_router::request::GenerateRequest;
 //! use futures_util::StreamExt;
 //!
 //! let hop = PrefillHop::start(discovery, "demo", PrefillHopConfig::default()).await?;
@@ -26,7 +26,7 @@
 //!
 //! The lower-level types stay public for frontends that need another arrangement.
 
-mod decode;
+mod follow;
 mod status;
 #[cfg(test)]
 mod tests;
@@ -41,14 +41,14 @@ use tokio_util::task::TaskTracker;
 
 use crate::advert::{DecodeDefaults, SelectionMode};
 use crate::binding::{BindingStats, DefaultBindingFactory, FactoryConfig};
+use crate::decode::{DecodeStream, FollowingDecode};
 use crate::discovery::{Discovery, DiscoveryError, StoreStatus};
 use crate::push::{PushConfig, PushMode};
-use crate::router::{DecodeStream, GenerateError, PrefillRouter, PrefillRouterConfig};
+use crate::request::GenerateRequest;
+use crate::router::{GenerateError, PrefillRouter, PrefillRouterConfig};
 use crate::snapshot::BypassReason;
 use crate::topology::{TopologySnapshot, TopologyWatcher};
-use crate::transport::GenerateRequest;
 
-pub use decode::FollowingDecode;
 pub use status::{HopStatus, NotReady, Readiness};
 
 /// Everything [`PrefillHop::start`] needs besides discovery and the namespace.
@@ -149,7 +149,7 @@ impl PrefillHop {
             config.decode_push.clone(),
         ));
         let (decode_changed_tx, decode_changed) = watch::channel(());
-        tracker.spawn(decode::follow(
+        tracker.spawn(follow::follow(
             Arc::clone(&decode),
             discovery,
             topology.clone(),

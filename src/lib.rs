@@ -7,13 +7,15 @@
 //!   reuse, stale-build rejection, retry with backoff). No I/O, no clock, no locks.
 //! - [`health`]: the pure worker-health machine: a circuit breaker per instance in discovery,
 //!   probed with capped, jittered backoff; only connection-level failures count. No I/O, no clock.
-//! - [`snapshot`]: the published view requests read: one immutable snapshot per change in one
+//! - [`snapshot`]: the published state requests read: one immutable snapshot per change in one
 //!   lock-free cell, answering [`snapshot::Route`] (prefill on a binding, or bypass and why).
 //! - [`batch`]: the one inline output batch both the machine and the control core return.
 //! - [`control`]: the synchronous, thread-safe control core driving the machine and publishing
 //!   snapshots; loom-checked (`docs/concurrency.md`).
 //! - [`advert`]: pure resolution of the prefill workers' model cards into the hop's
 //!   configuration (router mode, KV tuning, block size, session affinity).
+//! - [`request`]: the request vocabulary every seam speaks (`GenerateRequest`,
+//!   `GenerateResponse`, `FinishReason`, the prefill handoff `PrefillInfo`); plain data.
 //! - [`transport`] (feature `runtime`): the TCP request plane; a worker serves an `Engine`, a
 //!   frontend multiplexes streamed requests over one connection per instance.
 //! - [`push`] (feature `runtime`): the routable-instance view and the dispatchers (round
@@ -21,14 +23,18 @@
 //! - [`kv_events`]: the workers' KV cache events (wire format, publisher) and the index of
 //!   real caches the KV dispatcher scores from (`docs/kv_events.md`).
 //! - [`router`] (feature `runtime`): the tokio adapter, `PrefillRouter`, driving the control
-//!   core with real builds and timers, plus the request path and its fallback policy.
-//! - [`binding`] (feature `runtime`): the default binding factory (card resolution, routable
-//!   view with admission, dispatcher) and the decode hop over a dispatcher.
+//!   core with real builds and timers, plus the request path and its fallback policy. It
+//!   speaks to the real parts only through the seams [`request`], [`binding`] and [`decode`].
+//! - [`binding`] (feature `runtime`): the binding seam (the `Binding` and `BindingFactory`
+//!   traits, their outcomes and errors, the `WorkerSetTarget` a binding is built for) and the
+//!   default factory (card resolution, routable view with admission, dispatcher).
+//! - [`decode`] (feature `runtime`): the decode hop: the `Decode` trait and its error, a
+//!   decode pool over one dispatcher, and the decode hop following the topology's decode set.
 //! - [`topology`] (feature `runtime`): the topology watcher turning a namespace's discovery
 //!   records into the prefill router's target (one prefill set, one decode set, first-wins
 //!   admission, generations).
 //! - [`hop`] (feature `runtime`): [`PrefillHop`], the one handle a frontend embeds: the
-//!   topology watcher, the prefill router and a decode hop following the decode set.
+//!   topology watcher, the prefill router and the decode hop following the decode set.
 //! - [`http`] (feature `http`): the OpenAI-compatible HTTP frontend over a [`PrefillHop`].
 //! - [`mock`] (feature `runtime`): mock prefill and decode engines with a bounded KV block
 //!   cache, for the demo, tests and benchmarks.
@@ -49,6 +55,8 @@ pub mod batch;
 #[cfg(feature = "runtime")]
 pub mod binding;
 pub mod control;
+#[cfg(feature = "runtime")]
+pub mod decode;
 pub mod discovery;
 pub mod health;
 mod hooks;
@@ -64,6 +72,7 @@ pub mod mock;
 pub mod push;
 #[cfg(feature = "sim")]
 pub mod replay;
+pub mod request;
 pub mod rng;
 #[cfg(feature = "runtime")]
 pub mod router;

@@ -1,4 +1,4 @@
-//! The published view of the hop that requests read: one immutable [`Snapshot`] per change,
+//! The published state of the hop that requests read: one immutable [`Snapshot`] per change,
 //! held in one cell, so a single lock-free load gives a consistent lifecycle/binding pair.
 //!
 //! Upstream keeps the lifecycle in an `AtomicU8` and the binding in a separate

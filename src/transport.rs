@@ -23,9 +23,7 @@ mod wire;
 mod writer;
 
 pub use client::{ClientConfig, Connection, ResponseStream};
-pub use engine::{
-    Engine, EngineError, EngineStream, FinishReason, GenerateRequest, GenerateResponse, PrefillInfo,
-};
+pub use engine::{Engine, EngineError, EngineStream};
 pub use error::{FrameError, RemoteError, TransportError};
 pub use events::{
     decode_kv_payload, KvEventSink, KvEventSource, KvStreamError, KV_BROADCAST_BATCHES,
@@ -39,3 +37,6 @@ pub use tls::{ClientTls, ServerTls, TlsError, TlsIdentity, TlsRoots, DEFAULT_HAN
 #[cfg(feature = "tls")]
 pub use tokio_rustls::rustls;
 pub use wire::{decode_frame, encode_frame, Frame, DEFAULT_MAX_FRAME_LEN};
+// Temporary: the request vocabulary at its old path, for the tools, tests, benches and
+// examples not yet moved to `crate::request`. Library code imports `crate::request`.
+pub use crate::request::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};

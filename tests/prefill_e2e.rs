@@ -12,7 +12,7 @@ use e2e::*;
 use prefill_router::advert::SelectionMode;
 use prefill_router::discovery::Discovery;
 use prefill_router::lifecycle::Lifecycle;
-use prefill_router::push::{PushError, PushMode};
+use prefill_router::push::PushMode;
 use prefill_router::router::{Prefill, PrefillError, WorkerSetTarget, WorkerSetTargetId};
 use prefill_router::transport::GenerateRequest;
 use tokio::sync::watch;
@@ -104,7 +104,7 @@ async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
         .await
         .unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(5), "failed promptly");
-    assert_eq!(error, PrefillError::Push(PushError::NoRoutableInstances));
+    assert_eq!(error, PrefillError::NoRoutableWorker);
     assert_eq!(fe.outside_admission(), 0);
     fe.hop.shutdown().await;
 }

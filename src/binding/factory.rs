@@ -14,14 +14,14 @@ use tracing::Instrument;
 
 use super::TokenLoad;
 use crate::advert::{self, DecodeDefaults, PrefillConfig};
+use crate::binding::{
+    Binding, BindingFactory, BindingHealth, BuildError, PrefillError, PrefillEstimate,
+    PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
+};
 use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::push::HeldPick;
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
-use crate::router::{
-    BindingFactory, BindingHealth, BuildError, Prefill, PrefillError, PrefillEstimate,
-    PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
-};
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 #[cfg(test)]
 pub(crate) use mutant::FactoryMutant;
 use mutant::FactorySeam;
@@ -254,7 +254,7 @@ impl PrefillBinding {
     }
 }
 
-impl Prefill for PrefillBinding {
+impl Binding for PrefillBinding {
     fn prefill(
         &self,
         request: GenerateRequest,
@@ -307,21 +307,21 @@ impl Prefill for PrefillBinding {
         .boxed()
     }
 
-    /// The dispatcher's held selection; the probe's cached tokens are its expected overlap
+    /// The dispatcher's held pick; the estimate's cached tokens are its expected overlap
     /// (KV mode; 0 otherwise) times the block size, its load the binding's in-flight
     /// uncached tokens over the routable workers. A pick that finds nothing routable, or every
     /// worker over the busy threshold, holds nothing: its dispatch then takes
-    /// [`prefill`](Prefill::prefill)'s path (which waits for the view to catch up or for room
+    /// [`prefill`](Binding::prefill)'s path (which waits for the view to catch up or for room
     /// in the overload queue, or fails typed).
     fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
-        let mut probe = PrefillEstimate::prompt_only(request.token_ids.len());
+        let mut estimate = PrefillEstimate::prompt_only(request.token_ids.len());
         let selection = match self.dispatcher.select_held(request) {
             Ok(selection) => selection,
             // Nothing routable, or every worker over the busy threshold: hold nothing; the
             // dispatch takes `prefill`'s path, which waits (for the view, or for room in the
             // overload queue) or fails typed.
             Err(PushError::NoRoutableInstances | PushError::Overloaded { .. }) => {
-                return Ok(PrefillPick::new(probe, None))
+                return Ok(PrefillPick::new(estimate, None))
             }
             Err(error) => return Err(error.into()),
         };
@@ -329,21 +329,21 @@ impl Prefill for PrefillBinding {
         let cached = u64::try_from(overlap)
             .unwrap_or(u64::MAX)
             .saturating_mul(u64::from(self.resolved.block_size));
-        probe.cached_tokens = u32::try_from(cached)
+        estimate.cached_tokens = u32::try_from(cached)
             .unwrap_or(u32::MAX)
-            .min(probe.prompt_tokens);
+            .min(estimate.prompt_tokens);
         let workers = u64::try_from(self.dispatcher.view().routable().len().max(1)).unwrap_or(1);
-        probe.pool_tokens_per_worker = self.inflight_tokens.load(Ordering::Relaxed) / workers;
-        let load = TokenLoad::new(&self.inflight_tokens, u64::from(probe.uncached_tokens()));
+        estimate.pool_tokens_per_worker = self.inflight_tokens.load(Ordering::Relaxed) / workers;
+        let load = TokenLoad::new(&self.inflight_tokens, u64::from(estimate.uncached_tokens()));
         Ok(PrefillPick::new(
-            probe,
+            estimate,
             Some(Box::new(BindingPick { selection, load })),
         ))
     }
 
     /// Dispatches the held selection ([`Dispatcher::dispatch_held`]): its booking moves into
     /// the routed stream, so the pick's KV load counts until the prefill ends, as on
-    /// [`prefill`](Prefill::prefill)'s path. If that send fails (the worker left the view, or
+    /// [`prefill`](Binding::prefill)'s path. If that send fails (the worker left the view, or
     /// the connection failed: nothing reached a worker), the request takes `prefill`'s path
     /// on this same binding: a fresh pick with retries.
     fn prefill_picked(

@@ -4,9 +4,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Counts `tokens` in a binding's in-flight prefill tokens until dropped: the pool load a
-/// conditional probe reports (`PrefillEstimate::pool_tokens_per_worker`). Every binding that
-/// answers probes holds one per picked request: the default factory's, the simulator's and the
-/// replay's.
+/// pick's estimate reports (`PrefillEstimate::pool_tokens_per_worker`). Every binding that
+/// implements `Binding::pick` holds one per picked request: the default factory's, the
+/// simulator's and the replay's.
 pub(crate) struct TokenLoad {
     counter: Arc<AtomicU64>,
     tokens: u64,

@@ -50,7 +50,8 @@ const BROADCAST_CAPACITY: usize = 1024;
 /// An in-process discovery store. Clones share the store (as clients of one server would).
 ///
 /// Leases behave as on the other backends: a registration's task renews them, and a record
-/// whose registration stopped renewing ([`Registration::abandon`]) expires after the TTL.
+/// whose registration stopped renewing
+/// ([`Registration::abandon`](crate::discovery::Registration::abandon)) expires after the TTL.
 #[derive(Clone, Debug)]
 pub struct MemoryDiscovery {
     inner: Arc<Inner>,

@@ -6,11 +6,12 @@ use std::sync::Arc;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::decode::FollowingDecode;
 use super::HopRouter;
+use crate::binding::WorkerSetTargetId;
+use crate::decode::FollowingDecode;
 use crate::discovery::{EndpointId, StoreStatus};
 use crate::lifecycle::Lifecycle;
-use crate::router::{AfterWait, FallbackPolicy, WorkerSetTargetId};
+use crate::router::{AfterWait, FallbackPolicy};
 use crate::topology::TopologySnapshot;
 
 /// Why a request arriving now would not be served.

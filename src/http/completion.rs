@@ -19,7 +19,7 @@ use super::openai::{max_tokens_field, ApiError, ChatRequest, CompletionRequest, 
 use super::reply::*;
 use super::server::*;
 use super::tokenizer::{chat_prompt, tokenize, Turn};
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 /// Which endpoint a request came in on (the response shapes differ).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,8 +4,10 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
+use crate::binding::PrefillError;
+use crate::decode::DecodeError;
 use crate::push::PushError;
-use crate::router::{DecodeError, GenerateError, PrefillError};
+use crate::router::GenerateError;
 
 /// `prompt` of `/v1/completions`, as OpenAI accepts it: a string, an array of strings, an
 /// array of token ids, or an array of token-id arrays. One prompt per request is served.

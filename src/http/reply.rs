@@ -12,8 +12,8 @@ use tokio::time::Instant;
 use super::completion::*;
 use super::openai::{ApiError, Usage};
 use super::tokenizer::render;
-use crate::router::DecodeStream;
-use crate::transport::{FinishReason, GenerateResponse};
+use crate::decode::DecodeStream;
+use crate::request::{FinishReason, GenerateResponse};
 
 /// What every chunk of one reply repeats.
 pub(super) struct Reply {

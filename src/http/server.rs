@@ -255,7 +255,7 @@ pub(super) fn wrong_method_on(
     }
 }
 
-/// Serve [`router`] on `listener` (HTTP/1.1) until `shutdown` completes, then stop in order:
+/// Serve [`app`] on `listener` (HTTP/1.1) until `shutdown` completes, then stop in order:
 /// `/ready` answers 503 while requests are still served for [`HttpConfig::drain_delay`]; the
 /// listener closes and in-flight requests may finish for [`HttpConfig::shutdown_timeout`];
 /// connections still open then are closed. Meanwhile each connection is held to the header,

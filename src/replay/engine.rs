@@ -24,8 +24,7 @@ use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::kv_events::{mix, EventBatch};
 use crate::push::select::{Candidate, Choice};
 use crate::push::{
-    AffinityCounts, Dispatcher, HeldPick, KvSelector, LoadBoard, PushConfig, PushError, PushMode,
-    RoutableView,
+    AffinityCounts, Dispatcher, HeldPick, KvSelector, LoadBoard, PushConfig, PushMode, RoutableView,
 };
 use crate::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
@@ -381,7 +380,7 @@ impl ReplayBinding {
             _ => None,
         };
         if let Some(pick) = pick {
-            let id = pick.ok_or(PrefillError::Push(PushError::NoRoutableInstances))?;
+            let id = pick.ok_or(PrefillError::NoRoutableWorker)?;
             let held = match (self.shared.worker(id), self.shared.keys.get(index)) {
                 (Some(w), Some(keys)) => w.cache.lock().leading_hits(keys),
                 _ => 0,

@@ -14,6 +14,8 @@
 
 use std::fmt;
 
+use crate::binding::PrefillEstimate;
+
 /// When to skip the remote prefill. Off unless configured
 /// ([`PrefillRouterConfig::conditional`](super::PrefillRouterConfig::conditional) is `None` by
 /// default); each condition is off while its threshold is `None`.
@@ -26,35 +28,6 @@ pub struct ConditionalPolicy {
     /// Skip when the prefill pool holds **more** than this many queued or in-flight uncached
     /// prefill tokens per routable worker: the request would queue behind them.
     pub max_pool_tokens_per_worker: Option<u64>,
-}
-
-/// What a binding's pick for one request says about its prefill, for the policy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PrefillEstimate {
-    /// Tokens in the prompt.
-    pub prompt_tokens: u32,
-    /// Leading prompt tokens the picked worker is expected to hold in its KV cache (the KV
-    /// selector's overlap times the block size; 0 under the other modes).
-    pub cached_tokens: u32,
-    /// Queued or in-flight uncached prefill tokens on the binding's pool, per routable worker
-    /// (this request not included).
-    pub pool_tokens_per_worker: u64,
-}
-
-impl PrefillEstimate {
-    /// An estimate that knows only the prompt: nothing cached, an idle pool (bindings that do not
-    /// implement [`Prefill::pick`](super::Prefill::pick)).
-    pub fn prompt_only(prompt_tokens: usize) -> Self {
-        PrefillEstimate {
-            prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
-            ..PrefillEstimate::default()
-        }
-    }
-
-    /// The prompt tokens the picked worker would have to compute.
-    pub fn uncached_tokens(&self) -> u32 {
-        self.prompt_tokens.saturating_sub(self.cached_tokens)
-    }
 }
 
 /// Why a request skipped the remote prefill although the hop was Active.

@@ -23,10 +23,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::legs::{BindingFactory, BuildError};
 use super::shared::{Msg, Shared};
 use super::status::bump;
-use super::target::WorkerSetTarget;
+use crate::binding::{BindingFactory, BuildError, WorkerSetTarget};
 use crate::control::{Effect, Effects};
 use crate::lifecycle::BuildId;
 

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use super::legs::{DecodeError, PrefillError};
+use crate::binding::PrefillError;
+use crate::decode::DecodeError;
 use crate::lifecycle::Lifecycle;
 use crate::snapshot::BypassReason;
 

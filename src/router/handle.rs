@@ -14,17 +14,16 @@ use super::config::PrefillRouterConfig;
 use super::driver::{deadline_after, Driver};
 use super::error::{GenerateError, WaitError};
 use super::fallback::{AfterWait, Fallback, FallbackPolicy, Final};
-use super::legs::{BindingFactory, Decode, DecodeError, DecodeStream, Prefill as _, PrefillError};
 use super::metrics::{RouterCollector, StatusSource};
 use super::mutant::RouterSeam;
 use super::shared::{Announced, Msg, Shared};
 use super::status::{bump, RouterStatus, Tally};
-use super::target::WorkerSetTarget;
+use crate::binding::{Binding as _, BindingFactory, PrefillError, WorkerSetTarget};
 use crate::control::Control;
+use crate::decode::{Decode, DecodeError, DecodeStream};
 use crate::lifecycle::Lifecycle;
-use crate::push::PushError;
+use crate::request::{GenerateRequest, GenerateResponse};
 use crate::snapshot::{BypassReason, Route, SnapshotGuard};
-use crate::transport::{GenerateRequest, GenerateResponse};
 
 /// Times [`PrefillRouter::generate`] routes one request again after its binding was retired
 /// under it (each time means another retarget raced the request: a bound keeps a storm finite).
@@ -122,7 +121,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// The controller's decision: prefill on `target`, or on nothing (`None`).
     ///
     /// Synchronous and never awaits (callable from any thread, under the caller's own locks).
-    /// When it returns, every later [`snapshot`](Self::route) sees the new decision: a clear or a
+    /// When it returns, every later [`route`](Self::route) sees the new decision: a clear or a
     /// retarget is never observed late by a request that loads the route afterwards.
     pub fn set_target(&self, target: Option<WorkerSetTarget>) {
         let effects = self.shared.control.set_target(target);
@@ -146,7 +145,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
     /// Serve one request: when Active, prefill on the loaded binding with `max_tokens` 1 and
     /// hand off to `decode` with the original request; otherwise apply the fallback policy.
     /// With a [`ConditionalPolicy`](super::ConditionalPolicy) configured, an Active hop first
-    /// asks the binding for its pick ([`Prefill::pick`](super::Prefill::pick)) and sends the
+    /// asks the binding for its pick ([`Binding::pick`](crate::binding::Binding::pick)) and sends the
     /// request to decode whole when the policy says skip; otherwise it prefills on that pick,
     /// on the same binding.
     ///
@@ -158,9 +157,9 @@ impl<F: BindingFactory> PrefillRouter<F> {
     ///
     /// A request whose binding is retired between its route load and its pick of a worker,
     /// and whose admission set empties meanwhile (a retarget storm does it), would fail with
-    /// [`PushError::NoRoutableInstances`](crate::push::PushError::NoRoutableInstances)
-    /// although nothing was sent anywhere: it is routed again on the current snapshot
-    /// instead, at most [`MAX_REROUTES`] times (counted in `rerouted`).
+    /// [`PrefillError::NoRoutableWorker`] although nothing was sent anywhere: it is routed
+    /// again on the current snapshot instead, at most [`MAX_REROUTES`] times (counted in
+    /// `rerouted`).
     pub async fn generate(
         &self,
         mut request: GenerateRequest,
@@ -232,7 +231,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
             handoff: None,
             ..request.clone()
         };
-        // Conditional disaggregation: probe on this binding, decide, then dispatch on this
+        // Conditional disaggregation: pick on this binding, decide, then dispatch on this
         // very pick of this very binding (or drop it). Never a second route load (W10).
         let pick = match &self.shared.config.conditional {
             None => None,
@@ -245,7 +244,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
                             .await
                     }
                 };
-                if let Some(skip) = policy.decide(pick.probe()) {
+                if let Some(skip) = policy.decide(pick.estimate()) {
                     drop(pick);
                     drop(binding);
                     self.shared.tally.skip(skip);
@@ -314,9 +313,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
         match error {
             // Nothing was sent: the binding lost its last admitted worker because it was
             // retired under this request. Route again on what is published now.
-            PrefillError::Push(PushError::NoRoutableInstances)
-                if may_reroute && !self.serves(binding) =>
-            {
+            PrefillError::NoRoutableWorker if may_reroute && !self.serves(binding) => {
                 Err(Failed::Reroute(request))
             }
             // No prefill worker could be reached: the hop is as good as not Active for this

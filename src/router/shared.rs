@@ -7,10 +7,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::config::PrefillRouterConfig;
-use super::legs::BindingFactory;
 use super::metrics::StatusSource;
 use super::status::{RouterCounters, RouterStatus, Tally};
-use super::target::WorkerSetTarget;
+use crate::binding::{BindingFactory, WorkerSetTarget};
 use crate::control::{Control, Effects};
 use crate::lifecycle::{BuildId, Lifecycle};
 use crate::snapshot::BypassReason;
@@ -123,7 +122,7 @@ impl<F: BindingFactory> StatusSource for Shared<F> {
             .control
             .route()
             .binding()
-            .map(|b| crate::router::Prefill::health(&**b))
+            .map(|b| crate::binding::Binding::health(&**b))
             .unwrap_or_default();
         let c = self.control.status();
         let mut counters = RouterCounters::default();

@@ -4,8 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::conditional::ConditionalSkip;
-use super::legs::BindingHealth;
-use super::target::WorkerSetTargetId;
+use crate::binding::{BindingHealth, WorkerSetTargetId};
 use crate::lifecycle::{BuildId, Lifecycle};
 use crate::snapshot::BypassReason;
 
@@ -98,7 +97,7 @@ pub struct RouterStatus {
     pub epoch: u64,
     /// Counters since creation.
     pub counters: RouterCounters,
-    /// The health of the workers of the binding serving now ([`super::Prefill::health`]);
+    /// The health of the workers of the binding serving now ([`Binding::health`](crate::binding::Binding::health));
     /// empty while the hop is not Active.
     pub health: BindingHealth,
 }

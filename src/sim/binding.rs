@@ -334,7 +334,7 @@ impl Prefill for SimBinding {
                 // want of budget or of another routable worker.
                 self.check_no_healthy_worker_left(id, &tried);
             }
-            Err(PrefillError::Push(error))
+            Err(error.into())
         }
         .boxed()
     }

@@ -1,4 +1,4 @@
-//! The published view's accessors: what a request reads must be exactly what was published.
+//! The published snapshot's accessors: what a request reads must be exactly what was published.
 
 use super::*;
 

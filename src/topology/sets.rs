@@ -9,8 +9,8 @@ use tokio::sync::watch;
 
 use super::kind::{worker_kind, WorkerKind};
 use crate::advert::ModelCard;
+use crate::binding::{WorkerSetTarget, WorkerSetTargetId};
 use crate::discovery::{EndpointId, Instance, InstanceId, NamespaceEvent};
-use crate::router::{WorkerSetTarget, WorkerSetTargetId};
 
 /// Dormant selections (sets whose instances all left) remembered for reuse, at most: a pool that
 /// returns with the same card gets its old generation back (so the router reuses its binding);

@@ -1,4 +1,4 @@
-//! The watcher task: a namespace watch in, `set_target` calls and a published view out.
+//! The watcher task: a namespace watch in, `set_target` calls and a topology snapshot out.
 
 use std::sync::Arc;
 
@@ -8,8 +8,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::sets::{Topology, TopologySnapshot};
+use crate::binding::{BindingFactory, WorkerSetTarget, WorkerSetTargetId};
 use crate::discovery::{Discovery, DiscoveryError};
-use crate::router::{BindingFactory, PrefillRouter, WorkerSetTarget, WorkerSetTargetId};
+use crate::router::PrefillRouter;
 
 /// Whatever takes the watcher's targets: a [`PrefillRouter`], or a test double.
 pub trait TargetSink: Send + Sync + 'static {

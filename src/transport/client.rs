@@ -18,12 +18,12 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-use super::engine::{GenerateRequest, GenerateResponse};
 use super::error::{FrameError, RemoteError, TransportError};
 use super::events::{Feed, KvEventSink};
 use super::stream::{self, ReadHalf};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
 use super::writer::Writer;
+use crate::request::{GenerateRequest, GenerateResponse};
 
 /// Client-side limits.
 #[derive(Clone, Debug)]

@@ -387,7 +387,7 @@ impl ClientTls {
     }
 
     /// Run the client side of the handshake within `timeout`. A failure is
-    /// [`TransportError::Tls`], which the push routers treat like a refused connection.
+    /// [`TransportError::Tls`], which the dispatchers treat like a refused connection.
     pub(crate) async fn connect(
         &self,
         stream: TcpStream,

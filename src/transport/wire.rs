@@ -4,8 +4,8 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio_util::codec::{LengthDelimitedCodec, LengthDelimitedCodecError};
 
-use super::engine::{GenerateRequest, GenerateResponse};
 use super::error::{FrameError, RemoteError};
+use crate::request::{GenerateRequest, GenerateResponse};
 
 /// Default maximum frame payload length: 16 MiB (a 4M-token prompt fits).
 pub const DEFAULT_MAX_FRAME_LEN: usize = 16 * 1024 * 1024;

@@ -187,8 +187,8 @@ async fn a_picked_prefill_runs_on_the_picked_worker_and_releases_its_load() {
         let request = GenerateRequest::new(vec![i; 20], 1);
         let pick = binding.pick(&request).unwrap();
         // Round robin: nothing cached; this pick's tokens are the pool's only load.
-        assert_eq!(pick.probe().cached_tokens, 0);
-        assert_eq!(pick.probe().pool_tokens_per_worker, 0);
+        assert_eq!(pick.estimate().cached_tokens, 0);
+        assert_eq!(pick.estimate().pool_tokens_per_worker, 0);
         assert_eq!(binding.inflight_tokens.load(Ordering::Relaxed), 20);
         // Round robin in id order: pick i went to worker i % 2 + 1; a dispatch that picked
         // again would take the rotation's next worker instead.

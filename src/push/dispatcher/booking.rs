@@ -18,7 +18,7 @@ use tokio::time::Instant;
 use super::{Dispatcher, Pick, WorkerLink};
 use crate::discovery::InstanceId;
 use crate::push::{LoadBoard, PushError};
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 /// How often a waiting request re-checks for room even without a release (a worker may join).
 const OVERLOAD_RECHECK: Duration = Duration::from_millis(100);

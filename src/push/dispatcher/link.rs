@@ -27,9 +27,8 @@ use crate::discovery::{Instance, InstanceId};
 use crate::push::affinity::AffinityOutcome;
 use crate::push::kv_feed::KvFeed;
 use crate::push::RoutableView;
-use crate::transport::{
-    ClientConfig, Connection, GenerateRequest, GenerateResponse, ResponseStream, TransportError,
-};
+use crate::request::{GenerateRequest, GenerateResponse};
+use crate::transport::{ClientConfig, Connection, ResponseStream, TransportError};
 
 /// How a [`Dispatcher`] reaches a worker: open one request's response stream on one instance.
 ///

@@ -15,7 +15,8 @@ use crate::push::affinity::AffinityOutcome;
 use crate::push::health::failure_class;
 use crate::push::view::InstanceStatus;
 use crate::push::{PushError, RoutableView};
-use crate::transport::{GenerateRequest, GenerateResponse, ResponseStream, TransportError};
+use crate::request::{GenerateRequest, GenerateResponse};
+use crate::transport::{ResponseStream, TransportError};
 
 /// Map a transport failure to a dispatcher error and its class, and report it to the instance's
 /// breaker (which opens only on a connection-level failure, per [`failure_class`]).

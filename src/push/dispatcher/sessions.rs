@@ -10,7 +10,7 @@ use crate::discovery::Instance;
 use crate::push::affinity::{session_key, AffinityOutcome, AffinityTable};
 use crate::push::kv::block_hashes;
 use crate::push::select::is_busy;
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 impl<L: WorkerLink> Dispatcher<L> {
     /// The pick for a request of `session`: its remembered worker if that is among

@@ -4,7 +4,7 @@ use super::*;
 use crate::discovery::{EndpointId, Instance, InstanceEvent};
 use crate::kv_events::{EventPublisher, KvEvent};
 use crate::push::{Dispatcher, PushConfig, PushMode, RoutableView};
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 /// The pick's id and overlap, if there was one.
 pub(crate) fn picked(choice: Choice) -> Option<(InstanceId, usize)> {

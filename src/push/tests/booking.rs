@@ -12,7 +12,7 @@ use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::push::load_board::BoardMutant;
 use crate::push::select::CostMutant;
 use crate::push::{Dispatcher, HeldPick, LoadBoard, PushConfig, PushError, PushMode, RoutableView};
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 fn instance(id: InstanceId) -> Instance {
     Instance {

@@ -12,7 +12,8 @@ use crate::discovery::{EndpointId, Instance, InstanceEvent};
 use crate::health::BackoffPolicy;
 use crate::mock::{MockConfig, MockPrefill};
 use crate::push::{DispatchMutant, Dispatcher, PushConfig, PushMode, RoutableView};
-use crate::transport::{serve_with_kv_events, GenerateRequest, ServerConfig};
+use crate::request::GenerateRequest;
+use crate::transport::{serve_with_kv_events, ServerConfig};
 
 const WAIT: Duration = Duration::from_secs(10);
 

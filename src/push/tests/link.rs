@@ -16,7 +16,8 @@ use crate::health::{BackoffPolicy, FailureClass};
 use crate::push::{
     Dispatch, Dispatcher, PushConfig, PushError, PushMode, RoutableView, WorkerLink,
 };
-use crate::transport::{GenerateRequest, GenerateResponse, TransportError};
+use crate::request::{GenerateRequest, GenerateResponse};
+use crate::transport::TransportError;
 
 /// Refuses the connection on the workers in `down`, answers on the others; records every
 /// attempt as (instance, attempt number, failed so far).

@@ -14,7 +14,8 @@ use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::health::{BackoffPolicy, FailureClass};
 use crate::mock::{MockConfig, MockPrefill};
 use crate::push::{DispatchMutant, Dispatcher, PushConfig, PushError, PushMode, RoutableView};
-use crate::transport::{serve, GenerateRequest, ServerConfig, ServerHandle};
+use crate::request::GenerateRequest;
+use crate::transport::{serve, ServerConfig, ServerHandle};
 
 const WAIT: Duration = Duration::from_secs(10);
 

@@ -9,10 +9,10 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::fakes::{target, FactoryLog, FakeDecode, ScriptFactory};
+use crate::request::GenerateRequest;
 use crate::router::{
     ConditionalPolicy, ConditionalSkip, PrefillRouter, PrefillRouterConfig, ProbeHook, RouterMutant,
 };
-use crate::transport::GenerateRequest;
 
 fn with_policy(policy: Option<ConditionalPolicy>) -> PrefillRouterConfig {
     PrefillRouterConfig {
@@ -90,7 +90,7 @@ async fn a_saturated_pool_sends_long_prompts_to_decode_as_conditional_busy() {
 /// generation 2 is published before letting the dispatch go. Returns the picks' log.
 async fn retarget_between_probe_and_dispatch(
     reload_mutant: bool,
-) -> Vec<(Option<crate::router::WorkerSetTargetId>, u64)> {
+) -> Vec<(Option<crate::binding::WorkerSetTargetId>, u64)> {
     let (factory, log) = ScriptFactory::instant();
     let probed = Arc::new(Notify::new());
     let go = Arc::new(Notify::new());

@@ -8,8 +8,8 @@ use crate::lifecycle::{BuildId, RetryPolicy};
 use crate::router::{PrefillRouter, PrefillRouterConfig};
 
 fn batch(
-    effects: impl IntoIterator<Item = Effect<crate::router::WorkerSetTarget>>,
-) -> Effects<crate::router::WorkerSetTarget> {
+    effects: impl IntoIterator<Item = Effect<crate::binding::WorkerSetTarget>>,
+) -> Effects<crate::binding::WorkerSetTarget> {
     let mut out = Effects::default();
     for effect in effects {
         out.push(effect);

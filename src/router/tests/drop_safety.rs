@@ -4,10 +4,11 @@
 use std::time::Duration;
 
 use super::fakes::{target, ScriptFactory, Step};
+use crate::binding::Binding;
 use crate::lifecycle::RetryPolicy;
-use crate::router::{Prefill, PrefillRouter, PrefillRouterConfig};
+use crate::request::GenerateRequest;
+use crate::router::{PrefillRouter, PrefillRouterConfig};
 use crate::snapshot::{BypassReason, Route};
-use crate::transport::GenerateRequest;
 
 const BOUND: Duration = Duration::from_secs(5);
 

@@ -12,13 +12,13 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::advert::ModelCard;
-use crate::discovery::{EndpointId, InstanceId};
-use crate::push::PushError;
-use crate::router::{
-    BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
-    PrefillEstimate, PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
+use crate::binding::{
+    Binding, BindingFactory, BuildError, PrefillError, PrefillEstimate, PrefillOutcome,
+    PrefillPick, WorkerSetTarget, WorkerSetTargetId,
 };
-use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
+use crate::decode::{Decode, DecodeError, DecodeStream};
+use crate::discovery::{EndpointId, InstanceId};
+use crate::request::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 
 /// A target of group `ns/prefill`, generation `generation`, admitting `admitted`.
 pub(super) fn target_with(
@@ -80,7 +80,7 @@ pub(super) struct FakeBinding {
 /// What a [`FakeBinding`]'s pick holds: the target of the binding that made it.
 struct PickedOn(WorkerSetTargetId);
 
-impl Prefill for FakeBinding {
+impl Binding for FakeBinding {
     fn prefill(
         &self,
         request: GenerateRequest,
@@ -89,7 +89,8 @@ impl Prefill for FakeBinding {
         self.prefills.lock().push(request.clone());
         Box::pin(async move {
             assert_eq!(request.max_tokens, 1, "the hop prefills one token");
-            let worker = picked.ok_or(PushError::NoRoutableInstances)?;
+            // A binding's own error: the router reroutes on it without knowing any dispatcher.
+            let worker = picked.ok_or(PrefillError::NoRoutableWorker)?;
             Ok(PrefillOutcome {
                 worker,
                 tokens: vec![7],
@@ -132,10 +133,10 @@ impl Prefill for FakeBinding {
 
     /// One open breaker per admitted instance past the first, one overload retry and two
     /// affinity hits per prefill served: distinct values for the metrics test to find.
-    fn health(&self) -> crate::router::BindingHealth {
+    fn health(&self) -> crate::binding::BindingHealth {
         let open = self.admitted.borrow().len().saturating_sub(1);
         let served = self.prefills.lock().len() as u64;
-        crate::router::BindingHealth::new(
+        crate::binding::BindingHealth::new(
             open,
             [(crate::health::FailureClass::Overloaded, served)].into(),
         )

@@ -7,12 +7,11 @@ use futures_util::StreamExt;
 use tokio::sync::watch;
 
 use super::fakes::{target, target_with, FakeDecode, ScriptFactory, Step};
+use crate::binding::PrefillError;
 use crate::push::PushError;
-use crate::router::{
-    AfterWait, FallbackPolicy, GenerateError, PrefillError, PrefillRouter, PrefillRouterConfig,
-};
+use crate::request::{GenerateRequest, PrefillInfo};
+use crate::router::{AfterWait, FallbackPolicy, GenerateError, PrefillRouter, PrefillRouterConfig};
 use crate::snapshot::BypassReason;
-use crate::transport::{GenerateRequest, PrefillInfo};
 
 fn router(factory: ScriptFactory, fallback: FallbackPolicy) -> PrefillRouter<ScriptFactory> {
     PrefillRouter::new(
@@ -215,10 +214,7 @@ async fn prefill_error_fails_the_request_and_decode_is_not_tried() {
     router.wait_active(Duration::from_secs(5)).await.unwrap();
     let decode = FakeDecode::default();
     let err = router.generate(request(), &decode).await.err().unwrap();
-    assert_eq!(
-        err,
-        GenerateError::Prefill(PrefillError::Push(PushError::NoRoutableInstances))
-    );
+    assert_eq!(err, GenerateError::Prefill(PrefillError::NoRoutableWorker));
     assert!(decode.calls.lock().is_empty());
     let c = router.status().counters;
     assert_eq!(
@@ -272,7 +268,12 @@ fn only_failures_to_reach_any_worker_count_as_no_reachable_worker() {
         class: FailureClass::Rejected,
         error: PushError::Timeout { instance: 3 },
     };
-    let no = |e: PushError| PrefillError::Push(e).no_reachable_worker();
+    let no = |e: PushError| PrefillError::from(e).no_reachable_worker();
+    assert_eq!(
+        PrefillError::from(PushError::NoRoutableInstances),
+        PrefillError::NoRoutableWorker
+    );
+    assert!(PrefillError::NoRoutableWorker.no_reachable_worker());
     assert!(no(PushError::NoRoutableInstances));
     assert!(no(PushError::Exhausted {
         attempts: vec![refused(1), refused(2)]

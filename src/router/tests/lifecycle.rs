@@ -3,8 +3,9 @@
 use std::time::Duration;
 
 use super::fakes::{target, ScriptFactory, Step};
+use crate::binding::WorkerSetTargetId;
 use crate::lifecycle::Lifecycle;
-use crate::router::{PrefillRouter, PrefillRouterConfig, WaitError, WorkerSetTargetId};
+use crate::router::{PrefillRouter, PrefillRouterConfig, WaitError};
 use crate::snapshot::{BypassReason, Route};
 
 fn router(factory: ScriptFactory) -> PrefillRouter<ScriptFactory> {

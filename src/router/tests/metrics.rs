@@ -7,8 +7,8 @@ use prometheus_client::registry::Registry;
 
 use super::fakes::{target_with, FakeDecode, ScriptFactory, Step};
 use crate::lifecycle::RetryPolicy;
+use crate::request::GenerateRequest;
 use crate::router::{FallbackPolicy, PrefillRouter, PrefillRouterConfig};
-use crate::transport::GenerateRequest;
 
 fn scrape(registry: &Registry) -> String {
     let mut text = String::new();

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::fakes::{target, ScriptFactory};
-use crate::router::{Prefill, PrefillRouter, PrefillRouterConfig, RouterMutant};
+use crate::binding::Binding;
+use crate::request::GenerateRequest;
+use crate::router::{PrefillRouter, PrefillRouterConfig, RouterMutant};
 use crate::snapshot::Route;
-use crate::transport::GenerateRequest;
 
 const RETARGETS: u64 = 3_000;
 const READERS: usize = 4;

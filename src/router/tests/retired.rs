@@ -7,10 +7,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::fakes::{target, target_with, ScriptFactory};
-use crate::push::PushError;
-use crate::router::{Prefill, PrefillError, PrefillRouter, PrefillRouterConfig};
+use crate::binding::{Binding, PrefillError};
+use crate::request::GenerateRequest;
+use crate::router::{PrefillRouter, PrefillRouterConfig};
 use crate::snapshot::Route;
-use crate::transport::GenerateRequest;
 
 #[tokio::test]
 async fn retired_binding_serves_its_holders_and_fails_fast_once_admission_empties() {
@@ -37,10 +37,7 @@ async fn retired_binding_serves_its_holders_and_fails_fast_once_admission_emptie
     let failed = tokio::time::timeout(Duration::from_millis(100), held.prefill(one))
         .await
         .expect("fails promptly");
-    assert_eq!(
-        failed.unwrap_err(),
-        PrefillError::Push(PushError::NoRoutableInstances)
-    );
+    assert_eq!(failed.unwrap_err(), PrefillError::NoRoutableWorker);
 
     drop(held);
     assert_eq!(router.status().counters.retired_alive, 0);

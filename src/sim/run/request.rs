@@ -12,7 +12,6 @@ use super::super::oracle::Violation;
 use super::super::world::World;
 use super::setup::Router;
 use super::Run;
-use crate::push::PushError;
 use crate::router::{GenerateError, PrefillError};
 use crate::transport::GenerateRequest;
 
@@ -134,9 +133,7 @@ async fn serve(
                 Outcome::Completed { prefilled }
             }
             Err(GenerateError::NotActivated { .. }) => Outcome::Rejected,
-            Err(GenerateError::Prefill(PrefillError::Push(PushError::NoRoutableInstances))) => {
-                Outcome::Unroutable
-            }
+            Err(GenerateError::Prefill(PrefillError::NoRoutableWorker)) => Outcome::Unroutable,
             Err(GenerateError::Prefill(e)) => Outcome::PrefillFailed(e.to_string()),
             Err(e) => Outcome::DecodeFailed(e.to_string()),
         }

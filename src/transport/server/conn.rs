@@ -15,13 +15,14 @@ use tokio::sync::Notify;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-use super::super::engine::{Engine, EngineError, EngineStream, GenerateRequest, GenerateResponse};
+use super::super::engine::{Engine, EngineError, EngineStream};
 use super::super::error::{FrameError, RemoteError};
 use super::super::events::Hub;
 use super::super::stream::{self, ReadHalf, WriteHalf};
 use super::super::wire::{self, Frame};
 use super::super::writer::Writer;
 use super::{OpenCount, ServerConfig};
+use crate::request::{GenerateRequest, GenerateResponse};
 
 /// Start the engine; a panicking engine fails this request, not the connection.
 fn start(engine: &dyn Engine, request: GenerateRequest) -> EngineStream {

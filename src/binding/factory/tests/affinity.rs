@@ -22,7 +22,7 @@ use crate::discovery::{
 };
 use crate::health::{BackoffPolicy, FailureClass};
 use crate::push::{AffinityOutcome, DispatchMutant, Dispatcher, Prober, PushConfig, RoutableView};
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 const WORKERS: u64 = 4;
 const CAP: usize = 3;

@@ -1,8 +1,9 @@
-//! The seams to the real parts: what a binding does ([`Prefill`]), what the decode hop does
-//! ([`Decode`]), and how bindings are built ([`BindingFactory`]).
+//! The binding seam: what a binding does ([`Binding`]), what it reports ([`PrefillOutcome`],
+//! [`PrefillPick`], [`PrefillEstimate`], [`BindingHealth`]), how it fails ([`PrefillError`]) and
+//! how bindings are built ([`BindingFactory`]). The router speaks only these words to a
+//! binding; a fake binding needs nothing else.
 
 use std::collections::BTreeMap;
-use std::pin::Pin;
 use std::time::Duration;
 
 use futures_core::Stream;
@@ -10,12 +11,11 @@ use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::conditional::PrefillEstimate;
 use super::target::WorkerSetTarget;
 use crate::discovery::InstanceId;
 use crate::health::FailureClass;
 use crate::push::PushError;
-use crate::transport::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
+use crate::request::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 
 /// What a prefill returned that decode needs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -77,10 +77,17 @@ impl PrefillOutcome {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PrefillError {
-    /// The dispatcher could not route or carry the prefill (includes an empty admission set:
-    /// [`PushError::NoRoutableInstances`]).
+    /// No worker of the binding could be picked (e.g. its admission set is empty, or every
+    /// admitted worker is unhealthy): nothing was sent. The router routes such a request again
+    /// when its binding was retired under it, and its fallback policy may send it to decode
+    /// whole. A dispatcher's [`PushError::NoRoutableInstances`] converts to this.
+    #[error("prefill routing failed: no routable instances")]
+    NoRoutableWorker,
+    /// The dispatcher could not route or carry the prefill (any other [`PushError`]; built
+    /// with `From`, which maps [`PushError::NoRoutableInstances`] to
+    /// [`NoRoutableWorker`](Self::NoRoutableWorker)).
     #[error("prefill routing failed: {0}")]
-    Push(#[from] PushError),
+    Push(PushError),
     /// The prefill stream ended without any response.
     #[error("prefill stream ended without a response")]
     NoResponse,
@@ -92,31 +99,27 @@ pub enum PrefillError {
     },
 }
 
-impl PrefillError {
-    /// Whether the prefill leg failed for want of any reachable prefill worker (see
-    /// [`PushError::no_reachable_worker`]): the case a fallback to decode is for, as opposed to
-    /// a worker that answered with an error.
-    pub fn no_reachable_worker(&self) -> bool {
-        match self {
-            PrefillError::Push(error) => error.no_reachable_worker(),
-            PrefillError::NoResponse | PrefillError::Failed { .. } => false,
+impl From<PushError> for PrefillError {
+    fn from(error: PushError) -> Self {
+        match error {
+            PushError::NoRoutableInstances => PrefillError::NoRoutableWorker,
+            other => PrefillError::Push(other),
         }
     }
 }
 
-/// Why the decode hop failed.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum DecodeError {
-    /// The decode dispatcher could not route or carry the request.
-    #[error("decode routing failed: {0}")]
-    Push(#[from] PushError),
-    /// Any other failure, described.
-    #[error("decode failed: {message}")]
-    Failed {
-        /// What went wrong.
-        message: String,
-    },
+impl PrefillError {
+    /// Whether the prefill leg failed for want of any reachable prefill worker
+    /// ([`NoRoutableWorker`](Self::NoRoutableWorker), or a dispatcher error for which
+    /// [`PushError::no_reachable_worker`] holds): the case a fallback to decode is for, as
+    /// opposed to a worker that answered with an error.
+    pub fn no_reachable_worker(&self) -> bool {
+        match self {
+            PrefillError::NoRoutableWorker => true,
+            PrefillError::Push(error) => error.no_reachable_worker(),
+            PrefillError::NoResponse | PrefillError::Failed { .. } => false,
+        }
+    }
 }
 
 /// Why a build produced no binding. A timeout counts as a failure (the machine retries).
@@ -146,15 +149,14 @@ impl BuildError {
     }
 }
 
-/// The decode responses handed back to the caller.
-pub type DecodeStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, DecodeError>> + Send>>;
-
-/// A binding: the router and clients one target's requests prefill through.
+/// A binding: what one target's requests prefill through (for the default factory, a
+/// dispatcher and its clients over the target's admitted workers).
 ///
 /// Retired bindings stay usable by the requests that hold them; once a retired binding's
-/// admission set empties, new prefills on it must fail promptly (a dispatcher over an empty
-/// admission set answers [`PushError::NoRoutableInstances`] at once) rather than hang.
-pub trait Prefill: Send + Sync + 'static {
+/// admission set empties, new prefills on it must fail promptly with
+/// [`PrefillError::NoRoutableWorker`] (as a dispatcher over an empty admission set does)
+/// rather than hang.
+pub trait Binding: Send + Sync + 'static {
     /// Prefill `request` (the router already set `max_tokens` to 1) and report what decode
     /// needs.
     fn prefill(
@@ -163,14 +165,15 @@ pub trait Prefill: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>>;
 
     /// The health of this binding's workers (open breakers, retries). The default reports
-    /// nothing (a binding without breakers); [`PrefillBinding`](crate::binding::PrefillBinding)
+    /// nothing (a binding without breakers); [`PrefillBinding`](super::PrefillBinding)
     /// reports its routable view's and dispatcher's.
     fn health(&self) -> BindingHealth {
         BindingHealth::default()
     }
 
     /// Pick the worker `request` would prefill on and hold that pick (its share of the load)
-    /// without sending anything: the probe of conditional disaggregation. The router then
+    /// without sending anything, and report its [`PrefillEstimate`]: what conditional
+    /// disaggregation decides on. The router then
     /// either dispatches on this very pick ([`prefill_picked`](Self::prefill_picked), on this
     /// very binding) or drops it. The default knows only the prompt and holds nothing.
     ///
@@ -195,23 +198,53 @@ pub trait Prefill: Send + Sync + 'static {
     }
 }
 
-/// A binding's held pick for one request ([`Prefill::pick`]): the probe the policy decides on,
-/// and whatever the binding holds for the dispatch (its selection and load share), released
-/// on drop.
+/// What a binding's pick for one request says about its prefill, for the router's
+/// [`ConditionalPolicy`](crate::router::ConditionalPolicy).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefillEstimate {
+    /// Tokens in the prompt.
+    pub prompt_tokens: u32,
+    /// Leading prompt tokens the picked worker is expected to hold in its KV cache (the KV
+    /// selector's overlap times the block size; 0 under the other modes).
+    pub cached_tokens: u32,
+    /// Queued or in-flight uncached prefill tokens on the binding's pool, per routable worker
+    /// (this request not included).
+    pub pool_tokens_per_worker: u64,
+}
+
+impl PrefillEstimate {
+    /// An estimate that knows only the prompt: nothing cached, an idle pool (bindings that do not
+    /// implement [`Binding::pick`]).
+    pub fn prompt_only(prompt_tokens: usize) -> Self {
+        PrefillEstimate {
+            prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
+            ..PrefillEstimate::default()
+        }
+    }
+
+    /// The prompt tokens the picked worker would have to compute.
+    pub fn uncached_tokens(&self) -> u32 {
+        self.prompt_tokens.saturating_sub(self.cached_tokens)
+    }
+}
+
+/// A binding's held pick for one request ([`Binding::pick`]): the estimate the policy decides
+/// on, and whatever the binding holds for the dispatch (the dispatcher's held pick and its load
+/// share), released on drop.
 pub struct PrefillPick {
-    probe: PrefillEstimate,
+    estimate: PrefillEstimate,
     held: Option<Box<dyn std::any::Any + Send>>,
 }
 
 impl PrefillPick {
-    /// A pick reporting `probe` and holding `held` until dispatched or dropped.
-    pub fn new(probe: PrefillEstimate, held: Option<Box<dyn std::any::Any + Send>>) -> Self {
-        PrefillPick { probe, held }
+    /// A pick reporting `estimate` and holding `held` until dispatched or dropped.
+    pub fn new(estimate: PrefillEstimate, held: Option<Box<dyn std::any::Any + Send>>) -> Self {
+        PrefillPick { estimate, held }
     }
 
     /// What the pick says about the request's prefill.
-    pub fn probe(&self) -> &PrefillEstimate {
-        &self.probe
+    pub fn estimate(&self) -> &PrefillEstimate {
+        &self.estimate
     }
 
     /// The held part, to be downcast by the binding that made it (`None` if the pick holds
@@ -224,7 +257,7 @@ impl PrefillPick {
 impl std::fmt::Debug for PrefillPick {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PrefillPick")
-            .field("probe", &self.probe)
+            .field("estimate", &self.estimate)
             .field("held", &self.held.is_some())
             .finish()
     }
@@ -295,17 +328,6 @@ impl BindingHealth {
     }
 }
 
-/// The decode hop (the decode pool's dispatcher).
-pub trait Decode: Send + Sync {
-    /// Decode `request` (original `max_tokens`; `handoff` set from `prefill` when there was a
-    /// prefill). `prefill` is `None` when the request bypassed the prefill hop.
-    fn decode(
-        &self,
-        request: GenerateRequest,
-        prefill: Option<PrefillOutcome>,
-    ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>>;
-}
-
 /// Builds the binding for a target. Called by the driver, one build at a time per router.
 ///
 /// `cancel` fires when the build is abandoned (superseded, cancelled, failed, timed out) or the
@@ -315,7 +337,7 @@ pub trait Decode: Send + Sync {
 /// that child in its own `Drop`, so that retiring and dropping a binding ends its tasks.
 pub trait BindingFactory: Send + Sync + 'static {
     /// The binding type.
-    type Binding: Prefill;
+    type Binding: Binding;
 
     /// Build a binding for `target`.
     fn build(

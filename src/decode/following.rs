@@ -1,4 +1,5 @@
-//! The decode hop that follows the topology's decode set.
+//! The decode hop that follows the topology's decode set (the hop's follower task points it
+//! at each new decode endpoint).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -6,15 +7,14 @@ use std::time::Duration;
 use arc_swap::ArcSwapOption;
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
-use tokio::sync::watch;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use crate::binding::DecodePool;
+use super::DecodePool;
+use super::{Decode, DecodeError, DecodeStream};
+use crate::binding::PrefillOutcome;
 use crate::discovery::{Discovery, EndpointId};
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
-use crate::router::{Decode, DecodeError, DecodeStream, PrefillOutcome};
-use crate::topology::TopologySnapshot;
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 /// One decode endpoint's dispatcher and the guard of its discovery feed.
 struct Slot {
@@ -79,7 +79,7 @@ impl FollowingDecode {
     }
 
     /// Point at `endpoint` (a new dispatcher over `discovery`'s watch of it), or at nothing.
-    async fn retarget(
+    pub(crate) async fn retarget(
         &self,
         discovery: &Arc<dyn Discovery>,
         endpoint: Option<EndpointId>,
@@ -151,36 +151,5 @@ impl futures_core::Stream for Holding {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
         self.inner.as_mut().poll_next(cx)
-    }
-}
-
-/// The follower task: retarget on every change of the topology's decode endpoint.
-pub(crate) async fn follow(
-    decode: Arc<FollowingDecode>,
-    discovery: Arc<dyn Discovery>,
-    mut topology: watch::Receiver<TopologySnapshot>,
-    catch_up: Duration,
-    cancel: CancellationToken,
-    changed: watch::Sender<()>,
-) {
-    let mut current: Option<EndpointId> = None;
-    let mut first = true;
-    loop {
-        let wanted = topology.borrow_and_update().decode.clone();
-        if first || wanted != current {
-            first = false;
-            tokio::select! {
-                biased;
-                () = cancel.cancelled() => break,
-                () = decode.retarget(&discovery, wanted.clone(), catch_up, &cancel) => {}
-            }
-            current = wanted;
-            changed.send_replace(());
-        }
-        tokio::select! {
-            biased;
-            () = cancel.cancelled() => break,
-            result = topology.changed() => if result.is_err() { break },
-        }
     }
 }

@@ -3,9 +3,10 @@
 use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 
+use super::{Decode, DecodeError, DecodeStream};
+use crate::binding::PrefillOutcome;
 use crate::push::Dispatcher;
-use crate::router::{Decode, DecodeError, DecodeStream, PrefillOutcome};
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 /// [`Decode`] over a dispatcher of the decode set: the request (with its prefill handoff, if
 /// any) goes to one decode worker and its responses stream back.

@@ -1,0 +1,48 @@
+//! The decode hop: what the router hands a request to after its prefill ([`Decode`]), how that
+//! fails ([`DecodeError`]) and what comes back ([`DecodeStream`]), with the two implementations:
+//! [`DecodePool`] over one decode dispatcher, and [`FollowingDecode`] following the topology's
+//! decode set (the one a [`PrefillHop`](crate::PrefillHop) embeds).
+
+mod following;
+mod pool;
+
+pub use following::FollowingDecode;
+pub use pool::DecodePool;
+
+use std::pin::Pin;
+
+use futures_core::Stream;
+use futures_util::future::BoxFuture;
+
+use crate::binding::PrefillOutcome;
+use crate::push::PushError;
+use crate::request::{GenerateRequest, GenerateResponse};
+
+/// Why the decode hop failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The decode dispatcher could not route or carry the request.
+    #[error("decode routing failed: {0}")]
+    Push(#[from] PushError),
+    /// Any other failure, described.
+    #[error("decode failed: {message}")]
+    Failed {
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// The decode responses handed back to the caller.
+pub type DecodeStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, DecodeError>> + Send>>;
+
+/// The decode hop (the decode pool's dispatcher).
+pub trait Decode: Send + Sync {
+    /// Decode `request` (original `max_tokens`; `handoff` set from `prefill` when there was a
+    /// prefill). `prefill` is `None` when the request bypassed the prefill hop.
+    fn decode(
+        &self,
+        request: GenerateRequest,
+        prefill: Option<PrefillOutcome>,
+    ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>>;
+}

@@ -1,0 +1,42 @@
+//! The follower task: the decode hop follows the topology's decode endpoint.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::decode::FollowingDecode;
+use crate::discovery::{Discovery, EndpointId};
+use crate::topology::TopologySnapshot;
+
+/// The follower task: retarget on every change of the topology's decode endpoint.
+pub(crate) async fn follow(
+    decode: Arc<FollowingDecode>,
+    discovery: Arc<dyn Discovery>,
+    mut topology: watch::Receiver<TopologySnapshot>,
+    catch_up: Duration,
+    cancel: CancellationToken,
+    changed: watch::Sender<()>,
+) {
+    let mut current: Option<EndpointId> = None;
+    let mut first = true;
+    loop {
+        let wanted = topology.borrow_and_update().decode.clone();
+        if first || wanted != current {
+            first = false;
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => break,
+                () = decode.retarget(&discovery, wanted.clone(), catch_up, &cancel) => {}
+            }
+            current = wanted;
+            changed.send_replace(());
+        }
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            result = topology.changed() => if result.is_err() { break },
+        }
+    }
+}
