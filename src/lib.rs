@@ -24,9 +24,9 @@
 //!   core with real builds and timers, plus the request path and its fallback policy.
 //! - [`binding`] (feature `runtime`): the default binding factory (card resolution, routable
 //!   view with admission, dispatcher) and the decode hop over a dispatcher.
-//! - [`topology`] (feature `runtime`): the topology watcher turning a namespace's discovery
-//!   records into the prefill router's target (one prefill set, one decode set, first-wins
-//!   admission, generations).
+//! - [`topology`]: the pure topology machine turning a namespace's discovery events into the
+//!   prefill router's target (one prefill set, one decode set, first-wins admission,
+//!   generations), and (feature `runtime`) the watcher driving it.
 //! - [`hop`] (feature `runtime`): [`PrefillHop`], the one handle a frontend embeds: the
 //!   topology watcher, the prefill router and a decode hop following the decode set.
 //! - [`http`] (feature `http`): the OpenAI-compatible HTTP frontend over a [`PrefillHop`].
@@ -71,7 +71,6 @@ pub mod router;
 pub mod sim;
 pub mod snapshot;
 mod sync;
-#[cfg(feature = "runtime")]
 pub mod topology;
 #[cfg(feature = "runtime")]
 pub mod transport;
