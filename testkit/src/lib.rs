@@ -11,7 +11,8 @@
 //! - [`machine_fuzz`], [`card_fuzz`], [`control_fuzz`], [`frame_fuzz`], [`record_fuzz`], [`health_fuzz`], [`kv_events_fuzz`], [`topology_fuzz`]: the fuzz harnesses, plain functions over bytes;
 //! - [`alloc_probe`]: peak-allocation measurement for the decoder's memory bound;
 //! - [`branches`]: which branches of `Machine::handle` a step exercised (coverage of a corpus);
-//! - [`mutants`]: deliberately broken code under test that the checks must reject;
+//! - [`mutants`]: deliberately broken code under test that the checks must reject (the topology
+//!   target's, a driver that shrinks before the target, lives in [`topology_fuzz`]);
 //! - [`realistic_mix`]: a deterministic, realistic input mix for benchmarks and allocation tests.
 //!
 //! [`TARGETS`] names every fuzz target with its harness: the replay test runs every corpus and
