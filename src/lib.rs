@@ -30,9 +30,9 @@
 //!   default factory (card resolution, routable view with admission, dispatcher).
 //! - [`decode`] (feature `runtime`): the decode hop: the `Decode` trait and its error, a
 //!   decode pool over one dispatcher, and the decode hop following the topology's decode set.
-//! - [`topology`] (feature `runtime`): the topology watcher turning a namespace's discovery
-//!   records into the prefill router's target (one prefill set, one decode set, first-wins
-//!   admission, generations).
+//! - [`topology`]: the pure topology machine turning a namespace's discovery events into the
+//!   prefill router's target (one prefill set, one decode set, first-wins admission,
+//!   generations), and (feature `runtime`) the watcher driving it.
 //! - [`hop`] (feature `runtime`): [`PrefillHop`], the one handle a frontend embeds: the
 //!   topology watcher, the prefill router and the decode hop following the decode set.
 //! - [`http`] (feature `http`): the OpenAI-compatible HTTP frontend over a [`PrefillHop`].
@@ -80,7 +80,6 @@ pub mod router;
 pub mod sim;
 pub mod snapshot;
 mod sync;
-#[cfg(feature = "runtime")]
 pub mod topology;
 #[cfg(feature = "runtime")]
 pub mod transport;

@@ -1,5 +1,12 @@
-//! The watcher task: a namespace watch in, `set_target` calls and a topology snapshot out.
+//! The topology machine's driver: a namespace watch in, admission channels, `set_target`
+//! calls and a published view out.
+//!
+//! The [`Machine`] decides; this file owns what it cannot (it is pure): one `watch` channel
+//! of admitted instances per generation, the [`TargetSink`], and the published
+//! [`TopologySnapshot`]. It carries out each batch in order, so a grow is published before the
+//! target moves and a shrink after it (the machine's ordering rule).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use futures_util::StreamExt;
@@ -7,10 +14,102 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::sets::{Topology, TopologySnapshot};
+use super::machine::{Action, GenerationId, Machine, TargetSpec};
 use crate::binding::{BindingFactory, WorkerSetTarget, WorkerSetTargetId};
-use crate::discovery::{Discovery, DiscoveryError};
+use crate::discovery::{Discovery, DiscoveryError, EndpointId, InstanceId, NamespaceEvent};
 use crate::router::PrefillRouter;
+
+/// The topology as the watcher publishes it after every change.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TopologySnapshot {
+    /// The prefill target's identity, if the rule gives one.
+    pub target: Option<WorkerSetTargetId>,
+    /// Prefill sets with at least one admitted instance.
+    pub prefill_sets: Vec<EndpointId>,
+    /// Decode sets with at least one instance.
+    pub decode_sets: Vec<EndpointId>,
+    /// The decode endpoint when there is exactly one decode set.
+    pub decode: Option<EndpointId>,
+    /// Target changes so far (`set_target` calls the watcher made).
+    pub retargets: u64,
+}
+
+impl TopologySnapshot {
+    /// The view of a topology machine.
+    pub fn of(machine: &Machine) -> Self {
+        let decode_sets = machine.decode_sets();
+        TopologySnapshot {
+            target: machine.target().map(|t| target_id(&t.id)),
+            prefill_sets: machine.prefill_sets(),
+            decode: (decode_sets.len() == 1).then(|| decode_sets[0].clone()),
+            decode_sets,
+            retargets: machine.retargets(),
+        }
+    }
+}
+
+/// The router's name for a generation.
+fn target_id(id: &GenerationId) -> WorkerSetTargetId {
+    WorkerSetTargetId::new(id.endpoint.to_string(), id.generation)
+}
+
+/// Carries out the machine's actions: the admission channels and the sink.
+struct Driver<S> {
+    namespace: String,
+    machine: Machine,
+    /// One admission channel per generation the machine has named and not yet retired or
+    /// forgotten.
+    admissions: BTreeMap<GenerationId, watch::Sender<BTreeSet<InstanceId>>>,
+    sink: S,
+}
+
+impl<S: TargetSink> Driver<S> {
+    fn new(namespace: String, sink: S) -> Self {
+        Driver {
+            namespace,
+            machine: Machine::new(),
+            admissions: BTreeMap::new(),
+            sink,
+        }
+    }
+
+    /// The admission channel of a generation, created empty at its first mention.
+    fn admission(&mut self, id: &GenerationId) -> &watch::Sender<BTreeSet<InstanceId>> {
+        self.admissions
+            .entry(id.clone())
+            .or_insert_with(|| watch::channel(BTreeSet::new()).0)
+    }
+
+    /// Feed one event and carry out its actions, in order.
+    fn handle(&mut self, event: NamespaceEvent) {
+        for action in self.machine.handle(event) {
+            match action {
+                Action::Admission { id, set, .. } => {
+                    self.admission(&id).send_replace(set);
+                }
+                Action::SetTarget(spec) => {
+                    let target = spec.map(|TargetSpec { id, card }| {
+                        let admitted = self.admission(&id).subscribe();
+                        WorkerSetTarget::new(target_id(&id), id.endpoint, card, admitted)
+                    });
+                    let id = target.as_ref().map(|t| t.id.clone());
+                    tracing::info!(namespace = self.namespace, target = ?id, "prefill target changed");
+                    self.sink.set_target(target);
+                }
+                // An empty set (the retired bindings fail fast on new requests), then the
+                // sender drops.
+                Action::Retire(id) => {
+                    if let Some(sender) = self.admissions.remove(&id) {
+                        sender.send_replace(BTreeSet::new());
+                    }
+                }
+                Action::Forget(id) => {
+                    self.admissions.remove(&id);
+                }
+            }
+        }
+    }
+}
 
 /// Whatever takes the watcher's targets: a [`PrefillRouter`], or a test double.
 pub trait TargetSink: Send + Sync + 'static {
@@ -56,9 +155,7 @@ impl TopologyWatcher {
         let stop = cancel.clone();
         let namespace = namespace.to_owned();
         let task = tokio::spawn(async move {
-            let mut topology = Topology::new();
-            let mut current: Option<WorkerSetTargetId> = None;
-            let mut retargets = 0u64;
+            let mut driver = Driver::new(namespace, sink);
             loop {
                 let event = tokio::select! {
                     biased;
@@ -66,40 +163,16 @@ impl TopologyWatcher {
                     event = events.next() => event,
                 };
                 let Some(event) = event else {
-                    tracing::warn!(namespace, "namespace watch ended; topology frozen");
+                    tracing::warn!(
+                        namespace = driver.namespace,
+                        "namespace watch ended; topology frozen"
+                    );
                     break;
                 };
-                let changes = topology.apply(event);
-                // Grows first: a returning pool is admitted before the router reuses its
-                // binding, a new instance before any request could be routed to it.
-                let (grows, shrinks): (Vec<_>, Vec<_>) =
-                    changes.admissions.into_iter().partition(|a| a.grows());
-                for change in grows {
-                    change.apply();
-                }
-                let target = topology.target();
-                let id = target.as_ref().map(|t| t.id.clone());
-                if id != current {
-                    tracing::info!(namespace, target = ?id, "prefill target changed");
-                    sink.set_target(target);
-                    current = id;
-                    retargets += 1;
-                }
-                // Shrinks after: requests already see the new target when instances leave it.
-                for change in shrinks {
-                    change.apply();
-                }
-                // Retired generations: an empty set (their bindings fail fast on new
-                // requests), then the sender drops.
-                for retired in changes.retired {
-                    retired.send_replace(Default::default());
-                }
+                driver.handle(event);
                 // The view last: whoever reads it sees a router already retargeted.
                 view_tx.send_if_modified(|v| {
-                    let next = TopologySnapshot {
-                        retargets,
-                        ..topology.view()
-                    };
+                    let next = TopologySnapshot::of(&driver.machine);
                     let changed = *v != next;
                     *v = next;
                     changed

@@ -8,10 +8,11 @@
 //! - [`reference`](mod@reference): a reference model of the lifecycle machine, written from the transition
 //!   rules of `docs/design.md`, and [`MachineView`], the observable state both expose;
 //! - [`ledger`]: the history invariants I1..I6 checked after every step;
-//! - [`machine_fuzz`], [`card_fuzz`], [`control_fuzz`], [`frame_fuzz`], [`record_fuzz`], [`health_fuzz`], [`kv_events_fuzz`]: the fuzz harnesses, plain functions over bytes;
+//! - [`machine_fuzz`], [`card_fuzz`], [`control_fuzz`], [`frame_fuzz`], [`record_fuzz`], [`health_fuzz`], [`kv_events_fuzz`], [`topology_fuzz`]: the fuzz harnesses, plain functions over bytes;
 //! - [`alloc_probe`]: peak-allocation measurement for the decoder's memory bound;
 //! - [`branches`]: which branches of `Machine::handle` a step exercised (coverage of a corpus);
-//! - [`mutants`]: deliberately broken code under test that the checks must reject;
+//! - [`mutants`]: deliberately broken code under test that the checks must reject (the topology
+//!   target's, a driver that shrinks before the target, lives in [`topology_fuzz`]);
 //! - [`realistic_mix`]: a deterministic, realistic input mix for benchmarks and allocation tests.
 //!
 //! [`TARGETS`] names every fuzz target with its harness: the replay test runs every corpus and
@@ -30,6 +31,7 @@ pub mod machine_fuzz;
 pub mod mutants;
 pub mod record_fuzz;
 pub mod reference;
+pub mod topology_fuzz;
 mod trace;
 
 pub use reference::{MachineView, Reference};
@@ -73,6 +75,10 @@ pub const TARGETS: &[FuzzTarget] = &[
     FuzzTarget {
         name: "kv_events",
         run: kv_events_fuzz::kv_events,
+    },
+    FuzzTarget {
+        name: "topology_events",
+        run: topology_fuzz::topology_events,
     },
 ];
 

@@ -328,3 +328,37 @@ fn kv_events_checks_reject_the_parent_dropping_decoder_on_the_seed_corpus() {
         .is_err()
     );
 }
+
+#[test]
+fn topology_corpus_exercises_every_action_and_the_shrinks_first_driver_fails_it() {
+    use prefill_router::topology::{Action, Machine};
+    use prefill_router_testkit::topology_fuzz::{
+        self, event_of, run_topology_script, run_topology_script_with, ShrinksFirst,
+    };
+    let scripts: Vec<_> = corpus("topology_events")
+        .into_iter()
+        .filter_map(|(_, bytes)| topology_fuzz::decode(&bytes))
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    for script in &scripts {
+        run_topology_script(script).unwrap();
+        let mut m = Machine::new();
+        for step in &script.steps {
+            for action in m.handle(event_of(*step)) {
+                seen.insert(match action {
+                    Action::Admission { grows: true, .. } => "grow",
+                    Action::Admission { grows: false, .. } => "shrink",
+                    Action::SetTarget(Some(_)) => "target",
+                    Action::SetTarget(None) => "no target",
+                    Action::Retire(_) => "retire",
+                    Action::Forget(_) => "forget",
+                });
+            }
+        }
+    }
+    assert_eq!(seen.len(), 6, "the seed corpus takes only {seen:?}");
+    let caught = scripts
+        .iter()
+        .any(|s| run_topology_script_with(s, ShrinksFirst::default()).is_err());
+    assert!(caught, "the shrinks-first driver passes the seed corpus");
+}

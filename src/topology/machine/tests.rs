@@ -1,0 +1,424 @@
+//! The topology machine's rules, one test each, through a driver of plain values that checks
+//! every batch as it carries it out ([`World`]); the proptests drive the same world.
+
+use super::*;
+use std::net::SocketAddr;
+
+mod proptests;
+
+fn ep(component: &str) -> EndpointId {
+    EndpointId::new("ns", component, "generate")
+}
+
+fn inst(component: &str, id: InstanceId) -> Instance {
+    Instance {
+        endpoint: ep(component),
+        instance_id: id,
+        address: SocketAddr::from(([127, 0, 0, 1], 1000 + u16::try_from(id).unwrap())),
+    }
+}
+
+fn card(block: u32) -> ModelCard {
+    ModelCard {
+        kv_cache_block_size: block,
+        ..ModelCard::named("m")
+    }
+}
+
+/// A driver holding admission sets and the target as plain values. It carries out each batch
+/// in order and checks, as it goes, the invariants the watcher relies on; `apply` fails with
+/// the first one broken.
+#[derive(Default)]
+pub(super) struct World {
+    pub(super) m: Machine,
+    /// Admission sets of generations named and not retired or forgotten.
+    pub(super) admissions: BTreeMap<GenerationId, BTreeSet<InstanceId>>,
+    /// The target the driver holds.
+    pub(super) target: Option<TargetSpec>,
+    /// Generations retired or forgotten: never named again.
+    dead: BTreeSet<GenerationId>,
+    /// Highest generation named per set (remembered across evictions: never reused).
+    highest: BTreeMap<EndpointId, u64>,
+    /// Live instances as discovery reported them.
+    live: BTreeMap<(EndpointId, InstanceId), ModelCard>,
+}
+
+impl World {
+    pub(super) fn new(m: Machine) -> Self {
+        World {
+            m,
+            ..World::default()
+        }
+    }
+
+    fn name(&mut self, id: &GenerationId) -> Result<(), String> {
+        if self.dead.contains(id) {
+            return Err(format!("{id} named after it was retired or forgotten"));
+        }
+        if !self.admissions.contains_key(id) {
+            let highest = self.highest.entry(id.endpoint.clone()).or_default();
+            if id.generation <= *highest {
+                return Err(format!("{id} reuses a generation (highest {highest})"));
+            }
+            *highest = id.generation;
+            self.admissions.insert(id.clone(), BTreeSet::new());
+        }
+        Ok(())
+    }
+
+    /// Feed one event, carry out its batch and check it.
+    pub(super) fn apply(&mut self, event: NamespaceEvent) -> Result<Vec<Action>, String> {
+        match &event {
+            NamespaceEvent::Upserted(i, c) => {
+                if worker_kind(&i.endpoint).is_some() {
+                    self.live
+                        .insert((i.endpoint.clone(), i.instance_id), c.clone());
+                }
+            }
+            NamespaceEvent::Removed(e, id) => {
+                self.live.remove(&(e.clone(), *id));
+            }
+        }
+        let actions = self.m.handle(event).to_vec();
+        for (n, action) in actions.iter().enumerate() {
+            match action {
+                Action::Admission { id, set, grows } => {
+                    self.name(id)?;
+                    let before = &self.admissions[id];
+                    if *grows != set.is_superset(before) {
+                        return Err(format!("{action:?}: grows is wrong (was {before:?})"));
+                    }
+                    if set == before {
+                        return Err(format!("{action:?}: publishes no change"));
+                    }
+                    self.admissions.insert(id.clone(), set.clone());
+                }
+                Action::SetTarget(spec) => {
+                    if spec.as_ref().map(|t| &t.id) == self.target.as_ref().map(|t| &t.id) {
+                        return Err(format!("{action:?}: the target did not change"));
+                    }
+                    if let Some(t) = spec {
+                        self.name(&t.id)?;
+                    }
+                    self.target = spec.clone();
+                }
+                Action::Retire(id) | Action::Forget(id) => {
+                    if self.admissions.remove(id).is_none() {
+                        return Err(format!("{action:?}: not a live generation"));
+                    }
+                    if self.target.as_ref().is_some_and(|t| t.id == *id) {
+                        return Err(format!("{action:?}: the held target's generation"));
+                    }
+                    self.dead.insert(id.clone());
+                }
+            }
+            // The ordering rule: the target held admits someone at every point of a batch.
+            if let Some(t) = &self.target {
+                if self.admissions.get(&t.id).is_none_or(BTreeSet::is_empty) {
+                    return Err(format!(
+                        "after action {n} of {actions:?}: the target {} admits no instance",
+                        t.id
+                    ));
+                }
+            }
+        }
+        self.check_state()?;
+        Ok(actions)
+    }
+
+    /// Invariants between events.
+    fn check_state(&self) -> Result<(), String> {
+        if self.target.as_ref() != self.m.target() {
+            return Err(format!(
+                "holds {:?}, machine says {:?}",
+                self.target,
+                self.m.target()
+            ));
+        }
+        // Every instance admitted for the target carries its card, and every live one that
+        // carries it is admitted.
+        if let Some(t) = &self.target {
+            let want: BTreeSet<InstanceId> = self
+                .live
+                .iter()
+                .filter(|((e, _), c)| *e == t.id.endpoint && **c == *t.card)
+                .map(|((_, id), _)| *id)
+                .collect();
+            if self.admissions[&t.id] != want {
+                return Err(format!(
+                    "{} admits {:?}, live with its card {want:?}",
+                    t.id, self.admissions[&t.id]
+                ));
+            }
+        }
+        // A target exactly when one prefill set admits someone and one decode set is live.
+        let prefill: BTreeSet<&EndpointId> = self
+            .admissions
+            .iter()
+            .filter(|(_, set)| !set.is_empty())
+            .map(|(id, _)| &id.endpoint)
+            .collect();
+        let decode: BTreeSet<&EndpointId> = self
+            .live
+            .keys()
+            .map(|(e, _)| e)
+            .filter(|e| worker_kind(e) == Some(WorkerKind::Decode))
+            .collect();
+        if self.target.is_some() != (prefill.len() == 1 && decode.len() == 1) {
+            return Err(format!(
+                "target {:?} with prefill sets {prefill:?}, decode sets {decode:?}",
+                self.target
+            ));
+        }
+        // Bounded memory: dormant sets capped, one admission set per remembered prefill set.
+        if self.m.dormant_count() > MAX_DORMANT_SETS {
+            return Err(format!("{} dormant sets", self.m.dormant_count()));
+        }
+        if self.admissions.len() > self.m.set_count() {
+            return Err(format!(
+                "{} admission sets for {} sets",
+                self.admissions.len(),
+                self.m.set_count()
+            ));
+        }
+        Ok(())
+    }
+
+    fn up(&mut self, component: &str, id: InstanceId, block: u32) -> Vec<Action> {
+        let event = NamespaceEvent::Upserted(inst(component, id), card(block));
+        self.apply(event).unwrap()
+    }
+
+    fn down(&mut self, component: &str, id: InstanceId) -> Vec<Action> {
+        self.apply(NamespaceEvent::Removed(ep(component), id))
+            .unwrap()
+    }
+
+    fn target(&self) -> Option<&TargetSpec> {
+        self.target.as_ref()
+    }
+
+    fn admitted(&self) -> BTreeSet<InstanceId> {
+        self.admissions[&self.target().unwrap().id].clone()
+    }
+}
+
+fn gen(component: &str, generation: u64) -> GenerationId {
+    GenerationId {
+        endpoint: ep(component),
+        generation,
+    }
+}
+
+#[test]
+fn one_prefill_and_one_decode_set_give_a_target() {
+    let mut w = World::default();
+    w.up("prefill", 1, 16);
+    assert!(w.target().is_none(), "no decode set yet");
+    w.up("decode", 9, 16);
+    let target = w.target().unwrap();
+    assert_eq!(target.id, gen("prefill", 1));
+    assert_eq!(target.card.kv_cache_block_size, 16);
+    assert_eq!(w.admitted(), BTreeSet::from([1]));
+    assert_eq!(w.m.decode_sets(), vec![ep("decode")]);
+    assert_eq!(w.m.retargets(), 1);
+}
+
+#[test]
+fn two_prefill_sets_or_two_decode_sets_give_none() {
+    let mut w = World::default();
+    w.up("prefill", 1, 16);
+    w.up("decode", 9, 16);
+    w.up("prefill-green", 2, 16);
+    assert!(w.target().is_none(), "two prefill sets");
+    w.down("prefill-green", 2);
+    assert!(w.target().is_some());
+    w.up("decode-b", 8, 16);
+    assert!(w.target().is_none(), "two decode sets");
+    assert_eq!(w.m.retargets(), 4);
+}
+
+#[test]
+fn other_components_are_ignored() {
+    let mut w = World::default();
+    w.up("prefill", 1, 16);
+    w.up("decode", 9, 16);
+    assert!(w.up("encoder", 5, 16).is_empty());
+    assert!(w.target().is_some());
+}
+
+#[test]
+fn first_card_wins_until_its_set_empties() {
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    w.up("prefill", 2, 64);
+    w.up("prefill", 1, 32); // lower id, later arrival: rejected
+    w.up("prefill", 3, 64);
+    assert_eq!(w.target().unwrap().card.kv_cache_block_size, 64);
+    assert_eq!(w.admitted(), BTreeSet::from([2, 3]));
+    // Re-registering the first instance keeps its arrival: still the selection.
+    w.up("prefill", 2, 64);
+    w.down("prefill", 3);
+    assert_eq!(w.target().unwrap().id, gen("prefill", 1));
+    // The set's last 64-instance leaves: 32 wins, a new generation.
+    w.down("prefill", 2);
+    let target = w.target().unwrap();
+    assert_eq!(
+        (target.id.generation, target.card.kv_cache_block_size),
+        (2, 32)
+    );
+    assert_eq!(w.admitted(), BTreeSet::from([1]));
+}
+
+#[test]
+fn admission_follows_membership_without_a_new_generation() {
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    w.up("prefill", 1, 64);
+    w.up("prefill", 2, 64);
+    assert_eq!(w.admitted(), BTreeSet::from([1, 2]));
+    w.down("prefill", 1);
+    assert_eq!(w.admitted(), BTreeSet::from([2]));
+    assert_eq!(w.target().unwrap().id.generation, 1);
+}
+
+#[test]
+fn card_change_after_the_old_card_leaves_is_a_new_generation() {
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    w.up("prefill", 1, 64);
+    w.up("prefill", 2, 32); // rejected while 1 holds the selection
+    assert_eq!(w.target().unwrap().id.generation, 1);
+    let actions = w.down("prefill", 1);
+    let target = w.target().unwrap();
+    assert_eq!(
+        (target.id.generation, target.card.kv_cache_block_size),
+        (2, 32)
+    );
+    assert_eq!(w.admitted(), BTreeSet::from([2]));
+    // Generation 2 admitted, then targeted; generation 1 retired last (the driver empties it).
+    assert_eq!(
+        actions,
+        vec![
+            Action::Admission {
+                id: gen("prefill", 2),
+                set: BTreeSet::from([2]),
+                grows: true
+            },
+            Action::SetTarget(Some(target.clone())),
+            Action::Retire(gen("prefill", 1)),
+        ]
+    );
+}
+
+#[test]
+fn a_returning_pool_gets_its_generation_back() {
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    w.up("prefill", 1, 64);
+    let before = w.target().unwrap().id.clone();
+    w.down("prefill", 1);
+    assert!(w.target().is_none(), "pool vanished");
+    assert_eq!(w.admissions[&before], BTreeSet::new(), "kept, empty");
+    let actions = w.up("prefill", 4, 64);
+    assert_eq!(w.target().unwrap().id, before, "same id: the router reuses");
+    assert_eq!(w.admitted(), BTreeSet::from([4]));
+    assert!(!actions.iter().any(|a| matches!(a, Action::Retire(_))));
+}
+
+#[test]
+fn a_pool_that_returns_with_another_card_is_a_new_generation() {
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    w.up("prefill", 1, 64);
+    w.down("prefill", 1);
+    let actions = w.up("prefill", 1, 32);
+    assert_eq!(w.target().unwrap().id.generation, 2);
+    assert!(actions.contains(&Action::Retire(gen("prefill", 1))));
+}
+
+#[test]
+fn admission_grows_before_the_target_and_shrinks_after() {
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    // A grow that makes the target: the admission first.
+    let actions = w.up("prefill", 1, 64);
+    assert!(matches!(
+        actions.as_slice(),
+        [
+            Action::Admission { grows: true, .. },
+            Action::SetTarget(Some(_))
+        ]
+    ));
+    // A shrink that clears the target: the target first.
+    let actions = w.down("prefill", 1);
+    assert!(matches!(
+        actions.as_slice(),
+        [
+            Action::SetTarget(None),
+            Action::Admission { grows: false, .. }
+        ]
+    ));
+    // A returning pool: admitted before the router is pointed back at its generation.
+    let actions = w.up("prefill", 2, 64);
+    assert!(matches!(
+        actions.as_slice(),
+        [
+            Action::Admission { grows: true, .. },
+            Action::SetTarget(Some(_))
+        ]
+    ));
+}
+
+#[test]
+fn the_ordering_check_catches_shrinks_before_the_target() {
+    let mut w = World::new(Machine::new().with_mutant(TopologyMutant::ShrinksBeforeTarget));
+    w.up("decode", 9, 16);
+    w.up("prefill", 1, 64);
+    let err = w
+        .apply(NamespaceEvent::Removed(ep("prefill"), 1))
+        .unwrap_err();
+    assert!(err.contains("admits no instance"), "{err}");
+}
+
+#[test]
+fn dormant_sets_stay_bounded() {
+    let mut w = World::default();
+    for i in 0..(MAX_DORMANT_SETS as u64 + 10) {
+        let component = format!("prefill-{i}");
+        w.up(&component, i, 16);
+        let actions = w.down(&component, i);
+        let forgets = actions
+            .iter()
+            .filter(|a| matches!(a, Action::Forget(_)))
+            .count();
+        assert_eq!(
+            forgets,
+            usize::from(i >= MAX_DORMANT_SETS as u64),
+            "i = {i}"
+        );
+    }
+    assert_eq!(w.m.set_count(), MAX_DORMANT_SETS);
+    assert_eq!(w.admissions.len(), MAX_DORMANT_SETS, "the driver's too");
+    // The oldest went first.
+    assert_eq!(w.m.generations(&ep("prefill-0")), None);
+    assert!(w.m.generations(&ep("prefill-73")).is_some());
+}
+
+#[test]
+fn a_forgotten_group_seen_again_never_reuses_a_generation() {
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    w.up("prefill", 1, 64);
+    w.down("prefill", 1);
+    // Enough other sets go dormant after it for `prefill` to be forgotten.
+    for i in 0..MAX_DORMANT_SETS as u64 {
+        let component = format!("prefill-{i}");
+        w.up(&component, 100 + i, 16);
+        w.down(&component, 100 + i);
+    }
+    assert_eq!(w.m.generations(&ep("prefill")), None, "forgotten");
+    // Back with another card: generation 1 would name another card's binding.
+    w.up("prefill", 1, 32);
+    assert_eq!(w.target().unwrap().id, gen("prefill", 2));
+}
