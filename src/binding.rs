@@ -19,7 +19,7 @@ mod factory;
 mod load;
 
 pub use decode::DecodePool;
-pub(crate) use load::TokenLoad;
+pub use load::TokenLoad;
 
 pub use factory::{
     BindingStats, DefaultBindingFactory, FactoryConfig, PrefillBinding, DISCOVERY_CATCH_UP,

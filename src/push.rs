@@ -25,8 +25,7 @@ pub mod select;
 mod tests;
 mod view;
 
-pub(crate) use affinity::AffinityTable;
-pub use affinity::{AffinityCounts, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
+pub use affinity::{AffinityCounts, AffinityTable, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
 pub use dispatcher::{
     Dispatch, Dispatcher, HeldPick, OverloadCounts, OverloadStats, PushConfig, PushMode,
     RoutedStream, TcpLink, WorkerLink,
