@@ -62,6 +62,8 @@ pub mod rng;
 pub mod router;
 pub mod snapshot;
 mod sync;
+#[cfg(all(test, feature = "runtime"))]
+mod test_engine;
 #[cfg(feature = "runtime")]
 pub mod topology;
 #[cfg(feature = "runtime")]

@@ -25,7 +25,9 @@ pub mod select;
 mod tests;
 mod view;
 
-pub use affinity::{AffinityCounts, AffinityTable, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
+pub use affinity::{
+    AffinityCounts, AffinityOutcome, AffinityStats, AffinityTable, DEFAULT_AFFINITY_CAPACITY,
+};
 pub use dispatcher::{
     Dispatch, Dispatcher, HeldPick, OverloadCounts, OverloadStats, PushConfig, PushMode,
     RoutedStream, TcpLink, WorkerLink,

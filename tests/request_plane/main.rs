@@ -1,6 +1,6 @@
 //! The request plane and the dispatchers, in one test binary (each module was a binary of its
 //! own; one link of the crate instead of five; KV cache events over the wire need the mock
-engines' real caches and are `tools/tests/kv_events_wire.rs`). A module is named after the binary it was, so
+//! engines' real caches and are `tools/tests/kv_events_wire.rs`). A module is named after the binary it was, so
 //! `cargo test --test request_plane push_modes` runs what `--test push_modes` ran.
 //!
 //! - `transport_stream`: streaming, multiplexing, cancellation, deadlines, errors on loopback.

@@ -6,22 +6,19 @@
 //! `cargo bench --bench frontend -- [--secs S] [--rounds N] [--concurrency C]`
 //! (defaults: 1 s per path per round, 5 rounds, 32 concurrent callers)
 
-#[path = "support/worker.rs"]
-mod worker;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use worker::worker;
 
 use futures_util::StreamExt;
-use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
+use prefill_router::advert::{ModelCard, SelectionMode};
 use prefill_router::binding::DecodePool;
 use prefill_router::discovery::{Discovery, EndpointId, MemoryConfig, MemoryDiscovery};
-use prefill_router_tools::mock::{MockConfig, MockDecode, MockPrefill};
 use prefill_router::push::{Dispatcher, PushConfig, PushMode, RoutableView};
 use prefill_router::router::{Decode, PrefillOutcome};
-use prefill_router::transport::GenerateRequest;
+use prefill_router::transport::{GenerateRequest, ServerConfig};
 use prefill_router::{PrefillHop, PrefillHopConfig};
+use prefill_router_tools::mock::{spawn_registered, MockConfig, MockDecode, MockPrefill};
 use tokio_util::sync::CancellationToken;
 
 const MAX_TOKENS: u32 = 4;
@@ -149,36 +146,33 @@ async fn run(secs: Duration, rounds: u64, concurrency: u64) {
         token_interval: Duration::ZERO,
         cache_blocks: 4096,
     };
-    let card = ModelCard {
-        kv_cache_block_size: 16,
-        router_config: Some(RouterConfig {
-            router_mode: SelectionMode::RoundRobin,
-            ..RouterConfig::default()
-        }),
-        ..ModelCard::named("bench")
-    };
+    let card = ModelCard::routed("bench", SelectionMode::RoundRobin, 16);
     let mut held = Vec::new();
     for id in 0..PREFILL_WORKERS {
         held.push(
-            worker(
+            spawn_registered(
                 &discovery,
                 prefill_ep.clone(),
                 id,
                 MockPrefill::new(id, mock.clone()),
                 card.clone(),
+                ServerConfig::default(),
             )
-            .await,
+            .await
+            .unwrap(),
         );
     }
     held.push(
-        worker(
+        spawn_registered(
             &discovery,
             decode_ep.clone(),
             100,
             MockDecode::new(100, mock.clone()),
             card.clone(),
+            ServerConfig::default(),
         )
-        .await,
+        .await
+        .unwrap(),
     );
 
     let feeds = CancellationToken::new();

@@ -25,28 +25,25 @@ mod certs;
 
 #[path = "support/args.rs"]
 mod args;
-#[path = "support/worker.rs"]
-mod worker;
 use args::{arg, num};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use worker::worker_with;
 
 use axum::body::Bytes;
 use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
-use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
+use prefill_router::advert::{ModelCard, SelectionMode};
 use prefill_router::discovery::{Discovery, EndpointId, MemoryConfig, MemoryDiscovery};
 use prefill_router::http::{ApiKeys, HttpConfig};
-use prefill_router_tools::mock::{MockConfig, MockDecode, MockPrefill};
 use prefill_router::push::PushConfig;
 use prefill_router::transport::{
     ClientConfig, ClientTls, GenerateRequest, ServerConfig, ServerTls, TlsIdentity, TlsRoots,
 };
 use prefill_router::{PrefillHop, PrefillHopConfig};
+use prefill_router_tools::mock::{spawn_registered, MockConfig, MockDecode, MockPrefill};
 use tokio::net::{TcpListener, TcpStream};
 
 const MAX_TOKENS: u32 = 4;
@@ -419,19 +416,12 @@ async fn hop_over_workers(
         token_interval: Duration::ZERO,
         cache_blocks: 4096,
     };
-    let card = ModelCard {
-        kv_cache_block_size: 16,
-        router_config: Some(RouterConfig {
-            router_mode: SelectionMode::RoundRobin,
-            ..RouterConfig::default()
-        }),
-        ..ModelCard::named("mock-llm")
-    };
+    let card = ModelCard::routed("mock-llm", SelectionMode::RoundRobin, 16);
     let mut held = Vec::new();
     for id in 1..=2 {
         let ep = EndpointId::new("bench", "prefill", "generate");
         held.push(
-            worker_with(
+            spawn_registered(
                 &discovery,
                 ep,
                 id,
@@ -439,12 +429,13 @@ async fn hop_over_workers(
                 card.clone(),
                 server.clone(),
             )
-            .await,
+            .await
+            .unwrap(),
         );
     }
     let ep = EndpointId::new("bench", "decode", "generate");
     held.push(
-        worker_with(
+        spawn_registered(
             &discovery,
             ep,
             100,
@@ -452,7 +443,8 @@ async fn hop_over_workers(
             card.clone(),
             server,
         )
-        .await,
+        .await
+        .unwrap(),
     );
 
     // Both legs, prefill and decode, dial workers with the same client config.

@@ -17,12 +17,9 @@ use std::time::{Duration, Instant};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use parking_lot::Mutex;
-use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
+use prefill_router::advert::{ModelCard, SelectionMode};
 use prefill_router::binding::{DefaultBindingFactory, FactoryConfig};
-use prefill_router::discovery::{
-    Discovery, EndpointId, Instance, InstanceId, MemoryConfig, MemoryDiscovery,
-};
-use prefill_router_tools::mock::{MockConfig, MockPrefill};
+use prefill_router::discovery::{Discovery, EndpointId, InstanceId, MemoryConfig, MemoryDiscovery};
 use prefill_router::router::{
     Decode, DecodeError, DecodeStream, PrefillOutcome, PrefillRouter, PrefillRouterConfig,
     WorkerSetTarget, WorkerSetTargetId,
@@ -30,6 +27,7 @@ use prefill_router::router::{
 use prefill_router::transport::{
     serve, FinishReason, GenerateRequest, GenerateResponse, ServerConfig, ServerHandle,
 };
+use prefill_router_tools::mock::{spawn_registered, MockConfig, MockPrefill};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -63,14 +61,7 @@ impl Decode for Recorder {
 }
 
 fn card() -> ModelCard {
-    ModelCard {
-        kv_cache_block_size: 16,
-        router_config: Some(RouterConfig {
-            router_mode: SelectionMode::RoundRobin,
-            ..RouterConfig::default()
-        }),
-        ..ModelCard::named("m")
-    }
+    ModelCard::routed("m", SelectionMode::RoundRobin, 16)
 }
 
 fn mock() -> MockConfig {
@@ -148,18 +139,17 @@ async fn main() {
     let mut servers = Vec::new();
     let mut regs = Vec::new();
     for id in 1..=3 {
-        let server = serve_on(TcpListener::bind("127.0.0.1:0").await.expect("bind"), id).await;
-        let instance = Instance {
-            endpoint: endpoint.clone(),
-            instance_id: id,
-            address: server.local_addr(),
-        };
-        regs.push(
-            discovery
-                .register(instance, card())
-                .await
-                .expect("register"),
-        );
+        let (server, registration) = spawn_registered(
+            &discovery,
+            endpoint.clone(),
+            id,
+            MockPrefill::new(id, mock()),
+            card(),
+            ServerConfig::default(),
+        )
+        .await
+        .expect("worker");
+        regs.push(registration);
         servers.push(Some(server));
     }
     let factory = DefaultBindingFactory::new(Arc::clone(&discovery), FactoryConfig::default());

@@ -15,12 +15,12 @@ use prefill_router::advert::KvRouterConfig;
 use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use prefill_router::health::BackoffPolicy;
 use prefill_router::kv_events::EventBatch;
-use prefill_router_tools::mock::{MockConfig, MockPrefill};
 use prefill_router::push::{Dispatcher, PushConfig, PushMode, RoutableView};
 use prefill_router::transport::{
     serve, serve_with_kv_events, ClientConfig, Connection, Engine, EngineStream, GenerateRequest,
     KvEventSink, KvEventSource, KvStreamError, ServerConfig, ServerHandle,
 };
+use prefill_router_tools::mock::{MockConfig, MockPrefill};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 

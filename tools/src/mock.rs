@@ -6,6 +6,8 @@
 //!   worker and its cached-block hits (so callers can compute the prefix cache hit rate).
 //! - [`MockDecode`]: emits tokens at a steady rate; without a prefill handoff it prefills the
 //!   prompt locally first (the aggregated fallback), at the same per-block cost.
+//! - [`spawn_registered`]: start an engine as a worker: served on loopback, registered in
+//!   discovery.
 //!
 //! Block hashes are [`prefill_router::push::block_hashes`], the ones the KV dispatcher predicts with,
 //! so a request routed to the worker that prefilled its prefix really finds it cached.
@@ -14,6 +16,8 @@
 
 mod cache;
 mod engines;
+mod worker;
 
 pub use cache::BlockCache;
 pub use engines::{MockConfig, MockDecode, MockPrefill, MockStats};
+pub use worker::{spawn_registered, SpawnError};

@@ -18,13 +18,12 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use parking_lot::Mutex;
-use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
+use prefill_router::advert::{ModelCard, SelectionMode};
 use prefill_router::binding::{DefaultBindingFactory, FactoryConfig};
 use prefill_router::discovery::{
-    Discovery, EndpointId, Instance, InstanceId, MemoryConfig, MemoryDiscovery, Registration,
+    Discovery, EndpointId, InstanceId, MemoryConfig, MemoryDiscovery, Registration,
 };
 use prefill_router::health::BackoffPolicy;
-use prefill_router_tools::mock::{MockConfig, MockPrefill, MockStats};
 use prefill_router::push::PushConfig;
 use prefill_router::router::{
     Decode, DecodeError, DecodeStream, FallbackPolicy, GenerateError, PrefillOutcome,
@@ -33,6 +32,7 @@ use prefill_router::router::{
 use prefill_router::transport::{
     serve, FinishReason, GenerateRequest, GenerateResponse, ServerConfig, ServerHandle,
 };
+use prefill_router_tools::mock::{spawn_registered, MockConfig, MockPrefill, MockStats};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::time::{timeout, Instant};
@@ -54,14 +54,7 @@ fn endpoint() -> EndpointId {
 }
 
 fn card() -> ModelCard {
-    ModelCard {
-        kv_cache_block_size: 16,
-        router_config: Some(RouterConfig {
-            router_mode: SelectionMode::RoundRobin,
-            ..RouterConfig::default()
-        }),
-        ..ModelCard::named("m")
-    }
+    ModelCard::routed("m", SelectionMode::RoundRobin, 16)
 }
 
 /// Prefill time: `per_block` for each of a prompt's 16-token blocks.
@@ -86,12 +79,25 @@ fn worker_on(
     (server, stats)
 }
 
-async fn worker(id: InstanceId, config: MockConfig) -> (ServerHandle, Arc<MockStats>) {
-    worker_on(
-        TcpListener::bind("127.0.0.1:0").await.expect("bind"),
+/// A mock prefill worker on a fresh loopback port, registered in `discovery`.
+async fn worker(
+    discovery: &Arc<dyn Discovery>,
+    id: InstanceId,
+    config: MockConfig,
+) -> (ServerHandle, Registration, Arc<MockStats>) {
+    let engine = MockPrefill::new(id, config);
+    let stats = engine.stats();
+    let (server, registration) = spawn_registered(
+        discovery,
+        endpoint(),
         id,
-        config,
+        engine,
+        card(),
+        ServerConfig::default(),
     )
+    .await
+    .expect("worker");
+    (server, registration, stats)
 }
 
 /// Bind `addr` again (the port was just released; bounded retries).
@@ -103,22 +109,6 @@ async fn rebind(addr: SocketAddr) -> TcpListener {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("cannot rebind {addr}");
-}
-
-async fn register(
-    discovery: &Arc<dyn Discovery>,
-    id: InstanceId,
-    address: SocketAddr,
-) -> Registration {
-    let instance = Instance {
-        endpoint: endpoint(),
-        instance_id: id,
-        address,
-    };
-    discovery
-        .register(instance, card())
-        .await
-        .expect("register")
 }
 
 /// A decode hop that serves one token in process and records which prefill worker ran each
@@ -221,8 +211,7 @@ fn prompt(i: u32) -> Vec<u32> {
 async fn a_request_dropped_mid_prefill_cancels_the_prefill_at_the_worker() {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
     // 4 blocks of 2 s: the prefill is still running when the caller gives up.
-    let (server, stats) = worker(1, mock(Duration::from_secs(2))).await;
-    let _reg = register(&discovery, 1, server.local_addr()).await;
+    let (_server, _reg, stats) = worker(&discovery, 1, mock(Duration::from_secs(2))).await;
     let hop = Arc::new(hop(&discovery, &[1], None).await);
     let decode = Arc::new(RecordingDecode::default());
     let request = {
@@ -259,8 +248,7 @@ async fn a_request_dropped_mid_prefill_cancels_the_prefill_at_the_worker() {
 async fn a_failed_prefill_never_calls_decode_unless_the_policy_bypasses_a_dead_pool() {
     for fallback in [FallbackPolicy::Reject, FallbackPolicy::Decode] {
         let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
-        let (server, _stats) = worker(1, mock(Duration::from_micros(100))).await;
-        let _reg = register(&discovery, 1, server.local_addr()).await;
+        let (server, _reg, _stats) = worker(&discovery, 1, mock(Duration::from_micros(100))).await;
         let hop = hop_with(&discovery, &[1], None, fallback).await;
         let decode = RecordingDecode::default();
         let _served = hop
@@ -327,8 +315,7 @@ async fn retire_mid_prefill(
     Arc<RecordingDecode>,
 ) {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
-    let (server, stats) = worker(1, mock(per_block)).await;
-    let _reg = register(&discovery, 1, server.local_addr()).await;
+    let (server, _reg, stats) = worker(&discovery, 1, mock(per_block)).await;
     let hop = Arc::new(hop(&discovery, &[1], drain_cap).await);
     let decode = Arc::new(RecordingDecode::default());
     let request = {
@@ -389,15 +376,10 @@ async fn without_a_drain_cap_a_retired_binding_serves_its_prefill_to_completion(
 async fn killing_one_of_three_prefill_workers_under_steady_traffic_fails_no_request() {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
     let config = mock(Duration::from_micros(200));
-    let (w1, _) = worker(1, config.clone()).await;
-    let (w2, _) = worker(2, config.clone()).await;
-    let (w3, _) = worker(3, config.clone()).await;
+    let (w1, _r1, _) = worker(&discovery, 1, config.clone()).await;
+    let (w2, _r2, _) = worker(&discovery, 2, config.clone()).await;
+    let (w3, _r3, _) = worker(&discovery, 3, config.clone()).await;
     let addr2 = w2.local_addr();
-    let _regs = [
-        register(&discovery, 1, w1.local_addr()).await,
-        register(&discovery, 2, addr2).await,
-        register(&discovery, 3, w3.local_addr()).await,
-    ];
     let hop = Arc::new(hop(&discovery, &[1, 2, 3], None).await);
     let decode = Arc::new(RecordingDecode::default());
     let stop = Arc::new(AtomicBool::new(false));

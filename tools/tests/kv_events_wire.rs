@@ -16,12 +16,12 @@ use futures_util::StreamExt;
 use prefill_router::advert::KvRouterConfig;
 use prefill_router::discovery::InstanceId;
 use prefill_router::kv_events::{encode_events, EventBatch, KvEvent};
-use prefill_router_tools::mock::{MockConfig, MockPrefill};
 use prefill_router::push::{block_hashes, Dispatcher, PushConfig, PushMode};
 use prefill_router::transport::{
     decode_frame, encode_frame, serve_with_kv_events, Frame, GenerateRequest, GenerateResponse,
     ServerConfig, ServerHandle, MAX_KV_BATCH_BYTES,
 };
+use prefill_router_tools::mock::{MockConfig, MockPrefill};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;

@@ -1,8 +1,10 @@
 //! End to end on loopback: real discovery (file store; etcd with feature `etcd` and
 //! `PREFILL_ETCD_ENDPOINT`), mock workers serving over TCP, the default binding factory, the
-//! prefill router and the topology watcher.
+//! prefill router and the topology watcher; in `hop`, the `PrefillHop` an embedder holds.
 
 mod e2e;
+#[path = "prefill_e2e/hop.rs"]
+mod hop;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;

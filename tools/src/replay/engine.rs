@@ -22,12 +22,12 @@ use prefill_router::advert::{self, DecodeDefaults};
 use prefill_router::binding::TokenLoad;
 use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use prefill_router::kv_events::EventBatch;
-use prefill_router::rng::finalize as mix;
 use prefill_router::push::select::{Candidate, Choice};
 use prefill_router::push::{
     AffinityCounts, Dispatcher, HeldPick, KvSelector, LoadBoard, PushConfig, PushError, PushMode,
     RoutableView,
 };
+use prefill_router::rng::finalize as mix;
 use prefill_router::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
     PrefillEstimate, PrefillOutcome, PrefillPick, WorkerSetTarget,

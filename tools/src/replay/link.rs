@@ -25,8 +25,8 @@ use tokio::time::Instant;
 use super::engine::{request_index, Shared};
 use super::policy::Policy;
 use super::trace::{TraceRecord, BLOCK_TOKENS};
-use prefill_router::discovery::InstanceId;
 use crate::mock::BlockCache;
+use prefill_router::discovery::InstanceId;
 use prefill_router::push::{Dispatch, Dispatcher, WorkerLink};
 use prefill_router::transport::{
     FinishReason, GenerateRequest, GenerateResponse, PrefillInfo, RemoteError, TransportError,

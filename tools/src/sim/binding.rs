@@ -22,7 +22,9 @@ use super::world::{InFlight, Probe, World};
 use prefill_router::advert::{self, DecodeDefaults};
 use prefill_router::discovery::InstanceId;
 use prefill_router::health::FailureClass;
-use prefill_router::push::{failure_class, Dispatcher, PushConfig, PushError, PushMode, RoutableView};
+use prefill_router::push::{
+    failure_class, Dispatcher, PushConfig, PushError, PushMode, RoutableView,
+};
 use prefill_router::router::{
     BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
     PrefillEstimate, PrefillOutcome, PrefillPick, WorkerSetTarget,

@@ -151,10 +151,11 @@ pub(crate) mod timing {
     /// Retry delay cap.
     pub const RETRY_MAX: Duration = Duration::from_millis(200);
     /// The bindings' health backoff (the real default caps at 10 s, past a whole run).
-    pub const HEALTH: prefill_router::health::BackoffPolicy = prefill_router::health::BackoffPolicy {
-        initial: Duration::from_millis(20),
-        max: Duration::from_millis(200),
-    };
+    pub const HEALTH: prefill_router::health::BackoffPolicy =
+        prefill_router::health::BackoffPolicy {
+            initial: Duration::from_millis(20),
+            max: Duration::from_millis(200),
+        };
     /// Slack on top of the probe cap before a recovered worker must be routable (probes are
     /// instant; a failure reported in the same instant the worker came back re-arms once).
     pub const HEALTH_SLACK: Duration = Duration::from_millis(20);

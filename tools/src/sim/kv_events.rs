@@ -27,9 +27,9 @@ use super::config::Mutant;
 use super::link::SimLink;
 use super::oracle::Violation;
 use super::world::World;
+use crate::mock::BlockCache;
 use prefill_router::discovery::InstanceId;
 use prefill_router::kv_events::{EventBatch, KvEvent};
-use crate::mock::BlockCache;
 use prefill_router::push::Dispatcher;
 
 /// A binding's dispatcher (sending through the in-memory link).

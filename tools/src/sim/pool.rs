@@ -15,7 +15,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::world::{instance, World};
-use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
+use prefill_router::advert::{ModelCard, SelectionMode};
 use prefill_router::discovery::{Discovery, EndpointId, Instance, InstanceId, Registration};
 
 /// Most prefill workers a world has (ids `1..=MAX_WORKERS`).
@@ -36,15 +36,7 @@ fn pool_card(k: u64) -> ModelCard {
         SelectionMode::KV,
         SelectionMode::Random,
     ][(k % 3) as usize];
-    ModelCard {
-        name: "sim-model".to_owned(),
-        kv_cache_block_size: [16, 32, 64][((k / 3) % 3) as usize],
-        router_config: Some(RouterConfig {
-            router_mode: mode,
-            ..RouterConfig::default()
-        }),
-        ..ModelCard::default()
-    }
+    ModelCard::routed("sim-model", mode, [16, 32, 64][((k / 3) % 3) as usize])
 }
 
 /// A card no pool card equals: first-wins admission must reject its instance.

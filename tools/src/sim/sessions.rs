@@ -31,7 +31,9 @@ use super::config::Mutant;
 use super::oracle::Violation;
 use super::world::World;
 use prefill_router::discovery::InstanceId;
-use prefill_router::push::{AffinityOutcome, AffinityStats, AffinityTable, DEFAULT_AFFINITY_CAPACITY};
+use prefill_router::push::{
+    AffinityOutcome, AffinityStats, AffinityTable, DEFAULT_AFFINITY_CAPACITY,
+};
 
 /// The simulated session TTL: a few request bursts long, so entries both live and expire
 /// within a run.

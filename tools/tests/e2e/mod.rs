@@ -1,21 +1,19 @@
 //! Shared parts of the end-to-end tests: discovery backends, loopback workers, a frontend.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use prefill_router::advert::{DecodeDefaults, ModelCard, RouterConfig, SelectionMode};
+use prefill_router::advert::{DecodeDefaults, ModelCard, SelectionMode};
 use prefill_router::binding::{DefaultBindingFactory, FactoryConfig};
 use prefill_router::discovery::{
-    Discovery, EndpointId, FileConfig, FileDiscovery, Instance, InstanceId, Registration,
+    Discovery, EndpointId, FileConfig, FileDiscovery, InstanceId, Registration,
 };
-use prefill_router_tools::mock::{MockConfig, MockDecode, MockPrefill};
 use prefill_router::push::PushConfig;
 use prefill_router::router::{PrefillRouter, PrefillRouterConfig};
-use prefill_router::transport::{serve, Engine, ServerConfig, ServerHandle};
+use prefill_router::transport::{Engine, ServerConfig, ServerHandle};
 use prefill_router::{PrefillHop, PrefillHopConfig};
-use tokio::net::TcpListener;
+use prefill_router_tools::mock::{spawn_registered, MockConfig, MockDecode, MockPrefill};
 
 pub mod storm;
 
@@ -39,14 +37,7 @@ pub fn decode_ep() -> EndpointId {
 }
 
 pub fn card(mode: SelectionMode, block_size: u32) -> ModelCard {
-    ModelCard {
-        kv_cache_block_size: block_size,
-        router_config: Some(RouterConfig {
-            router_mode: mode,
-            ..RouterConfig::default()
-        }),
-        ..ModelCard::named("m")
-    }
+    ModelCard::routed("m", mode, block_size)
 }
 
 pub fn mock(block_size: u32) -> MockConfig {
@@ -111,16 +102,16 @@ pub async fn start_worker(
     engine: Arc<dyn Engine>,
     card: ModelCard,
 ) -> Worker {
-    let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-        .await
-        .unwrap();
-    let server = serve(listener, engine, ServerConfig::default()).unwrap();
-    let instance = Instance {
+    let (server, registration) = spawn_registered(
+        discovery,
         endpoint,
-        instance_id: id,
-        address: server.local_addr(),
-    };
-    let registration = discovery.register(instance, card).await.unwrap();
+        id,
+        engine,
+        card,
+        ServerConfig::default(),
+    )
+    .await
+    .unwrap();
     Worker {
         server,
         registration: Some(registration),

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use prefill_router::advert::{ModelCard, SelectionMode};
 use prefill_router::discovery::{Discovery, Instance, InstanceId, Registration};
-use prefill_router_tools::mock::MockPrefill;
 use prefill_router::transport::{serve, ServerConfig, ServerHandle};
+use prefill_router_tools::mock::MockPrefill;
 use tokio::net::TcpListener;
 
 use super::{card, frontend, mock, prefill_ep, start_decode};

@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
 use prefill_router::discovery::{EndpointId, Instance, InstanceId};
-use prefill_router_tools::mock::{MockConfig, MockDecode, MockPrefill};
 use prefill_router::transport::{
     serve, serve_with_kv_events, Engine, EngineError, EngineStream, GenerateRequest,
     GenerateResponse, KvEventSource, ServerConfig,
 };
+use prefill_router_tools::mock::{MockConfig, MockDecode, MockPrefill};
 use tokio::net::TcpListener;
 
 use crate::args::{CliError, Flags};

@@ -1,16 +1,14 @@
 //! The demo's workers: mock engines served over TCP on loopback and registered in discovery.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
-use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
-use prefill_router::discovery::{
-    Discovery, DiscoveryError, EndpointId, Instance, InstanceId, Registration,
+use prefill_router::advert::{ModelCard, SelectionMode};
+use prefill_router::discovery::{Discovery, EndpointId, InstanceId, Registration};
+use prefill_router::transport::{Engine, ServerConfig, ServerHandle};
+use prefill_router_tools::mock::{
+    spawn_registered, MockConfig, MockDecode, MockPrefill, SpawnError,
 };
-use prefill_router_tools::mock::{MockConfig, MockDecode, MockPrefill};
-use prefill_router::transport::{serve, Engine, ServerConfig, ServerHandle};
-use tokio::net::TcpListener;
 
 /// How long a politely stopped worker keeps serving after deregistering.
 const DRAIN: std::time::Duration = std::time::Duration::from_millis(250);
@@ -30,14 +28,7 @@ pub fn decode_endpoint() -> EndpointId {
 
 /// A prefill card advertising `mode` at `block_size`.
 pub fn prefill_card(mode: SelectionMode, block_size: u32) -> ModelCard {
-    ModelCard {
-        kv_cache_block_size: block_size,
-        router_config: Some(RouterConfig {
-            router_mode: mode,
-            ..RouterConfig::default()
-        }),
-        ..ModelCard::named("mock-llm")
-    }
+    ModelCard::routed("mock-llm", mode, block_size)
 }
 
 struct Worker {
@@ -49,17 +40,6 @@ struct Worker {
 pub struct Cluster {
     discovery: Arc<dyn Discovery>,
     workers: BTreeMap<InstanceId, Worker>,
-}
-
-/// Why a worker could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum ClusterError {
-    /// Binding the loopback listener failed.
-    #[error("listening on loopback: {0}")]
-    Listen(#[from] std::io::Error),
-    /// Registering in discovery failed.
-    #[error("registering: {0}")]
-    Register(#[from] DiscoveryError),
 }
 
 impl Cluster {
@@ -77,15 +57,16 @@ impl Cluster {
         id: InstanceId,
         engine: Arc<dyn Engine>,
         card: ModelCard,
-    ) -> Result<(), ClusterError> {
-        let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
-        let server = serve(listener, engine, ServerConfig::default())?;
-        let instance = Instance {
+    ) -> Result<(), SpawnError> {
+        let (server, registration) = spawn_registered(
+            &self.discovery,
             endpoint,
-            instance_id: id,
-            address: server.local_addr(),
-        };
-        let registration = self.discovery.register(instance, card).await?;
+            id,
+            engine,
+            card,
+            ServerConfig::default(),
+        )
+        .await?;
         self.workers.insert(
             id,
             Worker {
@@ -102,7 +83,7 @@ impl Cluster {
         id: InstanceId,
         card: ModelCard,
         mock: &MockConfig,
-    ) -> Result<(), ClusterError> {
+    ) -> Result<(), SpawnError> {
         let config = MockConfig {
             block_size: card.kv_cache_block_size,
             ..mock.clone()
@@ -116,7 +97,7 @@ impl Cluster {
         &mut self,
         id: InstanceId,
         mock: &MockConfig,
-    ) -> Result<(), ClusterError> {
+    ) -> Result<(), SpawnError> {
         let card = ModelCard {
             kv_cache_block_size: mock.block_size,
             ..ModelCard::named("mock-llm")

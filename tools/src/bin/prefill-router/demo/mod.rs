@@ -19,10 +19,10 @@ use prefill_router::binding::{BindingStats, FactoryConfig};
 use prefill_router::discovery::{Discovery, FileConfig, FileDiscovery, InstanceId};
 use prefill_router::hop::HopRouter;
 use prefill_router::lifecycle::Lifecycle;
-use prefill_router_tools::mock::MockConfig;
 use prefill_router::push::PushConfig;
 use prefill_router::router::PrefillRouterConfig;
 use prefill_router::{PrefillHop, PrefillHopConfig};
+use prefill_router_tools::mock::MockConfig;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
