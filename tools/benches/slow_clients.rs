@@ -17,7 +17,7 @@
 //! stalled connection was closed (against serve's header/body timeout), and serve's resident
 //! memory: the peak of each phase (sampled every 50 ms) and the kernel's high-water mark.
 //!
-//! `cargo bench --bench slow_clients --features cli -- [--secs S] [--rounds N] [--clients C]
+//! `cargo bench -p prefill-router-tools --bench slow_clients -- [--secs S] [--rounds N] [--clients C]
 //! [--stalled K] [--timeout-ms T] [--svg PATH]` (defaults: 6 s phases, 3 rounds, 16 clients,
 //! 1,000 stalled, 2,000 ms header and body timeouts).
 

@@ -1,4 +1,4 @@
-//! Trace replay (feature `sim`): a request trace (the Mooncake conversation trace format)
+//! Trace replay: a request trace (the Mooncake conversation trace format)
 //! played in virtual time through the real [`PrefillRouter`](prefill_router::router::PrefillRouter)
 //! and the real dispatchers, over in-process prefill workers with a bounded KV block cache
 //! and the cost model of [`CostModel`]. See `docs/replay.md`.

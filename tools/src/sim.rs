@@ -1,4 +1,4 @@
-//! Deterministic simulation of the prefill hop (feature `sim`).
+//! Deterministic simulation of the prefill hop.
 //!
 //! One seed drives a whole world on a current-thread tokio runtime whose clock is paused (it
 //! jumps to the next timer whenever every task is idle, so a run covers seconds of simulated

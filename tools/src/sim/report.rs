@@ -140,7 +140,7 @@ pub fn repro_command(config: &SimConfig) -> String {
     let sessions = if config.sessions { " --sessions" } else { "" };
     let kv = if config.kv_events { " --kv-events" } else { "" };
     format!(
-        "cargo run --release --features cli -- simulate --seed {} --steps {}{mutant}{conditional}{sessions}{kv}",
+        "cargo run --release -- simulate --seed {} --steps {}{mutant}{conditional}{sessions}{kv}",
         config.seed, config.steps
     )
 }

@@ -50,7 +50,7 @@ fn three_thousand_seeds_of_two_hundred_steps_hold_every_oracle() {
     assert_seeds_pass(0..3_000, 200);
 }
 
-/// Thousands of seeds, longer runs: `cargo test --release --features sim --test sim -- --ignored`.
+/// Thousands of seeds, longer runs: `cargo test --release -p prefill-router-tools --test sim -- --ignored`.
 #[test]
 #[ignore = "long run (minutes); run explicitly"]
 fn five_thousand_long_seeds_hold_every_oracle() {
@@ -157,7 +157,7 @@ fn assert_caught(mutant: Mutant, kind: &str) {
     assert_eq!(
         repro,
         format!(
-            "cargo run --release --features cli -- simulate --seed {} --steps {STEPS} --mutant {}",
+            "cargo run --release -- simulate --seed {} --steps {STEPS} --mutant {}",
             report.config.seed,
             prefill_router_tools::sim::mutant_name(mutant)
         )

@@ -3,7 +3,7 @@
 //! Subcommands (see `prefill-router help`):
 //! - `demo`: a prefill pool appears, rolls to a new generation, loses a worker, vanishes and
 //!   returns while traffic flows; then RoundRobin vs KV prefill routing on the same traffic.
-//! - `simulate`: the deterministic simulator (feature `sim`), `--seed N --steps K`.
+//! - `simulate`: the deterministic simulator (`prefill_router_tools::sim`), `--seed N --steps K`.
 //! - `replay`: a request trace in virtual time through the router, per routing policy.
 //! - `serve`: the OpenAI-compatible HTTP frontend over a `PrefillHop` (`docs/frontend.md`).
 //! - `worker`: a mock prefill or decode worker in its own process, registered in discovery.

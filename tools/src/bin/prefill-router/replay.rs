@@ -53,7 +53,7 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
   --affinity SPECS   session affinity (a session is a conversation), one run per
                      comma-separated spec (and policy and conditional spec): `off` or a TTL
                      in seconds (default: off only); kv, kv-events, round-robin, random
-(needs the `cli` feature: cargo run --release --features cli -- replay ...)";
+(from the workspace root: cargo run --release -- replay ...)";
 
 /// Parsed options.
 pub struct ReplayOptions {

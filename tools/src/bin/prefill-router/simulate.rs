@@ -32,7 +32,7 @@ checks the oracles listed in docs/simulation.md.
   --kv-events   KV routing with workers publishing KV cache events, some batches lost or
                 late, under the stale-credit oracle (prefill_router_tools::sim::kv_events)
   --quiet       print failing runs and the summary only
-(needs the `cli` feature: cargo run --release --features cli -- simulate ...)";
+(from the workspace root: cargo run --release -- simulate ...)";
 
 /// Parsed options.
 pub struct SimulateOptions {

@@ -145,7 +145,7 @@ impl StoreSpec {
             }
             #[cfg(not(feature = "etcd"))]
             StoreSpec::Etcd(_) => Err(
-                "this binary was built without the `etcd` feature (cargo build --features cli,etcd)"
+                "this binary was built without the `etcd` feature (cargo build -p prefill-router-tools --features etcd)"
                     .into(),
             ),
         }
