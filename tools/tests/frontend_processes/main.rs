@@ -11,6 +11,7 @@ mod certs;
 mod frontend;
 mod operations;
 mod routing;
+#[cfg(feature = "etcd")]
 mod scale_out;
 
 use std::time::{Duration, Instant};

@@ -1,11 +1,10 @@
-//! Scale-out over etcd: two frontends sharing a generation, and every process given the whole
-//! three-member cluster while one member is lost for good.
+//! Scale-out over etcd (feature `etcd`): two frontends sharing a generation, and every process
+//! given the whole three-member cluster while one member is lost for good.
 
 use super::*;
 
 /// Scale-out on a real distributed store: two frontends on one etcd reach Active on the same
 /// generation; one is SIGKILLed, the other keeps serving without an error.
-#[cfg(feature = "etcd")]
 #[test]
 fn etcd_two_serves_share_a_generation_and_one_survives_the_others_kill() {
     let Some(cluster) = Cluster::on_etcd() else {
@@ -54,7 +53,6 @@ fn etcd_two_serves_share_a_generation_and_one_survives_the_others_kill() {
 /// streaming traffic: no request fails, and no worker's lease is lost (a watcher on the other
 /// members sees no worker removed). Needs `.ci/etcd-cluster.sh` (`PREFILL_ETCD_CLUSTER`,
 /// `PREFILL_ETCD_CLUSTER_DIR`); the member is started again at the end.
-#[cfg(feature = "etcd")]
 #[test]
 fn three_member_store_a_member_lost_for_good_fails_no_request_and_loses_no_lease() {
     use prefill_router::discovery::{
