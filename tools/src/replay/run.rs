@@ -93,7 +93,7 @@ pub struct ReplayConfig {
     /// request is prefilled whole on the decode pool (see `docs/replay.md`).
     pub conditional: Option<ConditionalPolicy>,
     /// Session affinity on the prefill hop with this TTL (`None`, the default: off). Each
-    /// request's session is its conversation (see [`session_key`]); only the policies the
+    /// request's session is its conversation (see `session_key`); only the policies the
     /// dispatcher routes (`kv`, `kv-events`, `round-robin`, `random`) honour it.
     pub session_affinity: Option<Duration>,
     /// The KV cost terms the pool's card advertises (the KV policies and the oracle).

@@ -2,8 +2,8 @@
 //!
 //! A run with [`SimConfig::conditional`](super::SimConfig::conditional) configures the router
 //! with [`POLICY`]. Bindings report each request's probe here when the router picks
-//! ([`probed`]), then either the dispatch on that pick ([`dispatched`]) or decode receiving the
-//! request without a prefill ([`decoded`]) settles it. The oracles:
+//! (`probed`), then either the dispatch on that pick (`dispatched`) or decode receiving the
+//! request without a prefill (`decoded`) settles it. The oracles:
 //!
 //! - `conditional_skip_without_condition`: every request decode got without a prefill after a
 //!   probe (a skip) had its condition true for the probe the loaded binding reported truthfully;

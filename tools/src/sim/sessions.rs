@@ -3,7 +3,7 @@
 //! A run with [`SimConfig::sessions`](super::SimConfig::sessions) gives most requests a session
 //! key drawn from a few sessions, and every binding's dispatcher a session-affinity table with
 //! [`TTL`] (fresh per binding, as the default factory builds it). Each pick of a request with a
-//! session reports here ([`picked`]) with the routable set the dispatcher saw, the workers the
+//! session reports here (`picked`) with the routable set the dispatcher saw, the workers the
 //! request already failed on, and the outcome the binding's affinity counters recorded. The
 //! world keeps a mirror of what each binding's table must hold (session → worker, last use)
 //! and checks, per pick:
