@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Real clients against real processes: one `serve` (policy decode), one `serve` (policy reject),
 # two prefill workers and one decode worker on a temporary file store; the `openai` Python
-# package (in a fresh venv) and curl run the checks in tests/clients/openai_client.py and
+# package (in a fresh venv) and curl run the checks in tools/tests/clients/openai_client.py and
 # below. Every check prints PASS or FAIL; any FAIL exits non-zero. Every process started here
 # is killed at exit; every wait is bounded. Needs python3 (with venv and pip) and curl; no root.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-cargo build --release --features cli
+cargo build --release
 bin="$PWD/target/release/prefill-router"
 work="$(mktemp -d)"
 pids=()
@@ -145,7 +145,7 @@ done
 
 # The openai package: streaming chat, completion, models, a second turn, a disconnect.
 before="$(grep -c '"event":"cancelled"' "$work/d.log" || true)"
-"$py" tests/clients/openai_client.py basic --base "$base" --prefill-ids 1,2 || failures=$((failures + 1))
+"$py" tools/tests/clients/openai_client.py basic --base "$base" --prefill-ids 1,2 || failures=$((failures + 1))
 ok=0
 for _ in $(seq 1 100); do
     if (( $(grep -c '"event":"cancelled"' "$work/d.log" || true) > before )); then ok=1; break; fi
@@ -183,7 +183,7 @@ for key in "$key_one" "$key_two"; do
 done
 code="$(curl -s -m 5 -o /dev/null -w '%{http_code}' "$keyed/health")"
 [[ "$code" == 200 ]] && pass "curl: /health needs no key" || fail "curl: keyed health $code"
-"$py" tests/clients/openai_client.py keys --base "$keyed" --api-key "$key_two" || failures=$((failures + 1))
+"$py" tools/tests/clients/openai_client.py keys --base "$keyed" --api-key "$key_two" || failures=$((failures + 1))
 if grep -q '2 API key(s) loaded' "$work/keyed.err" && ! grep -q -e "$key_one" "$work/keyed.err" "$work/keyed.log"; then
     pass "serve logs the key count, never a key"
 else
@@ -191,7 +191,7 @@ else
 fi
 
 # SIGKILL prefill worker 1 under traffic (the Python script sends the signal).
-"$py" tests/clients/openai_client.py kill --base "$base" --kill-pid "$pid_p1" --kill-log "$work/p1.log" --survivor 2 \
+"$py" tools/tests/clients/openai_client.py kill --base "$base" --kill-pid "$pid_p1" --kill-log "$work/p1.log" --survivor 2 \
     || failures=$((failures + 1))
 
 # Every prefill worker leaves: policy decode bypasses, policy reject answers 503; /ready follows.
@@ -202,7 +202,7 @@ until_ready "$strict_base" 503 unavailable && pass "/ready is 503 under policy r
     || fail "strict /ready did not turn 503"
 until_ready "$base" 200 unavailable && pass "/ready stays 200 under policy decode without prefill" \
     || fail "bypass /ready"
-"$py" tests/clients/openai_client.py bypass --base "$base" --strict-base "$strict_base" --decode-id 100 \
+"$py" tools/tests/clients/openai_client.py bypass --base "$base" --strict-base "$strict_base" --decode-id 100 \
     || failures=$((failures + 1))
 code="$(curl -s -m 5 -o "$work/ready.json" -w '%{http_code}' "$strict_base/ready")"
 [[ "$code" == 503 ]] && grep -q 'prefill not active' "$work/ready.json" \

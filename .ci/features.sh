@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Default features serve embedders: a dependent that writes `prefill-router = "..."` in its
-# Cargo.toml gets the library and its tokio runtime, and none of the CLI, the simulator,
-# tokio's test clock, tracing-subscriber, the HTTP frontend's axum (feature `http`), rustls (feature `tls`) or the fuzz support (`arbitrary`: only the testkit
-# package, `testkit/`, depends on it, and the library never depends on the testkit). This reads the feature graph of a
-# default (non-dev) build from `cargo tree -e features` and fails if any of them shows up.
-# It also proves the detector bites: the `cli` build must show them.
+# Cargo.toml gets the library and its tokio runtime, and none of the CLI, the simulator, the mock
+# engines, tokio's test clock, tracing-subscriber, the HTTP frontend's axum (feature `http`),
+# rustls (feature `tls`) or the fuzz support (`arbitrary`). The CLI, the simulator and the mocks
+# are the tools package (`tools/`), the fuzz support the testkit package (`testkit/`); the library
+# depends on neither. This reads the feature graph of a default (non-dev) build from
+# `cargo tree -e features` and fails if any of them shows up. It also proves the detector bites:
+# the tools package's build must show them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 forbidden='tokio feature "test-util"|^tracing-subscriber |^arbitrary |^axum |^rustls '
@@ -12,25 +14,26 @@ forbidden='tokio feature "test-util"|^tracing-subscriber |^arbitrary |^axum |^ru
 # -e normal,build: what a dependent compiles (dev-dependencies are the package's own tests').
 # The crates come from the plain tree, tokio's enabled features from the tree inverted on it.
 tree() {
-    cargo tree -p prefill-router -e normal,build,features --prefix none "$@"
-    cargo tree -p prefill-router -e normal,build,features --prefix none -i tokio "$@"
+    local package="${1:-prefill-router}"
+    shift || true
+    cargo tree -p "$package" -e normal,build,features --prefix none "$@"
+    cargo tree -p "$package" -e normal,build,features --prefix none -i tokio "$@"
 }
 
-found="$(tree | grep -E "$forbidden" | sort -u || true)"
+found="$(tree prefill-router | grep -E "$forbidden" | sort -u || true)"
 if [ -n "$found" ]; then
     echo "features: a default build of the library pulls in what embedders must not get:"
     echo "$found"
     exit 1
 fi
-if ! tree --features cli | grep -qE "$forbidden"; then
-    echo "features: the detector is blind: the cli build should show tracing-subscriber and test-util"
-    exit 1
-fi
-if ! tree --features cli | grep -q 'tokio feature "test-util"'; then
-    echo "features: the detector is blind to tokio's test-util"
-    exit 1
-fi
-if ! tree --features tls | grep -qE '^rustls '; then
+tools="$(tree prefill-router-tools)"
+for crate in '^tracing-subscriber ' '^axum ' '^rustls ' 'tokio feature "test-util"'; do
+    if ! grep -qE "$crate" <<<"$tools"; then
+        echo "features: the detector is blind to $crate: the tools package's build should show it"
+        exit 1
+    fi
+done
+if ! tree prefill-router --features tls | grep -qE '^rustls '; then
     echo "features: the detector is blind to rustls: the tls build should show it"
     exit 1
 fi

@@ -5,6 +5,6 @@
 # SIM_STEPS explore other ranges (e.g. a date-derived base for a nightly VOPR-style sweep).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo run --release --features cli --quiet -- simulate \
+cargo run --release --quiet -- simulate \
   --seed "${SIM_SEED_BASE:-100000}" --seeds "${SIM_SEEDS:-2000}" --steps "${SIM_STEPS:-300}" \
   --quiet

@@ -11,20 +11,21 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use prefill_router::advert::ModelCard;
+use prefill_router::binding::{
+    Binding, BindingFactory, BuildError, PrefillError, PrefillOutcome, WorkerSetTarget,
+    WorkerSetTargetId,
+};
 use prefill_router::discovery::EndpointId;
 use prefill_router::lifecycle::Lifecycle;
-use prefill_router::router::{
-    BindingFactory, BuildError, Prefill, PrefillError, PrefillOutcome, PrefillRouter,
-    PrefillRouterConfig, WorkerSetTarget, WorkerSetTargetId,
-};
-use prefill_router::transport::GenerateRequest;
+use prefill_router::request::GenerateRequest;
+use prefill_router::router::{PrefillRouter, PrefillRouterConfig};
 use tokio::sync::{oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
 /// A binding that does nothing (only activation is measured).
 struct Noop;
 
-impl Prefill for Noop {
+impl Binding for Noop {
     fn prefill(&self, _: GenerateRequest) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
         Box::pin(async { Ok(PrefillOutcome::default()) })
     }

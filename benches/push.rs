@@ -21,9 +21,9 @@ use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId}
 use prefill_router::push::{
     block_hashes, Dispatcher, KvSelector, PushConfig, PushMode, RoutableView,
 };
+use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse};
 use prefill_router::transport::{
-    decode_frame, encode_frame, serve, ClientConfig, Engine, EngineStream, FinishReason, Frame,
-    GenerateRequest, GenerateResponse, ServerConfig,
+    decode_frame, encode_frame, serve, ClientConfig, Engine, EngineStream, Frame, ServerConfig,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};

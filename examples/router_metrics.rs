@@ -14,12 +14,14 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use prefill_router::advert::ModelCard;
-use prefill_router::discovery::EndpointId;
-use prefill_router::router::{
-    BindingFactory, BuildError, Decode, DecodeError, DecodeStream, Prefill, PrefillError,
-    PrefillOutcome, PrefillRouter, PrefillRouterConfig, WorkerSetTarget, WorkerSetTargetId,
+use prefill_router::binding::{
+    Binding, BindingFactory, BuildError, PrefillError, PrefillOutcome, WorkerSetTarget,
+    WorkerSetTargetId,
 };
-use prefill_router::transport::{FinishReason, GenerateRequest, GenerateResponse};
+use prefill_router::decode::{Decode, DecodeError, DecodeStream};
+use prefill_router::discovery::EndpointId;
+use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse};
+use prefill_router::router::{PrefillRouter, PrefillRouterConfig};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -30,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 /// A binding that answers every prefill from instance 1.
 struct StandIn;
 
-impl Prefill for StandIn {
+impl Binding for StandIn {
     fn prefill(&self, _: GenerateRequest) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
         Box::pin(async {
             Ok(PrefillOutcome {

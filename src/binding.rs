@@ -33,12 +33,9 @@ pub use contract::{
     Binding, BindingFactory, BindingHealth, BuildError, PrefillError, PrefillEstimate,
     PrefillOutcome, PrefillPick,
 };
-pub(crate) use load::TokenLoad;
+pub use load::TokenLoad;
 pub use target::{WorkerSetTarget, WorkerSetTargetId};
 
 pub use factory::{
     BindingStats, DefaultBindingFactory, FactoryConfig, PrefillBinding, DISCOVERY_CATCH_UP,
 };
-
-// Temporary: the decode pool at its old path (for benches); it lives in `crate::decode`.
-pub use crate::decode::DecodePool;

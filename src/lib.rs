@@ -36,16 +36,13 @@
 //! - [`hop`] (feature `runtime`): [`PrefillHop`], the one handle a frontend embeds: the
 //!   topology watcher, the prefill router and the decode hop following the decode set.
 //! - [`http`] (feature `http`): the OpenAI-compatible HTTP frontend over a [`PrefillHop`].
-//! - [`mock`] (feature `runtime`): mock prefill and decode engines with a bounded KV block
-//!   cache, for the demo, tests and benchmarks.
-//! - `sim` (feature `sim`): the deterministic simulator of the hop under seeded faults
-//!   (`docs/simulation.md`).
-//! - `replay` (feature `sim`): a request trace replayed in virtual time through the router,
-//!   per routing policy (`docs/replay.md`).
 //! - [`discovery`]: where workers register instances and model cards, and where frontends
 //!   list and watch them; backends in memory, in a shared directory (the embedded default) and
 //!   on etcd (feature `etcd`), all behind one trait and one conformance suite
 //!   (`docs/discovery.md`).
+//!
+//! The simulator, trace replay, the mock engines and the `prefill-router` binary are the
+//! workspace package `prefill-router-tools` (`tools/`), not part of this library.
 //!
 //! See `docs/design.md` for the machine, `docs/properties.md` for what is proven and how, and
 //! `docs/transport.md` for the request plane.
@@ -67,19 +64,15 @@ pub mod http;
 pub mod kv_events;
 pub mod lifecycle;
 #[cfg(feature = "runtime")]
-pub mod mock;
-#[cfg(feature = "runtime")]
 pub mod push;
-#[cfg(feature = "sim")]
-pub mod replay;
 pub mod request;
 pub mod rng;
 #[cfg(feature = "runtime")]
 pub mod router;
-#[cfg(feature = "sim")]
-pub mod sim;
 pub mod snapshot;
 mod sync;
+#[cfg(all(test, feature = "runtime"))]
+mod test_engine;
 pub mod topology;
 #[cfg(feature = "runtime")]
 pub mod transport;

@@ -25,8 +25,9 @@ pub mod select;
 mod tests;
 mod view;
 
-pub(crate) use affinity::AffinityTable;
-pub use affinity::{AffinityCounts, AffinityOutcome, AffinityStats, DEFAULT_AFFINITY_CAPACITY};
+pub use affinity::{
+    AffinityCounts, AffinityOutcome, AffinityStats, AffinityTable, DEFAULT_AFFINITY_CAPACITY,
+};
 pub(crate) use dispatcher::DispatchMutant;
 pub use dispatcher::{
     Dispatch, Dispatcher, HeldPick, OverloadCounts, OverloadStats, PushConfig, PushMode,

@@ -36,14 +36,6 @@ pub use fallback::{AfterWait, FallbackPolicy};
 pub use handle::{PrefillRouter, MAX_REROUTES};
 pub use status::{RouterCounters, RouterStatus};
 
-// Temporary: the seam vocabulary at its old paths, for the simulator, replay, tests, benches and
-// examples not yet moved to `crate::binding` and `crate::decode` (`Prefill` is now `Binding`).
-pub use crate::binding::{
-    Binding as Prefill, BindingFactory, BindingHealth, BuildError, PrefillError, PrefillEstimate,
-    PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
-};
-pub use crate::decode::{Decode, DecodeError, DecodeStream};
-
 #[cfg(test)]
 pub(crate) use mutant::{ProbeHook, RouterMutant};
 

@@ -37,6 +37,3 @@ pub use tls::{ClientTls, ServerTls, TlsError, TlsIdentity, TlsRoots, DEFAULT_HAN
 #[cfg(feature = "tls")]
 pub use tokio_rustls::rustls;
 pub use wire::{decode_frame, encode_frame, Frame, DEFAULT_MAX_FRAME_LEN};
-// Temporary: the request vocabulary at its old path, for the tools, tests, benches and
-// examples not yet moved to `crate::request`. Library code imports `crate::request`.
-pub use crate::request::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};

@@ -158,6 +158,27 @@ impl ModelCard {
         }
     }
 
+    /// A card named `name` advertising routing `mode` over KV blocks of `kv_cache_block_size`
+    /// tokens, the rest of its router config at the defaults: the card a worker of a demo, a
+    /// test or a benchmark registers.
+    ///
+    /// ```
+    /// use prefill_router::advert::{ModelCard, SelectionMode};
+    ///
+    /// let card = ModelCard::routed("m", SelectionMode::RoundRobin, 16);
+    /// assert_eq!(card.router_config.unwrap().router_mode, SelectionMode::RoundRobin);
+    /// ```
+    pub fn routed(name: impl Into<String>, mode: SelectionMode, kv_cache_block_size: u32) -> Self {
+        ModelCard {
+            kv_cache_block_size,
+            router_config: Some(RouterConfig {
+                router_mode: mode,
+                ..RouterConfig::default()
+            }),
+            ..ModelCard::named(name)
+        }
+    }
+
     /// Parse one card from JSON bytes.
     pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
         serde_json::from_slice(bytes)

@@ -118,8 +118,15 @@ struct Dropped {
     expired: u64,
 }
 
-/// The session → worker table of one dispatcher.
-pub(crate) struct AffinityTable {
+/// The session → worker table of one dispatcher: entries kept for a TTL after their last use,
+/// at most a capacity of them, with the hits, misses and repicks counted in its
+/// [`AffinityCounts`]. [`Dispatcher::with_session_affinity`] makes a fresh one;
+/// [`Dispatcher::with_affinity_table`] takes one made here (the simulator shares one between
+/// bindings to show its oracle catches a table that outlives its binding).
+///
+/// [`Dispatcher::with_session_affinity`]: crate::push::Dispatcher::with_session_affinity
+/// [`Dispatcher::with_affinity_table`]: crate::push::Dispatcher::with_affinity_table
+pub struct AffinityTable {
     ttl: Duration,
     capacity: usize,
     state: Mutex<State>,
@@ -138,7 +145,7 @@ impl std::fmt::Debug for AffinityTable {
 
 impl AffinityTable {
     /// A table keeping entries `ttl` after their last use, at most `capacity` of them.
-    pub(crate) fn new(ttl: Duration, capacity: usize, counts: Arc<AffinityCounts>) -> Self {
+    pub fn new(ttl: Duration, capacity: usize, counts: Arc<AffinityCounts>) -> Self {
         AffinityTable {
             ttl,
             capacity: capacity.max(1),
@@ -151,7 +158,8 @@ impl AffinityTable {
         self.ttl
     }
 
-    pub(crate) fn counts(&self) -> &Arc<AffinityCounts> {
+    /// The counters this table's lookups record into.
+    pub fn counts(&self) -> &Arc<AffinityCounts> {
         &self.counts
     }
 

@@ -265,9 +265,11 @@ impl<L: WorkerLink> Dispatcher<L> {
         self.with_affinity_table(table)
     }
 
-    /// Use `table` as this dispatcher's affinity table (the factory's seam decides which).
+    /// Use `table` as this dispatcher's session-affinity table (`None`: no affinity), in place
+    /// of the fresh one [`with_session_affinity`](Self::with_session_affinity) makes (the
+    /// factory's seam and the simulator decide which).
     #[must_use]
-    pub(crate) fn with_affinity_table(mut self, table: Option<Arc<AffinityTable>>) -> Self {
+    pub fn with_affinity_table(mut self, table: Option<Arc<AffinityTable>>) -> Self {
         self.affinity = table;
         self
     }

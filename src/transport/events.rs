@@ -52,7 +52,7 @@ const PUMP_TICK: Duration = Duration::from_millis(5);
 pub const KV_COALESCE: Duration = Duration::from_millis(1);
 
 /// Where a worker's server takes its KV cache event batches from (the engine's cache, e.g.
-/// [`MockPrefill`](crate::mock::MockPrefill) built with events).
+/// `prefill_router_tools::mock::MockPrefill` built with events).
 pub trait KvEventSource: Send + Sync + 'static {
     /// The batches since the last call, in order (empty when nothing changed).
     fn take_kv_events(&self) -> Vec<EventBatch>;

@@ -13,9 +13,9 @@
 use arbitrary::{Arbitrary, Unstructured};
 
 use crate::alloc_probe::peak_bytes;
+use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 use prefill_router::transport::{
-    decode_frame, encode_frame, FinishReason, Frame, FrameError, GenerateRequest, GenerateResponse,
-    PrefillInfo, RemoteError, DEFAULT_MAX_FRAME_LEN,
+    decode_frame, encode_frame, Frame, FrameError, RemoteError, DEFAULT_MAX_FRAME_LEN,
 };
 
 /// `PrefillInfo`, field by field.

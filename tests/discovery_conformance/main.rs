@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
-use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
+use prefill_router::advert::{ModelCard, SelectionMode};
 use prefill_router::discovery::{
     record_key, Discovery, DiscoveryError, EndpointId, FileConfig, FileDiscovery, Instance,
     InstanceEvent, InstanceId, InstanceStream, MemoryConfig, MemoryDiscovery, NamespaceEvent,

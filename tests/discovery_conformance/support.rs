@@ -16,14 +16,7 @@ pub(crate) fn instance(endpoint: &EndpointId, id: InstanceId) -> Instance {
 }
 
 pub(crate) fn card(name: &str, mode: SelectionMode) -> ModelCard {
-    ModelCard {
-        router_config: Some(RouterConfig {
-            router_mode: mode,
-            ..RouterConfig::default()
-        }),
-        kv_cache_block_size: 16,
-        ..ModelCard::named(name)
-    }
+    ModelCard::routed(name, mode, 16)
 }
 
 pub(crate) async fn next<S: Stream + Unpin>(stream: &mut S) -> S::Item {

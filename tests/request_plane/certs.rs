@@ -1,6 +1,7 @@
 //! Certificates made at test time (rcgen, ECDSA P-256): a CA, leaves it signs (current or
 //! expired), written to a directory as PEM for the file-based constructors and the CLI.
-//! Shared with tests/frontend_processes.rs and benches/push.rs through `#[path]`.
+//! Shared with benches/push.rs, tools/tests/frontend_processes/ and tools/benches/serve.rs
+//! through `#[path]`.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};

@@ -1,5 +1,6 @@
 //! The request plane and the dispatchers, in one test binary (each module was a binary of its
-//! own; one link of the crate instead of five). A module is named after the binary it was, so
+//! own; one link of the crate instead of five; KV cache events over the wire need the mock
+//! engines' real caches and are `tools/tests/kv_events_wire.rs`). A module is named after the binary it was, so
 //! `cargo test --test request_plane push_modes` runs what `--test push_modes` ran.
 //!
 //! - `transport_stream`: streaming, multiplexing, cancellation, deadlines, errors on loopback.
@@ -10,14 +11,12 @@
 //! - `push_health`: worker breakers: a blipped worker comes back, load never opens a breaker.
 //! - `push_retry`: a failed request retried on another worker, the attempts listed, KV next-best.
 //! - `push_kv_selector`: the KV selector alone (hashing, scoring, ties, bounded memory).
-//! - `kv_events_wire`: KV cache events over the request plane (index, reconnect, bad frames).
 //! - `tls`: TLS and mutual TLS on the request plane, and each refusal (feature `tls`; `certs`
 //!   makes the certificates at test time).
 #![cfg(feature = "runtime")]
 
 #[cfg(feature = "tls")]
 mod certs;
-mod kv_events_wire;
 mod push_admission;
 mod push_health;
 mod push_kv_selector;

@@ -11,7 +11,8 @@ use crate::support::*;
 use futures_util::StreamExt;
 use prefill_router::health::{BackoffPolicy, FailureClass};
 use prefill_router::push::{Dispatcher, InstanceStatus, PushConfig, PushError, PushMode};
-use prefill_router::transport::{serve, GenerateRequest, ServerConfig};
+use prefill_router::request::GenerateRequest;
+use prefill_router::transport::{serve, ServerConfig};
 use tokio::net::TcpListener;
 use tokio::time::{timeout, Instant};
 

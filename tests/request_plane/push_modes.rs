@@ -7,7 +7,8 @@ use futures_util::StreamExt;
 use prefill_router::advert::KvRouterConfig;
 use prefill_router::discovery::InstanceId;
 use prefill_router::push::{Dispatcher, PushConfig, PushError, PushMode};
-use prefill_router::transport::{GenerateRequest, PrefillInfo, ServerHandle};
+use prefill_router::request::{GenerateRequest, PrefillInfo};
+use prefill_router::transport::ServerHandle;
 use tokio::time::timeout;
 
 const BLOCK: u32 = 4;

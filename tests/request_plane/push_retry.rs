@@ -11,9 +11,8 @@ use crate::support::*;
 use futures_util::{stream, StreamExt};
 use prefill_router::health::{BackoffPolicy, FailureClass};
 use prefill_router::push::{Dispatcher, PushConfig, PushError, PushMode};
-use prefill_router::transport::{
-    serve, Engine, EngineError, EngineStream, GenerateRequest, ServerConfig,
-};
+use prefill_router::request::GenerateRequest;
+use prefill_router::transport::{serve, Engine, EngineError, EngineStream, ServerConfig};
 use tokio::net::TcpListener;
 use tokio::time::timeout;
 

@@ -11,9 +11,9 @@ use parking_lot::Mutex;
 use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use prefill_router::health::BackoffPolicy;
 use prefill_router::push::{block_hashes, RoutableView};
+use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 use prefill_router::transport::{
-    serve, Engine, EngineError, EngineStream, FinishReason, GenerateRequest, GenerateResponse,
-    PrefillInfo, ServerConfig, ServerHandle,
+    serve, Engine, EngineError, EngineStream, ServerConfig, ServerHandle,
 };
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};

@@ -9,9 +9,10 @@ use std::time::Duration;
 use crate::certs::{Ca, Leaf, Validity};
 use crate::support::*;
 use futures_util::StreamExt;
+use prefill_router::request::GenerateRequest;
 use prefill_router::transport::{
-    serve, ClientConfig, ClientTls, Connection, Engine, GenerateRequest, ServerConfig,
-    ServerHandle, ServerTls, TlsError, TlsIdentity, TlsRoots, TransportError,
+    serve, ClientConfig, ClientTls, Connection, Engine, ServerConfig, ServerHandle, ServerTls,
+    TlsError, TlsIdentity, TlsRoots, TransportError,
 };
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};

@@ -9,9 +9,9 @@ use crate::support::*;
 use futures_util::{SinkExt, StreamExt};
 use prefill_router::health::Breaker;
 use prefill_router::push::{Dispatcher, PushConfig, PushMode};
+use prefill_router::request::GenerateRequest;
 use prefill_router::transport::{
-    decode_frame, encode_frame, ClientConfig, Connection, Frame, GenerateRequest, RemoteError,
-    TransportError,
+    decode_frame, encode_frame, ClientConfig, Connection, Frame, RemoteError, TransportError,
 };
 use tokio::net::TcpStream;
 use tokio::time::timeout;
@@ -23,7 +23,7 @@ const TICK: Duration = Duration::from_millis(20);
 /// Read a stream to its end: the tokens it delivered, and whether it finished cleanly.
 async fn finish(
     mut stream: impl futures_util::Stream<
-            Item = Result<prefill_router::transport::GenerateResponse, TransportError>,
+            Item = Result<prefill_router::request::GenerateResponse, TransportError>,
         > + Unpin,
 ) -> (usize, bool) {
     let mut tokens = 0;

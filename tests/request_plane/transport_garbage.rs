@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use crate::support::*;
 use futures_util::StreamExt;
+use prefill_router::request::{GenerateRequest, GenerateResponse};
 use prefill_router::transport::{
-    decode_frame, encode_frame, ClientConfig, Connection, Frame, FrameError, GenerateRequest,
-    GenerateResponse, TransportError, DEFAULT_MAX_FRAME_LEN,
+    decode_frame, encode_frame, ClientConfig, Connection, Frame, FrameError, TransportError,
+    DEFAULT_MAX_FRAME_LEN,
 };
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

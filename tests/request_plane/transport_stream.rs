@@ -6,9 +6,8 @@ use std::time::Duration;
 
 use crate::support::*;
 use futures_util::StreamExt;
-use prefill_router::transport::{
-    ClientConfig, Connection, GenerateRequest, RemoteError, TransportError,
-};
+use prefill_router::request::GenerateRequest;
+use prefill_router::transport::{ClientConfig, Connection, RemoteError, TransportError};
 use tokio::time::{timeout, Instant};
 
 async fn connect(handle: &prefill_router::transport::ServerHandle) -> Connection {

@@ -4,21 +4,14 @@
 mod affinity;
 
 use super::*;
-use crate::advert::{ModelCard, RouterConfig, SelectionMode};
+use crate::advert::{ModelCard, SelectionMode};
 use crate::discovery::{Instance, MemoryConfig, MemoryDiscovery, Registration};
-use crate::mock::{MockConfig, MockPrefill};
+use crate::test_engine::TestPrefill;
 use crate::transport::{serve, ServerConfig, ServerHandle};
 use std::time::Duration;
 
 fn rr_card() -> ModelCard {
-    ModelCard {
-        kv_cache_block_size: 16,
-        router_config: Some(RouterConfig {
-            router_mode: SelectionMode::RoundRobin,
-            ..RouterConfig::default()
-        }),
-        ..ModelCard::named("m")
-    }
+    ModelCard::routed("m", SelectionMode::RoundRobin, 16)
 }
 
 async fn prefill_worker(
@@ -27,12 +20,7 @@ async fn prefill_worker(
     id: InstanceId,
 ) -> (ServerHandle, Registration) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let server = serve(
-        listener,
-        MockPrefill::new(id, MockConfig::default()),
-        ServerConfig::default(),
-    )
-    .unwrap();
+    let server = serve(listener, TestPrefill::new(id), ServerConfig::default()).unwrap();
     let instance = Instance {
         endpoint: endpoint.clone(),
         instance_id: id,

@@ -15,7 +15,7 @@ use crate::push::error::PushError;
 use crate::push::kv::{block_hashes, mix};
 use crate::push::select::Choice;
 use crate::push::view::InstanceStatus;
-use crate::transport::GenerateRequest;
+use crate::request::GenerateRequest;
 
 /// What a pick chooses from: the view's shared routable set, that set minus the excluded
 /// workers, and the excluded workers.

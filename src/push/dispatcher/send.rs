@@ -9,7 +9,8 @@ use super::{Dispatch, DispatchMutant, Dispatcher, PushMode, RoutedStream, Worker
 use crate::discovery::InstanceId;
 use crate::health::FailureClass;
 use crate::push::error::{Attempt, PushError};
-use crate::transport::{GenerateRequest, TransportError};
+use crate::request::GenerateRequest;
+use crate::transport::TransportError;
 
 impl<L: WorkerLink> Dispatcher<L> {
     /// Route `request` per the mode and stream its responses.

@@ -10,9 +10,9 @@ use tokio_util::sync::CancellationToken;
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent};
 use crate::health::BackoffPolicy;
-use crate::mock::{MockConfig, MockPrefill};
 use crate::push::{DispatchMutant, Dispatcher, PushConfig, PushMode, RoutableView};
 use crate::request::GenerateRequest;
+use crate::test_engine::TestPrefill;
 use crate::transport::{serve_with_kv_events, ServerConfig};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -20,15 +20,7 @@ const WAIT: Duration = Duration::from_secs(10);
 /// Index a worker's events over TCP, stop the worker's server, and report whether the router
 /// dropped the worker's entries within two seconds of that.
 async fn entries_dropped_after_disconnect(mutant: bool) -> bool {
-    let engine = MockPrefill::with_kv_events(
-        4,
-        MockConfig {
-            block_size: 4,
-            block_cost: Duration::ZERO,
-            ..MockConfig::default()
-        },
-        1,
-    );
+    let engine = TestPrefill::with_kv_events(4, 4, 1);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

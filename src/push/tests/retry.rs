@@ -12,9 +12,9 @@ use tokio_util::sync::CancellationToken;
 use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::health::{BackoffPolicy, FailureClass};
-use crate::mock::{MockConfig, MockPrefill};
 use crate::push::{DispatchMutant, Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::request::GenerateRequest;
+use crate::test_engine::TestPrefill;
 use crate::transport::{serve, ServerConfig, ServerHandle};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -25,7 +25,7 @@ async fn worker(id: InstanceId, max_in_flight: usize) -> ServerHandle {
         .expect("bind");
     serve(
         listener,
-        MockPrefill::new(id, MockConfig::default()),
+        TestPrefill::new(id),
         ServerConfig {
             max_in_flight,
             ..ServerConfig::default()

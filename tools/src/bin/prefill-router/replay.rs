@@ -1,0 +1,376 @@
+//! `prefill-router replay`: a request trace through the router in virtual time, per policy.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use prefill_router::router::ConditionalPolicy;
+
+use crate::args::{CliError, Flags};
+
+/// Usage of `prefill-router replay`.
+pub const USAGE: &str = "\
+usage: prefill-router replay (--trace FILE | --workload SPEC) [--workers N] [--policy P] [--cache-blocks C]
+                             [--limit K] [--json OUT] [--svg OUT] [--quiet]
+                             [--retarget-at T | --flap-at T | --flap-rebuild-at T]
+                             [--event-loss-every K] [--event-delay-ms D]
+                             [--conditional SPECS] [--affinity SPECS]
+
+Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
+hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and dispatchers
+over in-process prefill workers with an LRU KV block cache (cost model: docs/replay.md), and
+reports prefix hit rate against the trace's ceiling, TTFT, queueing and work balance.
+
+  --trace FILE       the trace (this or --workload is required)
+  --workload SPEC    a generated trace instead: shared-prefix:rate=R[,requests=N,prefix=B,seed=S]
+                     (every prompt the same B blocks, default 30, plus 2-6 of its own) or
+                     multi-tenant:rate=R[,requests=N,tenants=T,seed=S] (T system prompts,
+                     Zipf popularity, 1-8-turn sessions); docs/replay.md
+  --kv-config JSON   the KV cost terms the pool's card advertises, e.g.
+                     '{\"prefill_load_scale\":0.5,\"busy_threshold_tokens\":20000}'
+  --closed-loop U[:T] closed-loop arrivals: U users, each running a session's turns (a
+                     turn continues the session whose last prompt prefixes it) one after
+                     another, T ms (default 1000) after the previous turn completed
+  --overload-wait-ms W  how long a request waits for room when every worker is over the
+                     busy threshold before it is shed (default 2000)
+  --workers N        prefill workers (default 6)
+  --policy P         kv | kv-events | kv-oracle | dynamo | dynamo-blocks | round-robin | random | all
+                     (default kv; all runs each; a comma-separated list runs those)
+  --cache-blocks C   KV blocks per worker, LRU (default unbounded)
+  --limit K          replay only the first K requests
+  --json OUT         also write the reports as JSON to OUT
+  --svg OUT          also draw TTFT CDF and hit rate over the trace per policy as SVG
+  --quiet            no progress lines on stderr
+  --retarget-at T    at trace second T, roll the pool to a new generation of cold workers
+  --flap-at T        at trace second T, remove the pool for 1 s and bring the same target
+                     back (the router reuses its binding)
+  --flap-rebuild-at T  the same, but back as a new generation (a new binding)
+  --event-loss-every K  kv-events: lose every K-th KV event batch (default none)
+  --event-delay-ms D    kv-events: KV event batches reach the router D ms late (default 0)
+  --conditional SPECS   conditional disaggregation, one run per comma-separated spec (and
+                     policy): `off`, `short:N` (skip when under N uncached tokens), `busy:M`
+                     (skip when the pool holds over M uncached tokens per worker), or
+                     `short:N+busy:M` (default: off only)
+  --affinity SPECS   session affinity (a session is a conversation), one run per
+                     comma-separated spec (and policy and conditional spec): `off` or a TTL
+                     in seconds (default: off only); kv, kv-events, round-robin, random
+(from the workspace root: cargo run --release -- replay ...)";
+
+/// Parsed options.
+pub struct ReplayOptions {
+    trace: String,
+    kv: prefill_router::advert::KvRouterConfig,
+    overload_wait: Duration,
+    closed_loop: Option<prefill_router_tools::replay::ClosedLoop>,
+    workers: usize,
+    policy: String,
+    cache_blocks: Option<usize>,
+    limit: Option<usize>,
+    json: Option<String>,
+    svg: Option<String>,
+    quiet: bool,
+    /// `(kind, trace second)` of the pool event.
+    event: Option<(&'static str, f64)>,
+    /// Every how many KV event batches one is lost (0: none).
+    event_loss_every: u64,
+    /// KV event delivery delay in milliseconds.
+    event_delay_ms: u64,
+    /// The conditional policies to run (`None`: off).
+    conditional: Vec<Option<ConditionalPolicy>>,
+    /// The session-affinity TTLs to run (`None`: off).
+    affinity: Vec<Option<Duration>>,
+}
+
+/// One `--affinity` spec: `off` or a TTL in seconds (> 0, finite).
+fn parse_affinity(spec: &str) -> Result<Option<Duration>, CliError> {
+    if spec == "off" {
+        return Ok(None);
+    }
+    spec.parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .map(|s| Some(Duration::from_secs_f64(s)))
+        .ok_or_else(|| {
+            CliError::Usage(format!(
+                "bad --affinity spec `{spec}` (off | a TTL in seconds)"
+            ))
+        })
+}
+
+/// One `--conditional` spec: `off`, `short:N`, `busy:M` or both joined by `+`.
+fn parse_conditional(spec: &str) -> Result<Option<ConditionalPolicy>, CliError> {
+    if spec == "off" {
+        return Ok(None);
+    }
+    let bad = || {
+        CliError::Usage(format!(
+            "bad --conditional spec `{spec}` (off | short:N | busy:M | short:N+busy:M)"
+        ))
+    };
+    let mut policy = ConditionalPolicy::default();
+    for part in spec.split('+') {
+        match part.split_once(':') {
+            Some(("short", n)) => policy.min_uncached_tokens = Some(n.parse().map_err(|_| bad())?),
+            Some(("busy", m)) => {
+                policy.max_pool_tokens_per_worker = Some(m.parse().map_err(|_| bad())?);
+            }
+            _ => return Err(bad()),
+        }
+    }
+    Ok(Some(policy))
+}
+
+impl ReplayOptions {
+    /// Parse the arguments after `replay`.
+    pub fn parse(args: &[String]) -> Result<Self, CliError> {
+        let mut trace = None;
+        let mut options = ReplayOptions {
+            trace: String::new(),
+            workers: 6,
+            policy: "kv".to_owned(),
+            cache_blocks: None,
+            limit: None,
+            json: None,
+            svg: None,
+            quiet: false,
+            event: None,
+            event_loss_every: 0,
+            event_delay_ms: 0,
+            conditional: vec![None],
+            affinity: vec![None],
+            kv: prefill_router::advert::KvRouterConfig::default(),
+            overload_wait: prefill_router::push::PushConfig::default().overload_wait,
+            closed_loop: None,
+        };
+        let mut flags = Flags::new(args);
+        while let Some(flag) = flags.next_flag() {
+            match flag {
+                "--trace" => trace = Some(flags.value(flag)?.to_owned()),
+                "--closed-loop" => {
+                    let spec = flags.value(flag)?;
+                    let bad =
+                        || CliError::Usage(format!("--closed-loop USERS[:THINK_MS], not `{spec}`"));
+                    let (users, think) = spec.split_once(':').unwrap_or((spec, "1000"));
+                    let users: usize = users.parse().map_err(|_| bad())?;
+                    let think: u64 = think.parse().map_err(|_| bad())?;
+                    if users == 0 {
+                        return Err(bad());
+                    }
+                    options.closed_loop = Some(prefill_router_tools::replay::ClosedLoop {
+                        users,
+                        think: Duration::from_millis(think),
+                    });
+                }
+                "--overload-wait-ms" => {
+                    options.overload_wait = Duration::from_millis(flags.parsed(flag)?);
+                }
+                "--kv-config" => {
+                    options.kv = serde_json::from_str(flags.value(flag)?)
+                        .map_err(|e| CliError::Usage(format!("--kv-config: {e}")))?;
+                }
+                "--workload" => {
+                    let spec = flags.value(flag)?;
+                    prefill_router_tools::replay::Workload::parse(spec)
+                        .map_err(|e| CliError::Usage(e.to_string()))?;
+                    trace = Some(format!("{WORKLOAD_PREFIX}{spec}"));
+                }
+                "--workers" => options.workers = flags.parsed(flag)?,
+                "--policy" => options.policy = flags.value(flag)?.to_owned(),
+                "--cache-blocks" => options.cache_blocks = Some(flags.parsed(flag)?),
+                "--limit" => options.limit = Some(flags.parsed(flag)?),
+                "--json" => options.json = Some(flags.value(flag)?.to_owned()),
+                "--svg" => options.svg = Some(flags.value(flag)?.to_owned()),
+                "--quiet" => options.quiet = true,
+                "--retarget-at" => options.event = Some(("retarget", flags.parsed(flag)?)),
+                "--flap-at" => options.event = Some(("flap", flags.parsed(flag)?)),
+                "--flap-rebuild-at" => options.event = Some(("flap-rebuild", flags.parsed(flag)?)),
+                "--event-loss-every" => options.event_loss_every = flags.parsed(flag)?,
+                "--event-delay-ms" => options.event_delay_ms = flags.parsed(flag)?,
+                "--conditional" => {
+                    options.conditional = flags
+                        .value(flag)?
+                        .split(',')
+                        .map(parse_conditional)
+                        .collect::<Result<_, _>>()?;
+                }
+                "--affinity" => {
+                    options.affinity = flags
+                        .value(flag)?
+                        .split(',')
+                        .map(parse_affinity)
+                        .collect::<Result<_, _>>()?;
+                }
+                "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
+                other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
+            }
+        }
+        options.trace = trace
+            .ok_or_else(|| CliError::Usage("--trace FILE or --workload SPEC is required".into()))?;
+        if options
+            .event
+            .is_some_and(|(_, t)| !(t.is_finite() && t >= 0.0))
+        {
+            return Err(CliError::Usage("event times are seconds >= 0".into()));
+        }
+        if options.workers == 0 {
+            return Err(CliError::Usage("--workers must be at least 1".into()));
+        }
+        if let Some(bad) = options
+            .policy
+            .split(',')
+            .find(|p| *p != "all" && prefill_router_tools::replay::Policy::parse(p).is_none())
+        {
+            return Err(CliError::Usage(format!(
+                "unknown policy `{bad}` (kv | kv-events | kv-oracle | dynamo | dynamo-blocks | round-robin | random | all)"
+            )));
+        }
+        Ok(options)
+    }
+}
+
+/// How a generated workload is named where a trace path would be.
+const WORKLOAD_PREFIX: &str = "workload:";
+
+/// Run the replays (each on its own paused runtime, off the CLI's runtime).
+pub async fn run(options: ReplayOptions) -> ExitCode {
+    crate::args::off_runtime("replay", move || run_blocking(&options)).await
+}
+
+fn run_blocking(options: &ReplayOptions) -> ExitCode {
+    use prefill_router_tools::replay::{read_trace, run, svg, Policy, PoolEvent, ReplayConfig};
+
+    let generated = options
+        .trace
+        .strip_prefix(WORKLOAD_PREFIX)
+        .and_then(|spec| prefill_router_tools::replay::Workload::parse(spec).ok());
+    let read = match &generated {
+        Some(workload) => Ok(workload.generate()),
+        None => read_trace(std::path::Path::new(&options.trace)),
+    };
+    let trace = match read {
+        Ok(trace) => trace,
+        Err(error) => {
+            eprintln!("error: {}: {error}", options.trace);
+            return ExitCode::FAILURE;
+        }
+    };
+    // Parse checked every name; `all` expands in place.
+    let policies: Vec<Policy> = options
+        .policy
+        .split(',')
+        .flat_map(|name| Policy::parse(name).map_or(Policy::ALL.to_vec(), |p| vec![p]))
+        .collect();
+    let mut reports = Vec::new();
+    let runs = policies.iter().flat_map(|&p| {
+        options
+            .conditional
+            .iter()
+            .flat_map(move |&c| options.affinity.iter().map(move |&a| (p, c, a)))
+    });
+    for (policy, conditional, session_affinity) in runs {
+        let config = ReplayConfig {
+            conditional,
+            session_affinity,
+            workers: options.workers,
+            cache_blocks: options.cache_blocks,
+            limit: options.limit,
+            progress: !options.quiet,
+            event: options.event.map(|(kind, t)| {
+                let at = std::time::Duration::from_secs_f64(t);
+                match kind {
+                    "retarget" => PoolEvent::Retarget { at },
+                    _ => PoolEvent::Flap {
+                        at,
+                        rebuild: kind == "flap-rebuild",
+                    },
+                }
+            }),
+            event_loss_every: options.event_loss_every,
+            event_delay: std::time::Duration::from_millis(options.event_delay_ms),
+            kv: options.kv.clone(),
+            overload_wait: options.overload_wait,
+            closed_loop: options.closed_loop,
+            ..ReplayConfig::new(policy)
+        };
+        match run(&config, &trace) {
+            Ok(report) => {
+                println!("{report}");
+                reports.push(report);
+            }
+            Err(error) => {
+                eprintln!("error: cannot build the replay runtime: {error}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    if let Some(path) = &options.json {
+        let doc = serde_json::json!({ "trace": options.trace, "runs": reports });
+        let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
+        if let Err(error) = std::fs::write(path, text + "\n") {
+            eprintln!("error: cannot write {path}: {error}");
+            return ExitCode::FAILURE;
+        }
+    }
+    if let Some(path) = &options.svg {
+        let cache = options
+            .cache_blocks
+            .map_or("unbounded caches".to_owned(), |c| {
+                format!("{c}-block caches")
+            });
+        let title = format!(
+            "{}: {} workers, {cache}",
+            std::path::Path::new(&options.trace)
+                .file_name()
+                .map_or(options.trace.clone(), |n| n.to_string_lossy().into_owned()),
+            options.workers
+        );
+        if let Err(error) = std::fs::write(path, svg(&title, &reports)) {
+            eprintln!("error: cannot write {path}: {error}");
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<ReplayOptions, CliError> {
+        let args: Vec<String> = args.iter().map(|&a| a.to_owned()).collect();
+        ReplayOptions::parse(&args)
+    }
+
+    #[test]
+    fn affinity_specs_parse_to_ttls_and_bad_ones_are_usage_errors() {
+        let Ok(options) = parse(&["--trace", "t", "--affinity", "off,600,0.5"]) else {
+            panic!("valid --affinity specs refused");
+        };
+        assert_eq!(
+            options.affinity,
+            vec![
+                None,
+                Some(Duration::from_secs(600)),
+                Some(Duration::from_millis(500))
+            ]
+        );
+        for bad in ["0", "-3", "nan", "inf", "ten", ""] {
+            assert!(
+                matches!(
+                    parse(&["--trace", "t", "--affinity", bad]),
+                    Err(CliError::Usage(_))
+                ),
+                "{bad:?} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn policy_lists_name_known_policies_only() {
+        assert!(parse(&["--trace", "t", "--policy", "kv,round-robin"]).is_ok());
+        assert!(parse(&["--trace", "t", "--policy", "all"]).is_ok());
+        match parse(&["--trace", "t", "--policy", "kv,nope"]) {
+            Err(CliError::Usage(message)) => assert!(message.contains("`nope`"), "{message}"),
+            _ => panic!("an unknown policy in a list is a usage error"),
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! # prefill-router-tools
+//!
+//! What is not library in prefill-router: the tools that exercise it, kept out of the
+//! library's build (`docs/design.md`, "Crates").
+//!
+//! - [`mock`]: mock prefill and decode engines with a bounded KV block cache, for the demo,
+//!   tests and benchmarks, and [`mock::spawn_registered`] to start one as a registered worker.
+//! - [`sim`]: the deterministic simulator of the hop under seeded faults
+//!   (`docs/simulation.md`).
+//! - [`replay`]: a request trace replayed in virtual time through the router, per routing
+//!   policy (`docs/replay.md`).
+//!
+//! The `prefill-router` binary (demo, simulate, replay, serve, worker) is this package's.
+
+pub mod mock;
+pub mod replay;
+pub mod sim;

@@ -1,0 +1,175 @@
+//! A bounded LRU set of KV block hashes, optionally publishing its changes as KV events.
+
+use std::collections::{BTreeMap, HashMap};
+
+use prefill_router::kv_events::{EventBatch, EventPublisher};
+
+/// The KV blocks one mock worker holds: at most `capacity` block hashes, least recently used
+/// evicted first. Memory is bounded by the capacity whatever the traffic.
+#[derive(Debug)]
+pub struct BlockCache {
+    capacity: usize,
+    /// Block hash -> stamp of its last use.
+    stamps: HashMap<u64, u64>,
+    /// Stamp -> block hash, oldest first: the eviction order.
+    order: BTreeMap<u64, u64>,
+    clock: u64,
+    /// Where stores and evictions are reported, for a cache that publishes KV events.
+    events: Option<EventPublisher>,
+}
+
+impl BlockCache {
+    /// An empty cache of `capacity` blocks (0 caches nothing).
+    pub fn new(capacity: usize) -> Self {
+        BlockCache {
+            capacity,
+            stamps: HashMap::new(),
+            order: BTreeMap::new(),
+            clock: 0,
+            events: None,
+        }
+    }
+
+    /// An empty cache of `capacity` blocks that publishes its changes (blocks stored or reused
+    /// by a prefill, blocks evicted) as KV events of incarnation `epoch`; take them with
+    /// [`take_event_batches`](Self::take_event_batches).
+    pub fn with_events(capacity: usize, epoch: u64) -> Self {
+        BlockCache {
+            events: Some(EventPublisher::new(epoch)),
+            ..BlockCache::new(capacity)
+        }
+    }
+
+    /// The changes since the last call, as numbered batches (empty for a cache that does not
+    /// publish, or when nothing changed).
+    pub fn take_event_batches(&mut self) -> Vec<EventBatch> {
+        self.events
+            .as_mut()
+            .map(EventPublisher::take_batches)
+            .unwrap_or_default()
+    }
+
+    /// Whether `hash` is held (no touch).
+    pub fn contains(&self, hash: u64) -> bool {
+        self.stamps.contains_key(&hash)
+    }
+
+    /// The held block hashes, in no particular order.
+    pub fn blocks(&self) -> impl Iterator<Item = u64> + '_ {
+        self.stamps.keys().copied()
+    }
+
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.stamps.len()
+    }
+
+    /// Whether no block is held.
+    pub fn is_empty(&self) -> bool {
+        self.stamps.is_empty()
+    }
+
+    /// Prefill a chain of block hashes: returns how many *leading* blocks were already cached
+    /// (a KV cache reuses a prefix only, so a hit after a miss does not count), then holds all
+    /// of them as most recently used.
+    pub fn prefill(&mut self, hashes: &[u64]) -> usize {
+        let hits = hashes
+            .iter()
+            .take_while(|h| self.stamps.contains_key(h))
+            .count();
+        let mut parent = None;
+        for &h in hashes {
+            self.touch(parent, h);
+            parent = Some(h);
+        }
+        hits
+    }
+
+    /// How many leading blocks of `hashes` are cached, without touching anything (what a
+    /// router fed by the worker's KV events would know).
+    pub fn leading_hits(&self, hashes: &[u64]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.stamps.contains_key(h))
+            .count()
+    }
+
+    fn touch(&mut self, parent: Option<u64>, hash: u64) {
+        if self.capacity == 0 {
+            return;
+        }
+        self.clock += 1;
+        if let Some(old) = self.stamps.insert(hash, self.clock) {
+            self.order.remove(&old);
+        }
+        // Every block a prefill uses is announced, new or reused: a Stored event for a block
+        // the index already credits is a no-op, and after a gap (the index dropped this
+        // worker's entries) the hot prefixes come back at their next use, with no snapshot.
+        if let Some(events) = &mut self.events {
+            events.stored(parent, hash);
+        }
+        self.order.insert(self.clock, hash);
+        while self.stamps.len() > self.capacity {
+            match self.order.pop_first() {
+                Some((_, evicted)) => {
+                    self.stamps.remove(&evicted);
+                    if let Some(events) = &mut self.events {
+                        events.removed(evicted);
+                    }
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_leading_cached_run_counts_as_hits() {
+        let mut cache = BlockCache::new(16);
+        assert_eq!(cache.prefill(&[1, 2, 3]), 0);
+        assert_eq!(cache.prefill(&[1, 2, 3, 4]), 3);
+        assert_eq!(cache.prefill(&[9, 2, 3]), 0);
+    }
+
+    #[test]
+    fn cache_never_exceeds_its_capacity_and_evicts_least_recent() {
+        let mut cache = BlockCache::new(3);
+        cache.prefill(&[1, 2, 3]);
+        cache.prefill(&[1]); // 1 is now the most recent
+        cache.prefill(&[4]); // evicts 2
+        assert_eq!(cache.len(), 3);
+        assert_eq!(cache.prefill(&[1]), 1);
+        assert_eq!(cache.prefill(&[2]), 0);
+        assert!(cache.len() <= 3);
+    }
+
+    #[test]
+    fn an_index_fed_the_caches_events_holds_exactly_the_cache() {
+        use prefill_router::kv_events::KvIndex;
+        let mut cache = BlockCache::with_events(5, 1);
+        let mut index = KvIndex::default();
+        for request in [&[1, 2, 3][..], &[1, 2, 4, 5], &[6, 7, 8], &[1, 2, 3, 9]] {
+            cache.prefill(request);
+            for batch in cache.take_event_batches() {
+                index.apply(3, &batch);
+            }
+            let mut held: Vec<u64> = cache.blocks().collect();
+            let mut credited: Vec<u64> = index.blocks_of(3).collect();
+            held.sort_unstable();
+            credited.sort_unstable();
+            assert_eq!(held, credited, "after {request:?}");
+        }
+    }
+
+    #[test]
+    fn zero_capacity_caches_nothing() {
+        let mut cache = BlockCache::new(0);
+        cache.prefill(&[1, 2]);
+        assert_eq!(cache.prefill(&[1, 2]), 0);
+        assert!(cache.is_empty());
+    }
+}

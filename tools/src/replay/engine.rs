@@ -1,0 +1,584 @@
+//! The replay's request path: a binding factory whose bindings route prefills with the real
+//! [`RoutableView`] and [`Dispatcher`] (or pick with the Dynamo and oracle baselines), the
+//! dispatcher sending through [`ReplayLink`] to the in-process workers of `link.rs` (a bounded
+//! KV block cache and the [`CostModel`]), and a decode hop that streams the output after
+//! `decode_per_token` per token.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use futures_util::future::{self, BoxFuture};
+use futures_util::{FutureExt, StreamExt};
+use parking_lot::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use super::cost::CostModel;
+use super::link::{self, ReplayLink, Served, Worker};
+use super::policy::Policy;
+use super::trace::{TraceRecord, BLOCK_TOKENS};
+use prefill_router::advert::{self, DecodeDefaults};
+use prefill_router::binding::TokenLoad;
+use prefill_router::binding::{
+    Binding, BindingFactory, BuildError, PrefillError, PrefillEstimate, PrefillOutcome,
+    PrefillPick, WorkerSetTarget,
+};
+use prefill_router::decode::{Decode, DecodeError, DecodeStream};
+use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
+use prefill_router::kv_events::EventBatch;
+use prefill_router::push::select::{Candidate, Choice};
+use prefill_router::push::{
+    AffinityCounts, Dispatcher, HeldPick, KvSelector, LoadBoard, PushConfig, PushMode, RoutableView,
+};
+use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse};
+use prefill_router::rng::finalize as mix;
+
+/// The prefill endpoint of the replayed pool.
+pub(crate) fn prefill_endpoint() -> EndpointId {
+    EndpointId::new("replay", "prefill", "generate")
+}
+
+/// The discovery record of worker `id` (the address is never dialled: the link delivers
+/// in-process).
+fn instance(id: InstanceId) -> Instance {
+    Instance {
+        endpoint: prefill_endpoint(),
+        instance_id: id,
+        address: link::address(id),
+    }
+}
+
+/// The request index the replay writes into `GenerateRequest::request_id` (the session key
+/// is left to session affinity).
+pub(crate) fn request_index(request: &GenerateRequest) -> Option<usize> {
+    request.request_id.and_then(|i| usize::try_from(i).ok())
+}
+
+/// What every binding of one replay shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) trace: Arc<[TraceRecord]>,
+    /// Per request, the block keys the workers' caches use: the router's chained block hashes
+    /// under the KV policies, the trace's hash ids otherwise.
+    pub(crate) keys: Vec<Vec<u64>>,
+    /// The dispatchers fed the workers' KV events (policy `kv-events`).
+    pub(crate) subscribers: Mutex<Vec<Weak<Dispatcher<ReplayLink>>>>,
+    /// Every how many event batches one is lost (0: none).
+    pub(crate) event_loss_every: u64,
+    /// How long an event batch takes to reach the dispatchers.
+    pub(crate) event_delay: Duration,
+    /// Event batches published so far (numbers the losses).
+    pub(crate) batches: AtomicU64,
+    /// Selections that credited the pick with blocks its cache did not hold.
+    pub(crate) stale_credit: AtomicU64,
+    pub(crate) cost: CostModel,
+    pub(crate) policy: Policy,
+    pub(crate) seed: u64,
+    pub(crate) cache_blocks: usize,
+    pub(crate) workers: Mutex<BTreeMap<InstanceId, Arc<Worker>>>,
+    /// Per request index, what its prefill found.
+    pub(crate) served: Mutex<Vec<Option<Served>>>,
+    /// Bindings the factory built (a flap that reuses the binding builds none).
+    pub(crate) builds: AtomicU64,
+    /// The session-affinity TTL each binding's dispatcher gets (`None`: off).
+    pub(crate) affinity_ttl: Option<Duration>,
+    /// How long a request waits for room when every worker is over the busy threshold.
+    pub(crate) overload_wait: Duration,
+    /// Affinity outcomes over every binding.
+    pub(crate) affinity: Arc<AffinityCounts>,
+}
+
+impl Shared {
+    pub(crate) fn add_workers(&self, ids: impl IntoIterator<Item = InstanceId>) {
+        let epoch = (self.policy == Policy::KvEvents).then_some(1);
+        let mut workers = self.workers.lock();
+        for id in ids {
+            workers.insert(
+                id,
+                Arc::new(Worker::new(self.cache_blocks, self.cost.max_batch, epoch)),
+            );
+        }
+    }
+
+    /// Deliver worker `id`'s event batches to every live subscribed dispatcher, after the
+    /// configured delay and minus the configured losses.
+    pub(super) fn publish(&self, id: InstanceId, batches: Vec<EventBatch>) {
+        let mut kept = Vec::with_capacity(batches.len());
+        for batch in batches {
+            let n = self.batches.fetch_add(1, Ordering::Relaxed) + 1;
+            if self.event_loss_every == 0 || n % self.event_loss_every != 0 {
+                kept.push(batch);
+            }
+        }
+        if kept.is_empty() {
+            return;
+        }
+        let dispatchers: Vec<Arc<Dispatcher<ReplayLink>>> = {
+            let mut subscribers = self.subscribers.lock();
+            subscribers.retain(|d| d.strong_count() > 0);
+            subscribers.iter().filter_map(Weak::upgrade).collect()
+        };
+        let deliver = move || {
+            for dispatcher in &dispatchers {
+                for batch in &kept {
+                    dispatcher.apply_kv_events(id, batch);
+                }
+            }
+        };
+        if self.event_delay.is_zero() {
+            deliver();
+        } else {
+            let delay = self.event_delay;
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                deliver();
+            });
+        }
+    }
+
+    pub(super) fn worker(&self, id: InstanceId) -> Option<Arc<Worker>> {
+        self.workers.lock().get(&id).cloned()
+    }
+}
+
+/// Builds [`ReplayBinding`]s (at once: the replay studies routing, not build faults).
+pub(crate) struct ReplayFactory {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl BindingFactory for ReplayFactory {
+    type Binding = ReplayBinding;
+
+    fn build(
+        &self,
+        target: WorkerSetTarget,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'static, Result<ReplayBinding, BuildError>> {
+        self.shared.builds.fetch_add(1, Ordering::Relaxed);
+        future::ready(ReplayBinding::new(
+            Arc::clone(&self.shared),
+            &target,
+            &cancel,
+        ))
+        .boxed()
+    }
+}
+
+/// A binding: the real routable view and dispatcher over the replay's workers.
+pub(crate) struct ReplayBinding {
+    shared: Arc<Shared>,
+    view: RoutableView,
+    /// Sends every prefill, whichever policy picked it, through [`ReplayLink`].
+    push: Arc<Dispatcher<ReplayLink>>,
+    /// The scoring rule of the oracle policy (the binding's resolved KV tuning).
+    /// With the recent work of the oracle's picks (its bookings are the workers' own).
+    oracle: Mutex<(KvSelector, LoadBoard)>,
+    /// Ends the view's task when the binding drops.
+    view_cancel: CancellationToken,
+    /// Uncached prompt tokens picked on this binding and not yet prefilled (the conditional
+    /// policy's pool load, as [`PrefillBinding`](prefill_router::binding::PrefillBinding) counts it).
+    inflight_tokens: Arc<AtomicU64>,
+}
+
+impl ReplayBinding {
+    fn new(
+        shared: Arc<Shared>,
+        target: &WorkerSetTarget,
+        cancel: &CancellationToken,
+    ) -> Result<Self, BuildError> {
+        // The real card resolution, as the default factory does it.
+        let config = advert::resolve(
+            std::slice::from_ref(&*target.card),
+            &DecodeDefaults {
+                block_size: BLOCK_TOKENS,
+                ..DecodeDefaults::default()
+            },
+        )
+        .map_err(|e| BuildError::new(e.to_string()))?;
+        let mode = PushMode::from_prefill_config(&config, None);
+        let oracle = KvSelector::new(
+            BLOCK_TOKENS,
+            &config.kv_router_config.clone().unwrap_or_default(),
+            1,
+        );
+        let view_cancel = cancel.child_token();
+        // Discovery is static here: every admitted worker is added once, up front.
+        let view = RoutableView::spawn(
+            futures_util::stream::pending(),
+            Some(target.admitted.clone()),
+            view_cancel.clone(),
+        );
+        for &id in target.admitted.borrow().iter() {
+            view.apply(InstanceEvent::Added(instance(id)));
+        }
+        let config = PushConfig {
+            seed: shared.seed,
+            overload_wait: shared.overload_wait,
+            // No deadline: the replay measures queueing, so a prefill is never cancelled, and
+            // an overloaded request waits `overload_wait` exactly.
+            request_timeout: None,
+            ..PushConfig::default()
+        };
+        let push = Arc::new_cyclic(|dispatcher| {
+            let link = ReplayLink {
+                shared: Arc::clone(&shared),
+                dispatcher: dispatcher.clone(),
+                judged: Mutex::default(),
+            };
+            Dispatcher::with_link(view.clone(), mode, config, link)
+                // A fresh table per binding, as the default factory builds it.
+                .with_session_affinity(shared.affinity_ttl, Arc::clone(&shared.affinity))
+        });
+        if shared.policy == Policy::KvEvents {
+            // A new binding learns the caches from the workers' next events on.
+            shared.subscribers.lock().push(Arc::downgrade(&push));
+        }
+        Ok(ReplayBinding {
+            shared,
+            view,
+            push,
+            oracle: Mutex::new((oracle, LoadBoard::default())),
+            view_cancel,
+            inflight_tokens: Arc::default(),
+        })
+    }
+
+    /// The oracle: the KV selector's scoring rule (overlap weight, load, tie-break) over the
+    /// overlap each routable worker's cache really holds, read directly.
+    fn oracle_pick(&self, index: usize) -> Option<InstanceId> {
+        let keys = self.shared.keys.get(index)?;
+        let mut oracle = self.oracle.lock();
+        let (selector, recent) = &mut *oracle;
+        let routable = self.view.routable();
+        if !recent.has_members(&routable) {
+            recent.set_members(Arc::clone(&routable));
+        }
+        let workers = self.shared.workers.lock();
+        let candidates: Vec<Candidate> = routable
+            .iter()
+            .filter_map(|i| {
+                let w = workers.get(&i.instance_id)?;
+                let overlap = w.cache.lock().leading_hits(keys);
+                let booked = w.booked.load(Ordering::Relaxed);
+                Some(
+                    Candidate::new(i.instance_id, overlap, booked)
+                        .with_recent(recent.recent(i.instance_id)),
+                )
+            })
+            .collect();
+        let tokens = u64::from(self.shared.trace.get(index).map_or(0, |r| r.input_length));
+        match selector.select_scored(
+            keys,
+            tokens,
+            &candidates,
+            mix(self.shared.seed ^ index as u64),
+        ) {
+            Choice::Picked {
+                candidate,
+                uncached,
+            } => {
+                selector.record_credit(keys, candidate.overlap);
+                recent.note_work(candidate.id, selector.cost().booking(uncached));
+                Some(candidate.id)
+            }
+            Choice::Overloaded | Choice::Empty => None,
+        }
+    }
+
+    /// Dynamo's KV-router cost as its routing-concepts docs give it today, at their default
+    /// weights: `prefill_load_scale × adjusted prefill blocks + potential decode blocks +
+    /// decode_active_request_weight × active requests`, where the adjusted prefill blocks are
+    /// the request's blocks not credited by the overlap plus the worker's queued and running
+    /// prefill work, and the potential decode blocks the blocks of the requests resident on the
+    /// worker; the default request weight and credit decay are 0, so those terms vanish.
+    /// Lowest wins (temperature 0). The overlap comes from the worker's real cache (Dynamo's
+    /// router is fed by the workers' KV events); ties go to a hash of request and worker.
+    ///
+    /// Without `pending` (policy `dynamo-blocks`), the earlier reading: no pending prefill term.
+    fn dynamo_pick(&self, index: usize, record: &TraceRecord, pending: bool) -> Option<InstanceId> {
+        const OVERLAP_SCORE_CREDIT: f64 = 1.0;
+        const PREFILL_LOAD_SCALE: f64 = 1.0;
+        let keys = self.shared.keys.get(index)?;
+        let workers = self.shared.workers.lock();
+        let blocks = record.hash_ids.len();
+        self.view
+            .routable()
+            .iter()
+            .filter_map(|i| {
+                let w = workers.get(&i.instance_id)?;
+                let overlap = w.cache.lock().leading_hits(keys);
+                #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
+                let cost = {
+                    let new = blocks as f64 - OVERLAP_SCORE_CREDIT * overlap as f64;
+                    let pending = if pending {
+                        w.pending_prefill_tokens.load(Ordering::Relaxed) as f64
+                            / f64::from(BLOCK_TOKENS)
+                    } else {
+                        0.0
+                    };
+                    PREFILL_LOAD_SCALE * (new + pending)
+                        + w.active_blocks.load(Ordering::Relaxed) as f64
+                };
+                Some((i.instance_id, cost))
+            })
+            .min_by(|a, b| {
+                a.1.total_cmp(&b.1)
+                    .then_with(|| mix(index as u64 ^ a.0).cmp(&mix(index as u64 ^ b.0)))
+            })
+            .map(|(id, _)| id)
+    }
+}
+
+impl Drop for ReplayBinding {
+    fn drop(&mut self) {
+        self.view_cancel.cancel();
+    }
+}
+
+fn failed(message: String) -> BoxFuture<'static, Result<PrefillOutcome, PrefillError>> {
+    future::ready(Err(PrefillError::Failed { message })).boxed()
+}
+
+/// What a replay pick holds until its prefill ends: the worker, the dispatcher's selection
+/// (the KV load term, moved into the routed stream at the dispatch) and the request's share
+/// of the pool's token load.
+struct ReplayHeld {
+    id: InstanceId,
+    /// The uncached tokens the pick expects to compute (under the oracle and the Dynamo
+    /// baselines, what it books on the worker until the end).
+    uncached: u64,
+    /// The dispatcher's pick (`None`: a baseline picked outside it).
+    selection: Option<HeldPick>,
+    load: TokenLoad,
+}
+
+impl ReplayBinding {
+    /// Whether the policy picks outside the dispatcher (the Dynamo baselines and the oracle
+    /// score the workers' real caches themselves); the dispatcher then only sends.
+    fn picks_outside(&self) -> bool {
+        matches!(
+            self.shared.policy,
+            Policy::Dynamo | Policy::DynamoBlocks | Policy::KvOracle
+        )
+    }
+
+    /// The worker the policy picks for request `index`, the held selection (push-router
+    /// policies) and the leading blocks the pick is expected to hold: the selector's overlap
+    /// under the KV policies, the worker's real cache under the Dynamo baseline and the
+    /// oracle, none under round robin and random.
+    fn choose(
+        &self,
+        index: usize,
+        record: &TraceRecord,
+        request: &GenerateRequest,
+    ) -> Result<(InstanceId, Option<HeldPick>, usize), PrefillError> {
+        // Dynamo's baseline scores the workers itself; every other policy is the real push
+        // router, whose selection counts as load until the prefill ends.
+        let pick = match self.shared.policy {
+            Policy::Dynamo => Some(self.dynamo_pick(index, record, true)),
+            Policy::DynamoBlocks => Some(self.dynamo_pick(index, record, false)),
+            Policy::KvOracle => Some(self.oracle_pick(index)),
+            _ => None,
+        };
+        if let Some(pick) = pick {
+            let id = pick.ok_or(PrefillError::NoRoutableWorker)?;
+            let held = match (self.shared.worker(id), self.shared.keys.get(index)) {
+                (Some(w), Some(keys)) => w.cache.lock().leading_hits(keys),
+                _ => 0,
+            };
+            return Ok((id, None, held));
+        }
+        let selection = self.push.select_held(request)?;
+        let id = selection.instance().instance_id;
+        let credited = selection.expected_overlap_blocks();
+        self.push.link().judge_pick(index, id, credited);
+        let overlap = selection.expected_overlap_blocks().unwrap_or(0);
+        Ok((id, Some(selection), overlap))
+    }
+
+    /// Send a baseline's pick through the dispatcher's link to its worker, booking the
+    /// baseline's load terms there (the oracle's work, Dynamo's pending prefill tokens) until
+    /// the prefill ends, as the dispatcher's booking does for its own picks.
+    fn prefill_direct(
+        &self,
+        held: ReplayHeld,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let ReplayHeld {
+            id, uncached, load, ..
+        } = held;
+        let Some(worker) = self.shared.worker(id) else {
+            return failed(format!("worker {id} is not running"));
+        };
+        let booked = self.oracle.lock().0.cost().booking(uncached);
+        worker.booked.fetch_add(booked, Ordering::Relaxed);
+        worker
+            .pending_prefill_tokens
+            .fetch_add(uncached, Ordering::Relaxed);
+        async move {
+            let outcome = match self.push.generate_direct(id, request).await {
+                Ok(stream) => PrefillOutcome::collect(id, stream).await,
+                Err(error) => Err(error.into()),
+            };
+            worker.booked.fetch_sub(booked, Ordering::Relaxed);
+            worker
+                .pending_prefill_tokens
+                .fetch_sub(uncached, Ordering::Relaxed);
+            drop(load);
+            outcome
+        }
+        .boxed()
+    }
+}
+
+impl Binding for ReplayBinding {
+    /// The dispatcher's own `generate` (pick, booking, wait for room when every worker is
+    /// over the busy threshold, retries elsewhere, release when the stream ends) through
+    /// [`ReplayLink`]; a baseline's pick is sent with `generate_direct` through the same link.
+    fn prefill(
+        &self,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        if self.picks_outside() {
+            return match self.pick(&request) {
+                Ok(pick) => self.prefill_picked(pick, request),
+                Err(error) => future::ready(Err(error)).boxed(),
+            };
+        }
+        async move {
+            let stream = self.push.generate(request).await?;
+            PrefillOutcome::collect(stream.instance_id(), stream).await
+        }
+        .boxed()
+    }
+
+    /// The policy's pick, probed from the trace record (the replay's prompts carry no tokens
+    /// under the non-KV policies): its prompt length, the pick's expected cached tokens, and
+    /// this binding's in-flight uncached tokens per routable worker.
+    fn pick(&self, request: &GenerateRequest) -> Result<PrefillPick, PrefillError> {
+        let missing = |what: String| PrefillError::Failed { message: what };
+        let index = request_index(request)
+            .ok_or_else(|| missing("request without a trace index".to_owned()))?;
+        let record = self
+            .shared
+            .trace
+            .get(index)
+            .ok_or_else(|| missing(format!("no trace record {index}")))?;
+        let (id, selection, cached_blocks) = self.choose(index, record, request)?;
+        let cached = u32::try_from(cached_blocks)
+            .unwrap_or(u32::MAX)
+            .saturating_mul(BLOCK_TOKENS)
+            .min(record.input_length);
+        let workers = u64::try_from(self.view.routable().len().max(1)).unwrap_or(1);
+        let probe = PrefillEstimate {
+            prompt_tokens: record.input_length,
+            cached_tokens: cached,
+            pool_tokens_per_worker: self.inflight_tokens.load(Ordering::Relaxed) / workers,
+        };
+        let load = TokenLoad::new(&self.inflight_tokens, u64::from(probe.uncached_tokens()));
+        let held = ReplayHeld {
+            id,
+            uncached: u64::from(probe.uncached_tokens()),
+            selection,
+            load,
+        };
+        Ok(PrefillPick::new(probe, Some(Box::new(held))))
+    }
+
+    /// Dispatches this very pick: the dispatcher's selection through
+    /// [`Dispatcher::dispatch_held`] (its booking then lives in the routed stream until the
+    /// prefill ends), a baseline's with `generate_direct`.
+    fn prefill_picked(
+        &self,
+        pick: PrefillPick,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let Some(held) = pick
+            .into_held()
+            .and_then(|h| h.downcast::<ReplayHeld>().ok())
+        else {
+            return failed("a pick this binding did not make".to_owned());
+        };
+        let mut held = *held;
+        let Some(selection) = held.selection.take() else {
+            return self.prefill_direct(held, request);
+        };
+        async move {
+            let stream = self.push.dispatch_held(selection, request).await?;
+            let outcome = PrefillOutcome::collect(held.id, stream).await;
+            drop(held.load);
+            outcome
+        }
+        .boxed()
+    }
+}
+
+/// The decode hop: the first token (prefill's) at once, the rest after `decode_per_token`
+/// each, in one response (one timer per request keeps the replay fast). A request that comes
+/// without a prefill (the conditional policy skipped it) is prefilled here first, whole: its
+/// first token comes after [`CostModel::prefill_time`] of its entire prompt (decode's cache is
+/// not modelled, so nothing is cached), slowed by the other local prefills running on the
+/// decode pool (spread over as many decode workers as there are prefill workers).
+pub(crate) struct ReplayDecode {
+    pub(crate) cost: CostModel,
+    pub(crate) shared: Arc<Shared>,
+    /// Decode workers the local prefills share.
+    pub(crate) workers: usize,
+    /// Local prefills running on the decode pool.
+    pub(crate) local: Arc<AtomicUsize>,
+}
+
+impl ReplayDecode {
+    /// Prefill request `index` on the decode pool, whole; record what it found (nothing).
+    async fn prefill_locally(&self, index: usize) {
+        let Some(record) = self.shared.trace.get(index) else {
+            return;
+        };
+        let running = self.local.fetch_add(1, Ordering::Relaxed) / self.workers.max(1);
+        tokio::time::sleep(self.cost.prefill_time(record.input_length, running)).await;
+        self.local.fetch_sub(1, Ordering::Relaxed);
+        if let Some(slot) = self.shared.served.lock().get_mut(index) {
+            *slot = Some(Served {
+                blocks: u32::try_from(record.hash_ids.len()).unwrap_or(u32::MAX),
+                hits: 0,
+                queue: Duration::ZERO,
+                local: true,
+            });
+        }
+    }
+}
+impl Decode for ReplayDecode {
+    fn decode(
+        &self,
+        request: GenerateRequest,
+        prefill: Option<PrefillOutcome>,
+    ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
+        let skipped = prefill.is_none();
+        let first = GenerateResponse {
+            token_ids: prefill.map_or_else(|| vec![1], |p| p.tokens),
+            finish: (request.max_tokens <= 1).then_some(FinishReason::Length),
+            prefill: request.handoff.clone(),
+        };
+        let rest = request.max_tokens.saturating_sub(1);
+        let delay = self.cost.decode_time(request.max_tokens);
+        let tail =
+            futures_util::stream::iter((rest > 0).then_some(())).then(move |()| async move {
+                tokio::time::sleep(delay).await;
+                Ok(GenerateResponse {
+                    token_ids: vec![0; rest as usize],
+                    finish: Some(FinishReason::Length),
+                    prefill: None,
+                })
+            });
+        let stream = futures_util::stream::iter([Ok(first)]).chain(tail);
+        let index = request_index(&request).filter(|_| skipped);
+        async move {
+            if let Some(index) = index {
+                self.prefill_locally(index).await;
+            }
+            Ok(Box::pin(stream) as DecodeStream)
+        }
+        .boxed()
+    }
+}

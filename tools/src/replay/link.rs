@@ -1,0 +1,267 @@
+//! The replay's request plane: the in-process prefill workers, and the [`WorkerLink`] each
+//! binding's real [`Dispatcher`] sends through to them. The dispatcher picks, books, retries
+//! elsewhere and releases exactly as in production; the link only carries an attempt to its
+//! worker, which queues for a batch slot, looks the prompt up in its KV cache (publishing the
+//! cache's changes), computes the rest in tokio's virtual time and answers with the first
+//! token and the [`PrefillInfo`] handoff.
+//!
+//! The stale-credit oracle of `kv-events` runs in [`WorkerLink::open`], in the poll of the
+//! pick it judges, on the overlap the [`Dispatch`] says the selector credited; a pick made
+//! ahead of its dispatch (conditional disaggregation's probe) is judged when it is made
+//! instead, since its credit also steers the skip decision, dispatched or not.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use futures_core::Stream;
+use parking_lot::Mutex;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use super::engine::{request_index, Shared};
+use super::policy::Policy;
+use super::trace::{TraceRecord, BLOCK_TOKENS};
+use crate::mock::BlockCache;
+use prefill_router::discovery::InstanceId;
+use prefill_router::push::{Dispatch, Dispatcher, WorkerLink};
+use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
+use prefill_router::transport::{RemoteError, TransportError};
+
+/// What one prefill found and cost.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Served {
+    pub(crate) blocks: u32,
+    pub(crate) hits: u32,
+    /// From arrival at the worker to the start of its prefill.
+    pub(crate) queue: Duration,
+    /// Prefilled on the decode pool (the conditional policy skipped the hop).
+    pub(crate) local: bool,
+}
+
+/// One prefill worker: its KV cache, its batch slots and its counters.
+#[derive(Debug)]
+pub(crate) struct Worker {
+    pub(super) cache: Mutex<BlockCache>,
+    slots: Semaphore,
+    running: AtomicUsize,
+    /// Blocks of the requests queued or running here (the "active blocks" of Dynamo's cost).
+    pub(super) active_blocks: AtomicU64,
+    /// Uncached prompt tokens of the requests the oracle picked for this worker and not yet
+    /// prefilled (its load term, as the dispatcher's bookings are the KV policies').
+    pub(super) booked: AtomicU64,
+    /// Uncached prompt tokens of the requests the Dynamo baselines picked for this worker and
+    /// not yet prefilled, without any per-request booking (the active prefill work of Dynamo's
+    /// cost).
+    pub(super) pending_prefill_tokens: AtomicU64,
+    /// Uncached prompt tokens computed here: the prefill work.
+    pub(crate) prefill_tokens: AtomicU64,
+}
+
+/// A prefill's share of its worker's occupancy, given back when the prefill ends or is
+/// cancelled (a deadline dropped it).
+struct Occupancy<'a> {
+    worker: &'a Worker,
+    blocks: u64,
+    running: bool,
+}
+
+impl Drop for Occupancy<'_> {
+    fn drop(&mut self) {
+        if self.running {
+            self.worker.running.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.worker
+            .active_blocks
+            .fetch_sub(self.blocks, Ordering::Relaxed);
+    }
+}
+
+impl Worker {
+    /// A worker whose cache publishes KV events of incarnation `epoch` when `epoch` is set.
+    pub(crate) fn new(cache_blocks: usize, max_batch: usize, epoch: Option<u64>) -> Self {
+        let cache = match epoch {
+            Some(epoch) => BlockCache::with_events(cache_blocks, epoch),
+            None => BlockCache::new(cache_blocks),
+        };
+        Worker {
+            cache: Mutex::new(cache),
+            slots: Semaphore::new(max_batch.max(1)),
+            running: AtomicUsize::new(0),
+            active_blocks: AtomicU64::new(0),
+            booked: AtomicU64::new(0),
+            pending_prefill_tokens: AtomicU64::new(0),
+            prefill_tokens: AtomicU64::new(0),
+        }
+    }
+
+    /// Queue for a batch slot, look the prompt's block `keys` up in the cache (holding them
+    /// from then on, and publishing the cache's changes to `shared`'s subscribers as worker
+    /// `id`), and compute the rest.
+    async fn serve(
+        &self,
+        id: InstanceId,
+        record: &TraceRecord,
+        keys: &[u64],
+        shared: &Shared,
+    ) -> Served {
+        let cost = &shared.cost;
+        let blocks = record.hash_ids.len() as u64;
+        self.active_blocks.fetch_add(blocks, Ordering::Relaxed);
+        let mut occupancy = Occupancy {
+            worker: self,
+            blocks,
+            running: false,
+        };
+        let queued = Instant::now();
+        // The semaphore lives as long as the worker and is never closed.
+        let permit = self.slots.acquire().await.ok();
+        let queue = queued.elapsed();
+        let (hits, batches) = {
+            let mut cache = self.cache.lock();
+            let hits = cache.prefill(keys);
+            (hits, cache.take_event_batches())
+        };
+        shared.publish(id, batches);
+        let hits = u32::try_from(hits).unwrap_or(u32::MAX);
+        let uncached = record
+            .input_length
+            .saturating_sub(hits.saturating_mul(BLOCK_TOKENS));
+        let running = self.running.fetch_add(1, Ordering::Relaxed);
+        occupancy.running = true;
+        tokio::time::sleep(cost.prefill_time(uncached, running)).await;
+        drop(occupancy);
+        self.prefill_tokens
+            .fetch_add(u64::from(uncached), Ordering::Relaxed);
+        drop(permit);
+        Served {
+            blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+            hits,
+            queue,
+            local: false,
+        }
+    }
+}
+
+/// The responses of one replayed prefill: one item, the first token with its handoff.
+pub(crate) type ReplayStream =
+    Pin<Box<dyn Stream<Item = Result<GenerateResponse, TransportError>> + Send>>;
+
+/// One binding's in-memory link to the replay's workers.
+pub(crate) struct ReplayLink {
+    pub(crate) shared: Arc<Shared>,
+    /// The dispatcher sending through this link (its KV index, for the stale-credit oracle);
+    /// weak, since the dispatcher owns the link.
+    pub(crate) dispatcher: Weak<Dispatcher<ReplayLink>>,
+    /// Requests whose pick was judged when it was made ([`judge_pick`](Self::judge_pick)),
+    /// so their dispatch is not judged again. A skipped pick's entry stays: at most one per
+    /// request of the run.
+    pub(crate) judged: Mutex<HashSet<usize>>,
+}
+
+impl WorkerLink for ReplayLink {
+    type Stream = ReplayStream;
+
+    fn open(
+        &self,
+        dispatch: Dispatch<'_>,
+        request: GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> impl std::future::Future<Output = Result<ReplayStream, TransportError>> + Send {
+        // All of it now, in the pick's poll: the oracle judges the cache the pick saw, and the
+        // worker's queue sees the request arrive at once (there is no wire).
+        std::future::ready(self.send(&dispatch, &request, deadline))
+    }
+}
+
+impl ReplayLink {
+    /// Judge the pick's credit, then start the prefill on the picked worker.
+    fn send(
+        &self,
+        dispatch: &Dispatch<'_>,
+        request: &GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> Result<ReplayStream, TransportError> {
+        let id = dispatch.instance.instance_id;
+        let rejected = |message: String| TransportError::Remote(RemoteError::Engine { message });
+        let index = request_index(request)
+            .ok_or_else(|| rejected("request without a trace index".to_owned()))?;
+        let shared = Arc::clone(&self.shared);
+        if shared.trace.get(index).is_none() || shared.keys.get(index).is_none() {
+            return Err(rejected(format!("no trace record {index}")));
+        }
+        // A worker the replay never started refuses the connection, as a real one would.
+        let worker = shared.worker(id).ok_or_else(|| TransportError::Connect {
+            addr: dispatch.instance.address,
+            reason: format!("worker {id} is not running"),
+        })?;
+        if shared.policy == Policy::KvEvents && !self.judged.lock().remove(&index) {
+            self.check_credit(index, id, dispatch.expected_overlap_blocks);
+        }
+        let prefill = async move {
+            let record = &shared.trace[index];
+            let served = worker.serve(id, record, &shared.keys[index], &shared).await;
+            if let Some(slot) = shared.served.lock().get_mut(index) {
+                *slot = Some(served);
+            }
+            Ok(GenerateResponse {
+                token_ids: vec![1],
+                finish: Some(FinishReason::Length),
+                prefill: Some(PrefillInfo {
+                    worker: id,
+                    prompt_tokens: record.input_length,
+                    cached_blocks: served.hits,
+                    block_size: BLOCK_TOKENS,
+                }),
+            })
+        };
+        let item = async move {
+            match deadline {
+                Some(d) => tokio::time::timeout_at(d, prefill)
+                    .await
+                    .unwrap_or(Err(TransportError::Timeout)),
+                None => prefill.await,
+            }
+        };
+        Ok(Box::pin(futures_util::stream::once(item)))
+    }
+
+    /// The stale-credit oracle on a pick of request `index` made ahead of its dispatch, now:
+    /// the dispatch will not be judged again.
+    pub(crate) fn judge_pick(&self, index: usize, id: InstanceId, credited: Option<usize>) {
+        if self.shared.policy == Policy::KvEvents {
+            self.check_credit(index, id, credited);
+            self.judged.lock().insert(index);
+        }
+    }
+
+    /// The stale-credit oracle of `kv-events`: the index credited worker `id` with `credited`
+    /// leading blocks of request `index`; the worker's cache must hold at least that many now
+    /// (a prediction's credit, for a worker that has not published yet, is not checked).
+    fn check_credit(&self, index: usize, id: InstanceId, credited: Option<usize>) {
+        let (Some(credited), Some(keys)) = (credited, self.shared.keys.get(index)) else {
+            return;
+        };
+        let Some(dispatcher) = self.dispatcher.upgrade() else {
+            return;
+        };
+        if credited == 0 || !dispatcher.kv_indexed(id) {
+            return;
+        }
+        let held = self
+            .shared
+            .worker(id)
+            .map_or(0, |w| w.cache.lock().leading_hits(keys));
+        if credited > held {
+            self.shared.stale_credit.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The discovery address of worker `id` (never dialled: the link delivers in-process).
+pub(crate) fn address(id: InstanceId) -> SocketAddr {
+    SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 40_000 + (id % 20_000) as u16))
+}

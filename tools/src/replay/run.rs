@@ -1,0 +1,403 @@
+//! The replay driver: one paused current-thread runtime per run, requests spawned at their
+//! trace arrival times, results folded into a [`ReplayReport`].
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::cost::CostModel;
+use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory, Shared};
+use super::policy::Policy;
+use super::report::ReplayReport;
+use super::sessions::{session_key, sessions, ClosedLoop};
+use super::summary::summarize;
+use super::trace::{TraceRecord, BLOCK_TOKENS};
+use prefill_router::advert::{KvRouterConfig, ModelCard, RouterConfig};
+use prefill_router::binding::PrefillError;
+use prefill_router::binding::{WorkerSetTarget, WorkerSetTargetId};
+use prefill_router::push::PushError;
+use prefill_router::request::GenerateRequest;
+use prefill_router::router::GenerateError;
+use prefill_router::router::{
+    AfterWait, ConditionalPolicy, FallbackPolicy, PrefillRouter, PrefillRouterConfig,
+};
+
+/// A change of the prefill pool at a trace time, to see routing around the router's
+/// lifecycle moments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolEvent {
+    /// The pool rolls to a new generation of as many cold workers (new ids, empty caches); the
+    /// old generation's admission empties.
+    Retarget {
+        /// Trace time of the roll.
+        at: Duration,
+    },
+    /// The pool disappears for [`FLAP_DOWN`] and comes back: with `rebuild` false as the same
+    /// target (the router reuses its held binding, KV index included), with `rebuild` true as
+    /// a new generation of the same workers (a new binding: warm workers, cold router index).
+    Flap {
+        /// Trace time the pool disappears.
+        at: Duration,
+        /// Whether it comes back as a new generation.
+        rebuild: bool,
+    },
+}
+
+impl PoolEvent {
+    pub(crate) fn at(self) -> Duration {
+        match self {
+            PoolEvent::Retarget { at } | PoolEvent::Flap { at, .. } => at,
+        }
+    }
+}
+
+/// How long a [`PoolEvent::Flap`] keeps the pool away. Requests arriving meanwhile wait for
+/// the hop (up to [`WAIT_FOR_HOP`]).
+pub const FLAP_DOWN: Duration = Duration::from_secs(1);
+
+/// How long a request waits for the hop to be Active before it is rejected (lost).
+pub const WAIT_FOR_HOP: Duration = Duration::from_secs(5);
+
+/// Around a [`PoolEvent`]: the window the report compares before and after it.
+pub const EVENT_WINDOW: Duration = Duration::from_secs(60);
+
+/// What to replay and how.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayConfig {
+    /// The routing policy.
+    pub policy: Policy,
+    /// Prefill workers (default 6).
+    pub workers: usize,
+    /// KV blocks each worker's LRU cache holds; `None` (default) is unbounded.
+    pub cache_blocks: Option<usize>,
+    /// Replay only the first `limit` requests.
+    pub limit: Option<usize>,
+    /// The workers' timing.
+    pub cost: CostModel,
+    /// Seed of the random policy.
+    pub seed: u64,
+    /// Print a progress line to stderr every 10% of the requests.
+    pub progress: bool,
+    /// A pool change during the replay, if any.
+    pub event: Option<PoolEvent>,
+    /// Policy `kv-events`: every how many KV event batches one is lost (0: none).
+    pub event_loss_every: u64,
+    /// Policy `kv-events`: how long a KV event batch takes to reach the router.
+    pub event_delay: Duration,
+    /// The router's conditional disaggregation policy (`None`, the default: off). A skipped
+    /// request is prefilled whole on the decode pool (see `docs/replay.md`).
+    pub conditional: Option<ConditionalPolicy>,
+    /// Session affinity on the prefill hop with this TTL (`None`, the default: off). Each
+    /// request's session is its conversation (see `session_key`); only the policies the
+    /// dispatcher routes (`kv`, `kv-events`, `round-robin`, `random`) honour it.
+    pub session_affinity: Option<Duration>,
+    /// The KV cost terms the pool's card advertises (the KV policies and the oracle).
+    pub kv: KvRouterConfig,
+    /// How long a request waits for room when every worker is over the busy threshold
+    /// (`kv.busy_threshold_tokens`) before it is shed (default 2 s, as `PushConfig`).
+    pub overload_wait: Duration,
+    /// Closed-loop arrivals instead of the trace's timestamps (`None`, the default: open loop).
+    pub closed_loop: Option<ClosedLoop>,
+}
+
+impl ReplayConfig {
+    /// The defaults for `policy`: 6 workers, unbounded caches, the whole trace.
+    pub fn new(policy: Policy) -> Self {
+        ReplayConfig {
+            policy,
+            workers: 6,
+            cache_blocks: None,
+            limit: None,
+            cost: CostModel::default(),
+            seed: 0x5eed,
+            progress: false,
+            event: None,
+            event_loss_every: 0,
+            event_delay: Duration::ZERO,
+            conditional: None,
+            session_affinity: None,
+            kv: KvRouterConfig::default(),
+            overload_wait: prefill_router::push::PushConfig::default().overload_wait,
+            closed_loop: None,
+        }
+    }
+}
+
+/// Replay `trace` under `config` on its own paused, single-threaded tokio runtime (so it must
+/// not be called from within a tokio runtime).
+///
+/// # Errors
+/// Only if the runtime cannot be built (an OS resource failure).
+pub fn run(config: &ReplayConfig, trace: &[TraceRecord]) -> std::io::Result<ReplayReport> {
+    let wall = std::time::Instant::now();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()?;
+    let records: Arc<[TraceRecord]> = trace[..config.limit.unwrap_or(usize::MAX).min(trace.len())]
+        .to_vec()
+        .into();
+    let mut report = runtime.block_on(replay(config, Arc::clone(&records)));
+    report.wall_s = wall.elapsed().as_secs_f64();
+    #[allow(clippy::cast_precision_loss)] // request counts far below 2^52
+    let rate = report.requests as f64 / report.wall_s.max(1e-9);
+    report.requests_per_s = rate;
+    Ok(report)
+}
+
+/// The prompt of `record` as token ids: block *i* is 512 copies of `hash_ids[i]`, so the push
+/// router's chained block hashes agree exactly when the trace's leading ids do. Only the KV
+/// policies read tokens; the others get an empty prompt and skip the work.
+pub(crate) fn prompt(record: &TraceRecord, policy: Policy) -> Vec<u32> {
+    if !policy.chained() {
+        return Vec::new();
+    }
+    let mut tokens = Vec::with_capacity(record.hash_ids.len() * BLOCK_TOKENS as usize);
+    for &h in &record.hash_ids {
+        // parse_trace guarantees ids below 2^32.
+        let token = u32::try_from(h).unwrap_or(u32::MAX);
+        tokens.extend(std::iter::repeat_n(token, BLOCK_TOKENS as usize));
+    }
+    tokens
+}
+
+async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayReport {
+    let cache_blocks = config.cache_blocks.unwrap_or(usize::MAX);
+    let pool = config.workers.max(1) as u64;
+    let ids: BTreeSet<u64> = (1..=pool).collect();
+    // The KV policies' workers key their caches by the router's chained block hashes.
+    let keys: Vec<Vec<u64>> = if config.policy.chained() {
+        records
+            .iter()
+            .map(|r| prefill_router::push::block_hashes(&prompt(r, config.policy), BLOCK_TOKENS))
+            .collect()
+    } else {
+        records.iter().map(|r| r.hash_ids.clone()).collect()
+    };
+    let shared = Arc::new(Shared {
+        trace: Arc::clone(&records),
+        keys,
+        subscribers: Mutex::new(Vec::new()),
+        event_loss_every: config.event_loss_every,
+        event_delay: config.event_delay,
+        batches: AtomicU64::new(0),
+        stale_credit: AtomicU64::new(0),
+        cost: config.cost.clone(),
+        policy: config.policy,
+        seed: config.seed,
+        cache_blocks,
+        workers: Mutex::new(BTreeMap::new()),
+        served: Mutex::new(vec![None; records.len()]),
+        builds: AtomicU64::new(0),
+        affinity_ttl: config.session_affinity,
+        overload_wait: config.overload_wait,
+        affinity: Arc::default(),
+    });
+    shared.add_workers(ids.iter().copied());
+    let router = Arc::new(PrefillRouter::new(
+        ReplayFactory {
+            shared: Arc::clone(&shared),
+        },
+        PrefillRouterConfig {
+            // A request the hop cannot take waits a little (a flap), then is lost: it is
+            // never silently served elsewhere.
+            fallback: FallbackPolicy::WaitUpTo {
+                timeout: WAIT_FOR_HOP,
+                then: AfterWait::Reject,
+            },
+            jitter_seed: Some(config.seed),
+            name: "replay".to_owned(),
+            conditional: config.conditional,
+            ..PrefillRouterConfig::default()
+        },
+    ));
+    let card = ModelCard {
+        name: "replay-model".to_owned(),
+        kv_cache_block_size: BLOCK_TOKENS,
+        router_config: Some(RouterConfig {
+            router_mode: config.policy.router_mode(),
+            kv_router_config: config.kv.clone(),
+            ..RouterConfig::default()
+        }),
+        ..ModelCard::default()
+    };
+    let card = Arc::new(card);
+    let (admitted, admitted_rx) = watch::channel(ids.clone());
+    let first = WorkerSetTarget::new(
+        WorkerSetTargetId::new("replay/prefill", 1),
+        prefill_endpoint(),
+        Arc::clone(&card),
+        admitted_rx,
+    );
+    router.set_target(Some(first.clone()));
+    // Virtual time: the build finishes at once, the wait costs nothing real.
+    let _ = router.wait_active(Duration::from_secs(60)).await;
+    let decode = Arc::new(ReplayDecode {
+        cost: config.cost.clone(),
+        shared: Arc::clone(&shared),
+        workers: config.workers,
+        local: Arc::default(),
+    });
+    let ttft: Arc<Mutex<Vec<Option<Duration>>>> = Arc::new(Mutex::new(vec![None; records.len()]));
+    // Requests refused with the typed overload error.
+    let shed: Arc<Mutex<Vec<bool>>> = Arc::new(Mutex::new(vec![false; records.len()]));
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(records.len());
+    if let Some(event) = config.event {
+        let router = Arc::clone(&router);
+        let shared = Arc::clone(&shared);
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(start + event.at()).await;
+            // The second generation: new cold workers, or the same ones.
+            let next_ids: BTreeSet<u64> = match event {
+                PoolEvent::Retarget { .. } => (pool + 1..=2 * pool).collect(),
+                PoolEvent::Flap { .. } => ids.clone(),
+            };
+            let (next_tx, next_rx) = watch::channel(next_ids.clone());
+            let second = WorkerSetTarget::new(
+                WorkerSetTargetId::new("replay/prefill", 2),
+                prefill_endpoint(),
+                Arc::clone(&card),
+                next_rx,
+            );
+            match event {
+                PoolEvent::Retarget { .. } => {
+                    shared.add_workers(next_ids);
+                    router.set_target(Some(second));
+                    admitted.send_replace(BTreeSet::new());
+                }
+                PoolEvent::Flap { rebuild, .. } => {
+                    router.set_target(None);
+                    tokio::time::sleep(FLAP_DOWN).await;
+                    router.set_target(Some(if rebuild { second } else { first }));
+                }
+            }
+            // Keep the admission channels open for the rest of the replay.
+            let _keep = (admitted, next_tx);
+            std::future::pending::<()>().await;
+        }));
+    }
+    let tenth = records.len().div_ceil(10).max(1);
+    let outcome = Outcome {
+        ttft: Arc::clone(&ttft),
+        shed: Arc::clone(&shed),
+    };
+    if let Some(closed) = config.closed_loop {
+        let queue = Arc::new(Mutex::new(
+            sessions(&records).into_iter().collect::<VecDeque<_>>(),
+        ));
+        for _ in 0..closed.users.max(1) {
+            let (queue, router, decode) =
+                (Arc::clone(&queue), Arc::clone(&router), Arc::clone(&decode));
+            let (records, outcome) = (Arc::clone(&records), outcome.clone());
+            let (policy, affinity) = (config.policy, config.session_affinity);
+            tasks.push(tokio::spawn(async move {
+                // Each user: the next session's turns in order, each after the previous one
+                // completed and a think time.
+                loop {
+                    let Some(turns) = queue.lock().pop_front() else {
+                        return;
+                    };
+                    for index in turns {
+                        let request = replay_request(&records[index], index, policy, affinity);
+                        outcome.serve(&router, &decode, index, request).await;
+                        tokio::time::sleep(closed.think).await;
+                    }
+                }
+            }));
+        }
+    }
+    let open_loop = if config.closed_loop.is_some() {
+        &records[..0]
+    } else {
+        &records[..]
+    };
+    for (index, record) in open_loop.iter().enumerate() {
+        tokio::time::sleep_until(start + Duration::from_millis(record.timestamp)).await;
+        if config.progress && index > 0 && index % tenth == 0 {
+            eprintln!(
+                "replay {}: {}% ({index} of {} requests, trace time {:.0} s)",
+                config.policy.name(),
+                index * 100 / records.len(),
+                records.len(),
+                start.elapsed().as_secs_f64()
+            );
+        }
+        let request = replay_request(record, index, config.policy, config.session_affinity);
+        let (router, decode, outcome) = (Arc::clone(&router), Arc::clone(&decode), outcome.clone());
+        tasks.push(tokio::spawn(async move {
+            outcome.serve(&router, &decode, index, request).await;
+        }));
+    }
+    let controller = config.event.map(|_| tasks.remove(0));
+    for task in tasks {
+        let _ = task.await;
+    }
+    if let Some(controller) = controller {
+        controller.abort();
+    }
+    let virtual_s = start.elapsed().as_secs_f64();
+    router.shutdown();
+    let ttft = ttft.lock().clone();
+    let shed = shed.lock().clone();
+    summarize(config, &records, &shared, &ttft, &shed, virtual_s)
+}
+
+/// The request of trace record `index`.
+fn replay_request(
+    record: &TraceRecord,
+    index: usize,
+    policy: Policy,
+    affinity: Option<Duration>,
+) -> GenerateRequest {
+    GenerateRequest {
+        token_ids: prompt(record, policy),
+        max_tokens: record.output_length.max(1),
+        request_id: Some(index as u64),
+        session: affinity.map(|_| session_key(record)),
+        ..GenerateRequest::default()
+    }
+}
+
+/// Where the requests' outcomes go: first-token times, and which were shed as overloaded.
+#[derive(Clone)]
+struct Outcome {
+    ttft: Arc<Mutex<Vec<Option<Duration>>>>,
+    shed: Arc<Mutex<Vec<bool>>>,
+}
+
+impl Outcome {
+    /// Send request `index` through the router and record how it fared; returns when its
+    /// stream ended (or it failed).
+    async fn serve(
+        &self,
+        router: &PrefillRouter<ReplayFactory>,
+        decode: &ReplayDecode,
+        index: usize,
+        request: GenerateRequest,
+    ) {
+        let arrived = Instant::now();
+        let mut stream = match router.generate(request, decode).await {
+            Ok(stream) => stream,
+            Err(GenerateError::Prefill(PrefillError::Push(PushError::Overloaded { .. }))) => {
+                self.shed.lock()[index] = true;
+                return;
+            }
+            Err(_) => return,
+        };
+        let mut first = None;
+        while let Some(item) = stream.next().await {
+            if item.is_err() {
+                return;
+            }
+            first.get_or_insert_with(|| arrived.elapsed());
+        }
+        self.ttft.lock()[index] = first;
+    }
+}

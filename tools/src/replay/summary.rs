@@ -1,0 +1,153 @@
+//! A replay's report from what it served: hit rates, TTFT percentiles, windows around pool
+//! events.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::engine::Shared;
+use super::link::Served;
+use super::report::{quantiles, AffinityReport, EventReport, Percentiles, ReplayReport, Window};
+use super::run::{PoolEvent, ReplayConfig, EVENT_WINDOW};
+use super::trace::{ceiling, ratio, TraceRecord};
+use prefill_router::router::ConditionalPolicy;
+
+/// The report's name for a conditional policy: `short<N` and `busy>M`, joined by `,`.
+fn conditional_label(policy: &ConditionalPolicy) -> String {
+    let short = policy.min_uncached_tokens.map(|n| format!("short<{n}"));
+    let busy = policy
+        .max_pool_tokens_per_worker
+        .map(|n| format!("busy>{n}"));
+    let parts: Vec<String> = short.into_iter().chain(busy).collect();
+    if parts.is_empty() {
+        "none".to_owned()
+    } else {
+        parts.join(",")
+    }
+}
+
+/// Prompt blocks and cached blocks over `served`.
+fn tally<'a>(served: impl Iterator<Item = &'a Served>) -> (u64, u64) {
+    served.fold((0, 0), |(b, h), s| {
+        (b + u64::from(s.blocks), h + u64::from(s.hits))
+    })
+}
+
+pub(crate) fn summarize(
+    config: &ReplayConfig,
+    records: &[TraceRecord],
+    shared: &Shared,
+    ttft: &[Option<Duration>],
+    shed: &[bool],
+    virtual_s: f64,
+) -> ReplayReport {
+    let served = shared.served.lock();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let (mut blocks, mut hits) = (0u64, 0u64);
+    let mut deciles = Vec::new();
+    let tenth = records.len().div_ceil(10).max(1);
+    for chunk in served.chunks(tenth) {
+        let (b, h) = tally(chunk.iter().flatten());
+        blocks += b;
+        hits += h;
+        deciles.push(ratio(h, b));
+    }
+    // Lost: no first token, or no prefill on record, and not refused as overloaded.
+    let is_lost = |i: usize| (ttft[i].is_none() || served[i].is_none()) && !shed[i];
+    let lost = (0..records.len()).filter(|&i| is_lost(i)).count() as u64;
+    let skipped = served.iter().flatten().filter(|s| s.local).count() as u64;
+    let prefill_tokens: Vec<u64> = shared
+        .workers
+        .lock()
+        .values()
+        .map(|w| w.prefill_tokens.load(Ordering::Relaxed))
+        .collect();
+    let max = prefill_tokens.iter().copied().max().unwrap_or(0);
+    let total: u64 = prefill_tokens.iter().sum();
+    #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
+    let work_imbalance = if total == 0 {
+        1.0
+    } else {
+        max as f64 * prefill_tokens.len() as f64 / total as f64
+    };
+    let prefix_hit_rate = ratio(hits, blocks);
+    let ceiling = ceiling(records);
+    let event = config.event.map(|event| {
+        let at = event.at();
+        let window = |from: Duration, to: Duration| {
+            let inside: Vec<usize> = (0..records.len())
+                .filter(|&i| {
+                    let t = Duration::from_millis(records[i].timestamp);
+                    t >= from && t < to
+                })
+                .collect();
+            let (b, h) = tally(inside.iter().filter_map(|&i| served[i].as_ref()));
+            Window {
+                requests: inside.len() as u64,
+                lost: inside.iter().filter(|&&i| is_lost(i)).count() as u64,
+                prefix_hit_rate: ratio(h, b),
+                ttft_ms: Percentiles::of(inside.iter().filter_map(|&i| ttft[i]).map(ms).collect()),
+            }
+        };
+        EventReport {
+            kind: match event {
+                PoolEvent::Retarget { .. } => "retarget",
+                PoolEvent::Flap { rebuild: false, .. } => "flap",
+                PoolEvent::Flap { rebuild: true, .. } => "flap-rebuild",
+            }
+            .to_owned(),
+            at_s: at.as_secs_f64(),
+            before: window(at.saturating_sub(EVENT_WINDOW), at),
+            after: window(at, at + EVENT_WINDOW),
+        }
+    });
+    ReplayReport {
+        policy: config.policy.name().to_owned(),
+        workers: config.workers,
+        cache_blocks: config.cache_blocks,
+        requests: records.len() as u64,
+        lost,
+        shed: shed.iter().filter(|&&s| s).count() as u64,
+        prompt_blocks: blocks,
+        cached_blocks: hits,
+        prefix_hit_rate,
+        ceiling,
+        of_ceiling: if ceiling > 0.0 {
+            prefix_hit_rate / ceiling
+        } else {
+            0.0
+        },
+        ttft_ms: Percentiles::of(ttft.iter().flatten().map(|&d| ms(d)).collect()),
+        ttft_cdf_ms: quantiles(ttft.iter().flatten().map(|&d| ms(d)).collect()),
+        queue_ms: Percentiles::of(
+            served
+                .iter()
+                .flatten()
+                .filter(|s| !s.local)
+                .map(|s| ms(s.queue))
+                .collect(),
+        ),
+        conditional: config.conditional.map(|c| conditional_label(&c)),
+        affinity: config.session_affinity.map(|ttl| {
+            let stats = shared.affinity.snapshot();
+            AffinityReport {
+                ttl_s: ttl.as_secs_f64(),
+                hits: stats.hits,
+                misses: stats.misses,
+                repicks: stats.repicks,
+                evictions: stats.evictions,
+            }
+        }),
+        skipped,
+        skipped_share: ratio(skipped, records.len() as u64),
+        work_share: prefill_tokens.iter().map(|&t| ratio(t, total)).collect(),
+        prefill_tokens,
+        work_imbalance,
+        hit_rate_by_decile: deciles,
+        event,
+        bindings_built: shared.builds.load(Ordering::Relaxed),
+        stale_credit: shared.stale_credit.load(Ordering::Relaxed),
+        virtual_s,
+        wall_s: 0.0,
+        requests_per_s: 0.0,
+    }
+}
