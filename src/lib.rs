@@ -69,6 +69,8 @@ pub mod lifecycle;
 #[cfg(feature = "runtime")]
 pub mod mock;
 #[cfg(feature = "runtime")]
+pub mod prelude;
+#[cfg(feature = "runtime")]
 pub mod push;
 #[cfg(feature = "sim")]
 pub mod replay;
