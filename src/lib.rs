@@ -89,3 +89,8 @@ pub mod transport;
 
 #[cfg(feature = "runtime")]
 pub use hop::{HopStartError, HopStatus, NotReady, PrefillHop, PrefillHopConfig, Readiness};
+
+// The README's Rust blocks (the embedder example) compile as doctests of the library.
+#[cfg(all(doctest, feature = "runtime"))]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
