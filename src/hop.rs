@@ -5,12 +5,9 @@
 //! topology's decode set (when the decode endpoint changes, the decode dispatcher follows).
 //!
 //! ```no_run
-//! # async fn example(discovery: std::sync::Arc<dyn prefill_router::discovery::Discovery>)
-//! # -> Result<(), Box<dyn std::error::Error>> {
-//! use prefill_router::{PrefillHop, PrefillHopConfig};
-//! use prefill_router::request::GenerateRequest;
-//! use futures_util::StreamExt;
+//! use prefill_router::prelude::*;
 //!
+//! # async fn example(discovery: Arc<dyn Discovery>) -> Result<(), Box<dyn std::error::Error>> {
 //! let hop = PrefillHop::start(discovery, "demo", PrefillHopConfig::default()).await?;
 //! let mut stream = hop.generate(GenerateRequest::new(vec![1, 2, 3], 4)).await?;
 //! while let Some(response) = stream.next().await {
@@ -52,18 +49,45 @@ use crate::topology::{TopologySnapshot, TopologyWatcher};
 pub use status::{HopStatus, NotReady, Readiness};
 
 /// Everything [`PrefillHop::start`] needs besides discovery and the namespace.
+///
+/// Each value is set in one place: the router's knobs in [`router`](Self::router), one
+/// dispatcher configuration for both legs in [`push`](Self::push) (the decode leg may
+/// override it), and the decode set in [`decode`](Self::decode), whose mode is both how the
+/// decode dispatcher picks and what prefill cards without a `router_config` inherit.
+///
+/// ```
+/// use prefill_router::prelude::*;
+///
+/// let config = PrefillHopConfig {
+///     router: PrefillRouterConfig {
+///         name: "my-model".into(),
+///         fallback: FallbackPolicy::Reject,
+///         ..Default::default()
+///     },
+///     push: PushConfig {
+///         request_timeout: Some(std::time::Duration::from_secs(60)),
+///         ..Default::default()
+///     },
+///     ..Default::default()
+/// };
+/// assert!(config.decode_push.is_none(), "both legs share one push configuration");
+/// ```
 #[derive(Clone, Debug)]
 pub struct PrefillHopConfig {
-    /// The prefill router (its name, build timeout, retry, and the fallback policy while the
-    /// hop is not Active).
+    /// The prefill router: its name in logs and metrics, build timeout, retry, drain cap,
+    /// conditional disaggregation, and the fallback policy while the hop is not Active.
     pub router: PrefillRouterConfig,
-    /// The binding factory: decode defaults the prefill cards inherit, and the prefill
-    /// dispatchers' push settings.
-    pub factory: FactoryConfig,
-    /// How the decode dispatcher picks a decode worker.
-    pub decode_mode: PushMode,
-    /// The decode dispatcher's settings (request deadline, client, health backoff).
-    pub decode_push: PushConfig,
+    /// The dispatchers' settings, for the prefill and the decode leg alike: request deadline,
+    /// client (and TLS), health backoff, retry budget, session-affinity capacity, overload.
+    pub push: PushConfig,
+    /// The decode leg's own settings when they must differ from [`push`](Self::push); `None`
+    /// (the default) uses `push`.
+    pub decode_push: Option<PushConfig>,
+    /// The decode set: its selection mode (how the decode dispatcher picks; `Direct` names
+    /// no worker here, so it picks round robin), its KV tuning and block size, and the session
+    /// affinity TTL. Prefill cards that advertise no `router_config` inherit them (Dynamo's
+    /// rule, `advert::resolve`). Default: round robin, 16-token blocks.
+    pub decode: DecodeDefaults,
     /// How long a new decode dispatcher may take to discover its first instance before it is
     /// used anyway (its requests then fail fast with `NoRoutableInstances` until it does).
     pub decode_catch_up: Duration,
@@ -73,17 +97,36 @@ impl Default for PrefillHopConfig {
     fn default() -> Self {
         PrefillHopConfig {
             router: PrefillRouterConfig::default(),
-            factory: FactoryConfig {
-                decode: DecodeDefaults {
-                    router_mode: SelectionMode::RoundRobin,
-                    block_size: 16,
-                    ..DecodeDefaults::default()
-                },
-                push: PushConfig::default(),
+            push: PushConfig::default(),
+            decode_push: None,
+            decode: DecodeDefaults {
+                router_mode: SelectionMode::RoundRobin,
+                block_size: 16,
+                ..DecodeDefaults::default()
             },
-            decode_mode: PushMode::RoundRobin,
-            decode_push: PushConfig::default(),
             decode_catch_up: Duration::from_secs(1),
+        }
+    }
+}
+
+impl PrefillHopConfig {
+    /// The binding factory's configuration: the decode defaults and the prefill leg's push.
+    fn factory(&self) -> FactoryConfig {
+        FactoryConfig {
+            decode: self.decode.clone(),
+            push: self.push.clone(),
+        }
+    }
+
+    /// How the decode dispatcher picks: the decode set's own mode.
+    fn decode_mode(&self) -> PushMode {
+        match self.decode.router_mode {
+            SelectionMode::RoundRobin | SelectionMode::Direct => PushMode::RoundRobin,
+            SelectionMode::Random => PushMode::Random,
+            SelectionMode::KV => PushMode::Kv {
+                block_size: self.decode.block_size,
+                config: self.decode.kv_router_config.clone().unwrap_or_default(),
+            },
         }
     }
 }
@@ -135,7 +178,7 @@ impl PrefillHop {
         namespace: &str,
         config: PrefillHopConfig,
     ) -> Result<Self, HopStartError> {
-        let factory = DefaultBindingFactory::new(Arc::clone(&discovery), config.factory.clone());
+        let factory = DefaultBindingFactory::new(Arc::clone(&discovery), config.factory());
         let stats = factory.stats();
         let router = Arc::new(PrefillRouter::new(factory, config.router.clone()));
         let store = discovery.store_status();
@@ -145,8 +188,11 @@ impl PrefillHop {
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         let decode = Arc::new(FollowingDecode::new(
-            config.decode_mode.clone(),
-            config.decode_push.clone(),
+            config.decode_mode(),
+            config
+                .decode_push
+                .clone()
+                .unwrap_or_else(|| config.push.clone()),
         ));
         let (decode_changed_tx, decode_changed) = watch::channel(());
         tracker.spawn(follow::follow(

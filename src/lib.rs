@@ -64,6 +64,8 @@ pub mod http;
 pub mod kv_events;
 pub mod lifecycle;
 #[cfg(feature = "runtime")]
+pub mod prelude;
+#[cfg(feature = "runtime")]
 pub mod push;
 pub mod request;
 pub mod rng;
@@ -79,3 +81,8 @@ pub mod transport;
 
 #[cfg(feature = "runtime")]
 pub use hop::{HopStartError, HopStatus, NotReady, PrefillHop, PrefillHopConfig, Readiness};
+
+// The README's Rust blocks (the embedder example) compile as doctests of the library.
+#[cfg(all(doctest, feature = "runtime"))]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

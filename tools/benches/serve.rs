@@ -453,11 +453,10 @@ async fn hop_over_workers(
         client,
         ..PushConfig::default()
     };
-    let mut config = PrefillHopConfig {
-        decode_push: push.clone(),
+    let config = PrefillHopConfig {
+        push,
         ..PrefillHopConfig::default()
     };
-    config.factory.push = push;
     let hop = Arc::new(
         PrefillHop::start(Arc::clone(&discovery), "bench", config)
             .await

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prefill_router::advert::{DecodeDefaults, ModelCard, SelectionMode};
-use prefill_router::binding::{DefaultBindingFactory, FactoryConfig};
+use prefill_router::binding::DefaultBindingFactory;
 use prefill_router::discovery::{
     Discovery, EndpointId, FileConfig, FileDiscovery, InstanceId, Registration,
 };
@@ -165,17 +165,15 @@ pub fn hop_config() -> PrefillHopConfig {
             build_timeout: Duration::from_secs(5),
             ..PrefillRouterConfig::default()
         },
-        factory: FactoryConfig {
-            decode: DecodeDefaults {
-                router_mode: SelectionMode::RoundRobin,
-                kv_router_config: None,
-                block_size: 16,
-                session_affinity_ttl: None,
-            },
-            push: PushConfig {
-                request_timeout: Some(Duration::from_secs(5)),
-                ..PushConfig::default()
-            },
+        decode: DecodeDefaults {
+            router_mode: SelectionMode::RoundRobin,
+            kv_router_config: None,
+            block_size: 16,
+            session_affinity_ttl: None,
+        },
+        push: PushConfig {
+            request_timeout: Some(Duration::from_secs(5)),
+            ..PushConfig::default()
         },
         ..PrefillHopConfig::default()
     }

@@ -285,17 +285,16 @@ async fn serve(mut options: ServeOptions) -> Result<(), String> {
     };
     // Both legs, prefill and decode, dial workers with the same TLS.
     push.client.tls = tls;
-    let mut config = PrefillHopConfig {
+    let config = PrefillHopConfig {
         router: PrefillRouterConfig {
             name: options.name.clone(),
             fallback: options.fallback,
             build_timeout: Duration::from_secs(10),
             ..PrefillRouterConfig::default()
         },
-        decode_push: push.clone(),
+        push,
         ..PrefillHopConfig::default()
     };
-    config.factory.push = push;
     let hop = PrefillHop::start(discovery, &options.namespace, config)
         .await
         .map_err(|e| e.to_string())?;

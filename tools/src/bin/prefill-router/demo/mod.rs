@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prefill_router::advert::{DecodeDefaults, SelectionMode};
-use prefill_router::binding::{BindingStats, FactoryConfig};
+use prefill_router::binding::BindingStats;
 use prefill_router::discovery::{Discovery, FileConfig, FileDiscovery, InstanceId};
 use prefill_router::hop::HopRouter;
 use prefill_router::lifecycle::Lifecycle;
@@ -255,17 +255,15 @@ async fn demo(options: DemoOptions) -> Result<bool, DynError> {
             build_timeout: Duration::from_secs(5),
             ..PrefillRouterConfig::default()
         },
-        factory: FactoryConfig {
-            decode: DecodeDefaults {
-                router_mode: SelectionMode::RoundRobin,
-                kv_router_config: None,
-                block_size: mock.block_size,
-                session_affinity_ttl: None,
-            },
-            push: PushConfig {
-                request_timeout: Some(Duration::from_secs(5)),
-                ..PushConfig::default()
-            },
+        decode: DecodeDefaults {
+            router_mode: SelectionMode::RoundRobin,
+            kv_router_config: None,
+            block_size: mock.block_size,
+            session_affinity_ttl: None,
+        },
+        push: PushConfig {
+            request_timeout: Some(Duration::from_secs(5)),
+            ..PushConfig::default()
         },
         ..PrefillHopConfig::default()
     };
