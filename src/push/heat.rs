@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 
-use super::kv::MixState;
+use crate::kv_events::MixState;
 
 /// Heat below which an entry is forgotten when the table is full (coldness 0.99 or more).
 pub const FORGET_BELOW: f64 = 1.0 / 64.0;

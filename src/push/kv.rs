@@ -14,7 +14,7 @@ use super::select::{self, is_busy, Candidate, Choice, KvCost};
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
 use crate::hooks::Seam;
-use crate::kv_events::{Applied, EventBatch, KvIndex};
+use crate::kv_events::{Applied, EventBatch, KvIndex, MixState};
 
 /// A block chain is remembered for at most this many workers (the most recent ones); a shared
 /// system prompt routed everywhere would otherwise grow one entry without bound.
@@ -45,8 +45,6 @@ pub fn block_hashes(token_ids: &[u32], block_size: u32) -> Vec<u64> {
     }
     hashes
 }
-
-pub(crate) use crate::kv_events::MixState;
 
 /// The salt that breaks ties between equal costs: per call, so that equal workers (idle ones
 /// at a low rate, with a prefix all of them hold) share the stream instead of one of them

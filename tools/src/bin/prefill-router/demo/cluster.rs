@@ -77,19 +77,23 @@ impl Cluster {
         Ok(())
     }
 
-    /// Start prefill worker `id` advertising `card` (its mock block size is the card's).
-    pub async fn start_prefill(
+    /// Start prefill workers `ids` advertising `card` (their mock block size is the card's).
+    pub async fn start_prefills(
         &mut self,
-        id: InstanceId,
-        card: ModelCard,
+        ids: impl IntoIterator<Item = InstanceId>,
+        card: &ModelCard,
         mock: &MockConfig,
     ) -> Result<(), SpawnError> {
         let config = MockConfig {
             block_size: card.kv_cache_block_size,
             ..mock.clone()
         };
-        self.start(prefill_endpoint(), id, MockPrefill::new(id, config), card)
-            .await
+        for id in ids {
+            let engine = MockPrefill::new(id, config.clone());
+            self.start(prefill_endpoint(), id, engine, card.clone())
+                .await?;
+        }
+        Ok(())
     }
 
     /// Start decode worker `id`.

@@ -400,23 +400,19 @@ async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::S
     stage.hold().await;
 
     stage.say("prefill pool appears: generation 1 (KV, block size 16), workers 1 2 3");
-    for id in 1..=3 {
-        stage
-            .cluster
-            .start_prefill(id, gen1.clone(), &stage.mock)
-            .await?;
-    }
+    stage
+        .cluster
+        .start_prefills(1..=3, &gen1, &stage.mock)
+        .await?;
     stage.wait_active_on(1).await?;
     stage.say("generation 1 active: requests route through prefill");
     stage.hold().await;
 
     stage.say("generation 2 rolls out (block size 32): workers 4 5 6 start (rejected while generation 1 serves: first card wins)");
-    for id in 4..=6 {
-        stage
-            .cluster
-            .start_prefill(id, gen2.clone(), &stage.mock)
-            .await?;
-    }
+    stage
+        .cluster
+        .start_prefills(4..=6, &gen2, &stage.mock)
+        .await?;
     tokio::time::sleep(stage.pace.hold / 2).await;
     stage.say("generation 1 workers leave: the set selects the new card, generation 2 builds");
     for id in 1..=3 {
@@ -449,12 +445,10 @@ async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::S
     stage.hold().await;
 
     stage.say("the prefill pool returns with the same card: generation 2 again, binding reused");
-    for id in [4, 6] {
-        stage
-            .cluster
-            .start_prefill(id, gen2.clone(), &stage.mock)
-            .await?;
-    }
+    stage
+        .cluster
+        .start_prefills([4, 6], &gen2, &stage.mock)
+        .await?;
     stage.wait_active_on(2).await?;
     let rebuilt = stage.stats.built.load(Ordering::Relaxed) - built_before;
     stage.say(&format!(
@@ -479,12 +473,10 @@ async fn compare(
 ) -> Result<Row, DynError> {
     let card = prefill_card(mode, 16);
     let ids: Vec<InstanceId> = (first_id..first_id + 3).collect();
-    for &id in &ids {
-        stage
-            .cluster
-            .start_prefill(id, card.clone(), &stage.mock)
-            .await?;
-    }
+    stage
+        .cluster
+        .start_prefills(ids.iter().copied(), &card, &stage.mock)
+        .await?;
     stage
         .wait_for(&format!("the {mode} pool to be active"), |s| {
             let status = s.router().status();
