@@ -3,7 +3,7 @@
 //! the router. Loopback mock workers with zero compute cost, so only the frontend's overhead
 //! differs. The two paths run interleaved in rounds in one process (ratios side by side).
 //!
-//! `cargo bench --bench frontend -- [--secs S] [--rounds N] [--concurrency C]`
+//! `cargo bench -p prefill-router-tools --bench frontend -- [--secs S] [--rounds N] [--concurrency C]`
 //! (defaults: 1 s per path per round, 5 rounds, 32 concurrent callers)
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -6,7 +6,7 @@
 //! request routed to it again (median, max), the requests served and failed while it was down,
 //! and the retries by class; and writes the return-to-first-route times as an SVG.
 //!
-//! `cargo run --release --example health_blips [-- --svg docs/health_blips.svg]`
+//! `cargo run --release -p prefill-router-tools --example health_blips [-- --svg docs/health_blips.svg]`
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

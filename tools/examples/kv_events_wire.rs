@@ -3,7 +3,7 @@
 //! routed request with a worker that publishes events vs one that does not (interleaved rounds,
 //! same process, same prompts).
 //!
-//! `cargo run --release --example kv_events_wire [-- ROUNDS]`
+//! `cargo run --release -p prefill-router-tools --example kv_events_wire [-- ROUNDS]`
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -4,10 +4,10 @@
 //! admission or on a replaced target.
 //!
 //! ```sh
-//! cargo run --release --example retarget_storm                       # memory, 100,000
+//! cargo run --release -p prefill-router-tools --example retarget_storm                       # memory, 100,000
 //! PREFILL_ETCD_ENDPOINT=http://127.0.0.1:2379 \
-//!   cargo run --release --features etcd --example retarget_storm -- --backend etcd
-//! cargo run --release --example retarget_storm -- --retargets 10000 --streams 4
+//!   cargo run --release -p prefill-router-tools --features etcd --example retarget_storm -- --backend etcd
+//! cargo run --release -p prefill-router-tools --example retarget_storm -- --retargets 10000 --streams 4
 //! ```
 
 #[path = "../tests/e2e/mod.rs"]
