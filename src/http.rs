@@ -19,10 +19,12 @@ mod openai;
 mod reply;
 mod server;
 mod session;
+mod state;
 pub mod tokenizer;
 
 pub use auth::{ApiKeys, AuthError, KeysError};
 pub use conn::ServeSummary;
 pub use openai::ApiError;
-pub use server::{app, serve, HttpConfig};
+pub use server::{app, serve};
 pub use session::{MAX_SESSION_LEN, SESSION_HEADER};
+pub use state::HttpConfig;

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -11,31 +11,14 @@ use axum::response::sse::Sse;
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use prometheus_client::metrics::gauge::Gauge;
 use tokio::time::Instant;
 
 use super::conn::RequestStart;
 use super::openai::{max_tokens_field, ApiError, ChatRequest, CompletionRequest, Content};
 use super::reply::*;
-use super::server::*;
+use super::state::*;
 use super::tokenizer::{chat_prompt, tokenize, Turn};
 use crate::request::GenerateRequest;
-
-/// Which endpoint a request came in on (the response shapes differ).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Kind {
-    Completion,
-    Chat,
-}
-
-impl Kind {
-    pub(super) fn route(self) -> &'static str {
-        match self {
-            Kind::Completion => "completions",
-            Kind::Chat => "chat_completions",
-        }
-    }
-}
 
 /// A parsed request.
 pub(super) struct Parsed {
@@ -284,80 +267,5 @@ impl App {
             }
         }
         response
-    }
-}
-
-/// A generation request not answered yet: dropped so (its handler future dropped because the
-/// connection closed), it is counted with status 499 and, unless serve itself is closing it
-/// at the end of the shutdown bound, as a client disconnect. Dropping the request future
-/// cancelled whichever leg was running at its worker.
-pub(super) struct Unanswered {
-    pub(super) app: Arc<Inner>,
-    pub(super) route: &'static str,
-    pub(super) answered: bool,
-}
-
-impl Drop for Unanswered {
-    fn drop(&mut self) {
-        if self.answered {
-            return;
-        }
-        self.app.count(self.route, "499");
-        if !self.app.closing.load(Ordering::Relaxed) {
-            self.app.metrics.disconnects.inc();
-            tracing::info!(
-                route = self.route,
-                "client went away before the answer; request cancelled"
-            );
-        }
-    }
-}
-
-/// A request's deadline, and its length (for the error message).
-pub(super) struct Limits {
-    pub(super) deadline: Instant,
-    pub(super) timeout: Duration,
-}
-
-/// One in-flight request in the gauge (until dropped; a stream carries it to its end).
-pub(super) struct InFlight(Gauge);
-
-impl InFlight {
-    pub(super) fn new(gauge: &Gauge) -> Self {
-        gauge.inc();
-        InFlight(gauge.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
-
-/// Counts a stream dropped before its end (the client went away): dropping the decode stream
-/// sends the worker a Cancel.
-pub(super) struct Disconnect {
-    pub(super) app: Arc<Inner>,
-    pub(super) finished: bool,
-    pub(super) _in_flight: InFlight,
-}
-
-impl Disconnect {
-    pub(super) fn new(app: Arc<Inner>, in_flight: InFlight) -> Self {
-        Disconnect {
-            app,
-            finished: false,
-            _in_flight: in_flight,
-        }
-    }
-}
-
-impl Drop for Disconnect {
-    fn drop(&mut self) {
-        if !self.finished && !self.app.closing.load(Ordering::Relaxed) {
-            self.app.metrics.disconnects.inc();
-            tracing::info!("client went away mid-stream; request cancelled");
-        }
     }
 }

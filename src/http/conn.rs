@@ -27,7 +27,7 @@ use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use super::server::{App, HttpConfig};
+use super::state::{App, DropReason, HttpConfig};
 
 /// When a request began: its first byte on the connection (set by the connection layer, read
 /// by the handlers so the request deadline covers the headers and the body too).
@@ -44,32 +44,6 @@ pub struct ServeSummary {
     /// Connections still open at the end of the shutdown bound, closed then (their requests,
     /// if any, were cut off).
     pub closed_at_bound: usize,
-}
-
-/// Why the connection layer closed a connection on its own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum DropReason {
-    /// The request's headers did not arrive within the header timeout.
-    HeaderTimeout,
-    /// A keep-alive connection stayed idle past the idle timeout.
-    IdleTimeout,
-    /// A request outlived its deadline (plus a grace for the handler's own answer): the client
-    /// stopped reading its response.
-    RequestTimeout,
-    /// Still open at the end of the shutdown bound.
-    Shutdown,
-}
-
-impl DropReason {
-    /// The metric label.
-    pub(super) fn label(self) -> &'static str {
-        match self {
-            DropReason::HeaderTimeout => "header_timeout",
-            DropReason::IdleTimeout => "idle_timeout",
-            DropReason::RequestTimeout => "request_timeout",
-            DropReason::Shutdown => "shutdown",
-        }
-    }
 }
 
 /// Where a connection is.

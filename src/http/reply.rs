@@ -9,8 +9,8 @@ use axum::Json;
 use futures_util::StreamExt;
 use tokio::time::Instant;
 
-use super::completion::*;
 use super::openai::{ApiError, Usage};
+use super::state::{Disconnect, Kind, Limits};
 use super::tokenizer::render;
 use crate::decode::DecodeStream;
 use crate::request::{FinishReason, GenerateResponse};
