@@ -21,6 +21,7 @@
 //! assert!(report.prefix_hit_rate <= report.ceiling);
 //! ```
 
+mod config;
 mod cost;
 mod engine;
 mod link;
@@ -33,10 +34,11 @@ mod svg;
 mod trace;
 mod workload;
 
+pub use config::{PoolEvent, ReplayConfig, EVENT_WINDOW, FLAP_DOWN, WAIT_FOR_HOP};
 pub use cost::CostModel;
 pub use policy::Policy;
 pub use report::{AffinityReport, EventReport, Percentiles, ReplayReport, Window};
-pub use run::{run, PoolEvent, ReplayConfig, EVENT_WINDOW, FLAP_DOWN, WAIT_FOR_HOP};
+pub use run::run;
 pub use sessions::ClosedLoop;
 pub use svg::svg;
 pub use trace::{ceiling, parse_trace, read_trace, TraceError, TraceRecord, BLOCK_TOKENS};

@@ -4,9 +4,8 @@
 //! KV block cache and the [`CostModel`]), and a decode hop that streams the output after
 //! `decode_per_token` per token.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::{self, BoxFuture};
@@ -15,7 +14,7 @@ use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use super::cost::CostModel;
-use super::link::{self, ReplayLink, Served, Worker};
+use super::link::{self, request_index, ReplayLink, Served, Shared};
 use super::policy::Policy;
 use super::trace::{TraceRecord, BLOCK_TOKENS};
 use prefill_router::advert::{self, DecodeDefaults};
@@ -26,10 +25,9 @@ use prefill_router::binding::{
 };
 use prefill_router::decode::{Decode, DecodeError, DecodeStream};
 use prefill_router::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
-use prefill_router::kv_events::EventBatch;
 use prefill_router::push::select::{Candidate, Choice};
 use prefill_router::push::{
-    AffinityCounts, Dispatcher, HeldPick, KvSelector, LoadBoard, PushConfig, PushMode, RoutableView,
+    Dispatcher, HeldPick, KvSelector, LoadBoard, PushConfig, PushMode, RoutableView,
 };
 use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse};
 use prefill_router::rng::finalize as mix;
@@ -46,99 +44,6 @@ fn instance(id: InstanceId) -> Instance {
         endpoint: prefill_endpoint(),
         instance_id: id,
         address: link::address(id),
-    }
-}
-
-/// The request index the replay writes into `GenerateRequest::request_id` (the session key
-/// is left to session affinity).
-pub(crate) fn request_index(request: &GenerateRequest) -> Option<usize> {
-    request.request_id.and_then(|i| usize::try_from(i).ok())
-}
-
-/// What every binding of one replay shares.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) trace: Arc<[TraceRecord]>,
-    /// Per request, the block keys the workers' caches use: the router's chained block hashes
-    /// under the KV policies, the trace's hash ids otherwise.
-    pub(crate) keys: Vec<Vec<u64>>,
-    /// The dispatchers fed the workers' KV events (policy `kv-events`).
-    pub(crate) subscribers: Mutex<Vec<Weak<Dispatcher<ReplayLink>>>>,
-    /// Every how many event batches one is lost (0: none).
-    pub(crate) event_loss_every: u64,
-    /// How long an event batch takes to reach the dispatchers.
-    pub(crate) event_delay: Duration,
-    /// Event batches published so far (numbers the losses).
-    pub(crate) batches: AtomicU64,
-    /// Selections that credited the pick with blocks its cache did not hold.
-    pub(crate) stale_credit: AtomicU64,
-    pub(crate) cost: CostModel,
-    pub(crate) policy: Policy,
-    pub(crate) seed: u64,
-    pub(crate) cache_blocks: usize,
-    pub(crate) workers: Mutex<BTreeMap<InstanceId, Arc<Worker>>>,
-    /// Per request index, what its prefill found.
-    pub(crate) served: Mutex<Vec<Option<Served>>>,
-    /// Bindings the factory built (a flap that reuses the binding builds none).
-    pub(crate) builds: AtomicU64,
-    /// The session-affinity TTL each binding's dispatcher gets (`None`: off).
-    pub(crate) affinity_ttl: Option<Duration>,
-    /// How long a request waits for room when every worker is over the busy threshold.
-    pub(crate) overload_wait: Duration,
-    /// Affinity outcomes over every binding.
-    pub(crate) affinity: Arc<AffinityCounts>,
-}
-
-impl Shared {
-    pub(crate) fn add_workers(&self, ids: impl IntoIterator<Item = InstanceId>) {
-        let epoch = (self.policy == Policy::KvEvents).then_some(1);
-        let mut workers = self.workers.lock();
-        for id in ids {
-            workers.insert(
-                id,
-                Arc::new(Worker::new(self.cache_blocks, self.cost.max_batch, epoch)),
-            );
-        }
-    }
-
-    /// Deliver worker `id`'s event batches to every live subscribed dispatcher, after the
-    /// configured delay and minus the configured losses.
-    pub(super) fn publish(&self, id: InstanceId, batches: Vec<EventBatch>) {
-        let mut kept = Vec::with_capacity(batches.len());
-        for batch in batches {
-            let n = self.batches.fetch_add(1, Ordering::Relaxed) + 1;
-            if self.event_loss_every == 0 || n % self.event_loss_every != 0 {
-                kept.push(batch);
-            }
-        }
-        if kept.is_empty() {
-            return;
-        }
-        let dispatchers: Vec<Arc<Dispatcher<ReplayLink>>> = {
-            let mut subscribers = self.subscribers.lock();
-            subscribers.retain(|d| d.strong_count() > 0);
-            subscribers.iter().filter_map(Weak::upgrade).collect()
-        };
-        let deliver = move || {
-            for dispatcher in &dispatchers {
-                for batch in &kept {
-                    dispatcher.apply_kv_events(id, batch);
-                }
-            }
-        };
-        if self.event_delay.is_zero() {
-            deliver();
-        } else {
-            let delay = self.event_delay;
-            tokio::spawn(async move {
-                tokio::time::sleep(delay).await;
-                deliver();
-            });
-        }
-    }
-
-    pub(super) fn worker(&self, id: InstanceId) -> Option<Arc<Worker>> {
-        self.workers.lock().get(&id).cloned()
     }
 }
 

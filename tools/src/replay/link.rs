@@ -10,7 +10,7 @@
 //! ahead of its dispatch (conditional disaggregation's probe) is judged when it is made
 //! instead, since its credit also steers the skip decision, dispatched or not.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -22,11 +22,13 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use super::engine::{request_index, Shared};
+use super::cost::CostModel;
 use super::policy::Policy;
 use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::mock::BlockCache;
 use prefill_router::discovery::InstanceId;
+use prefill_router::kv_events::EventBatch;
+use prefill_router::push::AffinityCounts;
 use prefill_router::push::{Dispatch, Dispatcher, WorkerLink};
 use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 use prefill_router::transport::{RemoteError, TransportError};
@@ -264,4 +266,97 @@ impl ReplayLink {
 /// The discovery address of worker `id` (never dialled: the link delivers in-process).
 pub(crate) fn address(id: InstanceId) -> SocketAddr {
     SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 40_000 + (id % 20_000) as u16))
+}
+
+/// The request index the replay writes into `GenerateRequest::request_id` (the session key
+/// is left to session affinity).
+pub(crate) fn request_index(request: &GenerateRequest) -> Option<usize> {
+    request.request_id.and_then(|i| usize::try_from(i).ok())
+}
+
+/// What every binding of one replay shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) trace: Arc<[TraceRecord]>,
+    /// Per request, the block keys the workers' caches use: the router's chained block hashes
+    /// under the KV policies, the trace's hash ids otherwise.
+    pub(crate) keys: Vec<Vec<u64>>,
+    /// The dispatchers fed the workers' KV events (policy `kv-events`).
+    pub(crate) subscribers: Mutex<Vec<Weak<Dispatcher<ReplayLink>>>>,
+    /// Every how many event batches one is lost (0: none).
+    pub(crate) event_loss_every: u64,
+    /// How long an event batch takes to reach the dispatchers.
+    pub(crate) event_delay: Duration,
+    /// Event batches published so far (numbers the losses).
+    pub(crate) batches: AtomicU64,
+    /// Selections that credited the pick with blocks its cache did not hold.
+    pub(crate) stale_credit: AtomicU64,
+    pub(crate) cost: CostModel,
+    pub(crate) policy: Policy,
+    pub(crate) seed: u64,
+    pub(crate) cache_blocks: usize,
+    pub(crate) workers: Mutex<BTreeMap<InstanceId, Arc<Worker>>>,
+    /// Per request index, what its prefill found.
+    pub(crate) served: Mutex<Vec<Option<Served>>>,
+    /// Bindings the factory built (a flap that reuses the binding builds none).
+    pub(crate) builds: AtomicU64,
+    /// The session-affinity TTL each binding's dispatcher gets (`None`: off).
+    pub(crate) affinity_ttl: Option<Duration>,
+    /// How long a request waits for room when every worker is over the busy threshold.
+    pub(crate) overload_wait: Duration,
+    /// Affinity outcomes over every binding.
+    pub(crate) affinity: Arc<AffinityCounts>,
+}
+
+impl Shared {
+    pub(crate) fn add_workers(&self, ids: impl IntoIterator<Item = InstanceId>) {
+        let epoch = (self.policy == Policy::KvEvents).then_some(1);
+        let mut workers = self.workers.lock();
+        for id in ids {
+            workers.insert(
+                id,
+                Arc::new(Worker::new(self.cache_blocks, self.cost.max_batch, epoch)),
+            );
+        }
+    }
+
+    /// Deliver worker `id`'s event batches to every live subscribed dispatcher, after the
+    /// configured delay and minus the configured losses.
+    pub(super) fn publish(&self, id: InstanceId, batches: Vec<EventBatch>) {
+        let mut kept = Vec::with_capacity(batches.len());
+        for batch in batches {
+            let n = self.batches.fetch_add(1, Ordering::Relaxed) + 1;
+            if self.event_loss_every == 0 || n % self.event_loss_every != 0 {
+                kept.push(batch);
+            }
+        }
+        if kept.is_empty() {
+            return;
+        }
+        let dispatchers: Vec<Arc<Dispatcher<ReplayLink>>> = {
+            let mut subscribers = self.subscribers.lock();
+            subscribers.retain(|d| d.strong_count() > 0);
+            subscribers.iter().filter_map(Weak::upgrade).collect()
+        };
+        let deliver = move || {
+            for dispatcher in &dispatchers {
+                for batch in &kept {
+                    dispatcher.apply_kv_events(id, batch);
+                }
+            }
+        };
+        if self.event_delay.is_zero() {
+            deliver();
+        } else {
+            let delay = self.event_delay;
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                deliver();
+            });
+        }
+    }
+
+    pub(super) fn worker(&self, id: InstanceId) -> Option<Arc<Worker>> {
+        self.workers.lock().get(&id).cloned()
+    }
 }

@@ -4,10 +4,10 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::engine::Shared;
+use super::config::{PoolEvent, ReplayConfig, EVENT_WINDOW};
 use super::link::Served;
+use super::link::Shared;
 use super::report::{quantiles, AffinityReport, EventReport, Percentiles, ReplayReport, Window};
-use super::run::{PoolEvent, ReplayConfig, EVENT_WINDOW};
 use super::trace::{ceiling, ratio, TraceRecord};
 use prefill_router::router::ConditionalPolicy;
 
