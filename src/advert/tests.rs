@@ -353,3 +353,14 @@ fn load_only_is_the_default_without_keep_credit_or_recent_work() {
         KvRouterConfig::default()
     );
 }
+
+#[test]
+fn a_routed_card_carries_its_name_mode_and_block_size() {
+    let card = ModelCard::routed("m", SelectionMode::KV, 32);
+    assert_eq!(card.name, "m");
+    assert_eq!(card.kv_cache_block_size, 32);
+    let config = card
+        .router_config
+        .expect("a routed card advertises a router config");
+    assert_eq!(config.router_mode, SelectionMode::KV);
+}
