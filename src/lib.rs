@@ -20,6 +20,8 @@
 //!   frontend multiplexes streamed requests over one connection per instance.
 //! - [`push`] (feature `runtime`): the routable-instance view and the dispatchers (round
 //!   robin, random, direct, KV prefix-aware).
+//! - [`load_report`]: the workers' load reports and the frontends' reconciliation rule (own
+//!   bookings plus the others' reported work; pure, model-checked in `model/`).
 //! - [`kv_events`]: the workers' KV cache events (wire format, publisher) and the index of
 //!   real caches the KV dispatcher scores from (`docs/kv_events.md`).
 //! - [`router`] (feature `runtime`): the tokio adapter, `PrefillRouter`, driving the control
@@ -63,6 +65,7 @@ pub mod hop;
 pub mod http;
 pub mod kv_events;
 pub mod lifecycle;
+pub mod load_report;
 #[cfg(feature = "runtime")]
 pub mod prelude;
 #[cfg(feature = "runtime")]
