@@ -34,7 +34,7 @@ mod svg;
 mod trace;
 mod workload;
 
-pub use config::{PoolEvent, ReplayConfig, EVENT_WINDOW, FLAP_DOWN, WAIT_FOR_HOP};
+pub use config::{PoolEvent, ReplayConfig, Spread, EVENT_WINDOW, FLAP_DOWN, WAIT_FOR_HOP};
 pub use cost::CostModel;
 pub use policy::Policy;
 pub use report::{AffinityReport, EventReport, Percentiles, ReplayReport, Window};

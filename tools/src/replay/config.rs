@@ -38,6 +38,37 @@ impl PoolEvent {
     }
 }
 
+/// How a multi-frontend replay spreads requests over its frontends (the load balancer in
+/// front of them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Spread {
+    /// Request *i* goes to frontend *i* mod N (a round-robin balancer).
+    #[default]
+    RoundRobin,
+    /// A request goes to the frontend its session hashes to (a sticky balancer: every turn of
+    /// a conversation reaches the same frontend).
+    Session,
+}
+
+impl Spread {
+    /// The spread named `name` (`round-robin` or `session`).
+    pub fn parse(name: &str) -> Option<Spread> {
+        match name {
+            "round-robin" => Some(Spread::RoundRobin),
+            "session" => Some(Spread::Session),
+            _ => None,
+        }
+    }
+
+    /// The name [`parse`](Self::parse) reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Spread::RoundRobin => "round-robin",
+            Spread::Session => "session",
+        }
+    }
+}
+
 /// How long a [`PoolEvent::Flap`] keeps the pool away. Requests arriving meanwhile wait for
 /// the hop (up to [`WAIT_FOR_HOP`]).
 pub const FLAP_DOWN: Duration = Duration::from_secs(1);
@@ -85,6 +116,11 @@ pub struct ReplayConfig {
     pub overload_wait: Duration,
     /// Closed-loop arrivals instead of the trace's timestamps (`None`, the default: open loop).
     pub closed_loop: Option<ClosedLoop>,
+    /// Independent frontends over the one pool (default 1): each its own router, binding,
+    /// dispatcher, KV index, bookings and affinity table, as separate processes would be.
+    pub frontends: usize,
+    /// How requests are spread over the frontends.
+    pub spread: Spread,
 }
 
 impl ReplayConfig {
@@ -106,6 +142,8 @@ impl ReplayConfig {
             kv: KvRouterConfig::default(),
             overload_wait: prefill_router::push::PushConfig::default().overload_wait,
             closed_loop: None,
+            frontends: 1,
+            spread: Spread::RoundRobin,
         }
     }
 }

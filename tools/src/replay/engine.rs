@@ -50,6 +50,8 @@ fn instance(id: InstanceId) -> Instance {
 /// Builds [`ReplayBinding`]s (at once: the replay studies routing, not build faults).
 pub(crate) struct ReplayFactory {
     pub(crate) shared: Arc<Shared>,
+    /// Which of the replay's frontends builds with it (its connection as the workers see it).
+    pub(crate) frontend: u64,
 }
 
 impl BindingFactory for ReplayFactory {

@@ -92,6 +92,10 @@ pub struct ReplayReport {
     pub policy: String,
     /// Prefill workers.
     pub workers: usize,
+    /// Independent frontends routing over the pool (1: one router).
+    pub frontends: usize,
+    /// How requests were spread over the frontends (`round-robin` or `session`).
+    pub spread: String,
     /// KV blocks per worker (`None`: unbounded).
     pub cache_blocks: Option<usize>,
     /// Requests replayed.
@@ -168,7 +172,12 @@ impl ReplayReport {
             .as_ref()
             .map(|a| format!(", affinity {:.0} s", a.ttl_s))
             .unwrap_or_default();
-        format!("{}{conditional}{affinity}", self.policy)
+        let frontends = if self.frontends > 1 {
+            format!(", {} frontends ({})", self.frontends, self.spread)
+        } else {
+            String::new()
+        };
+        format!("{}{conditional}{affinity}{frontends}", self.policy)
     }
 }
 
@@ -200,6 +209,13 @@ impl fmt::Display for ReplayReport {
             self.wall_s,
             self.requests_per_s,
         )?;
+        if self.frontends > 1 {
+            write!(
+                f,
+                "\n            {} frontends, requests spread {}",
+                self.frontends, self.spread
+            )?;
+        }
         if let Some(c) = &self.conditional {
             write!(
                 f,

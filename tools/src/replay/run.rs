@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::config::{PoolEvent, ReplayConfig, FLAP_DOWN, WAIT_FOR_HOP};
+use super::config::{PoolEvent, ReplayConfig, Spread, FLAP_DOWN, WAIT_FOR_HOP};
 use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory};
 use super::link::Shared;
 use super::policy::Policy;
@@ -98,23 +98,6 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         affinity: Arc::default(),
     });
     shared.add_workers(ids.iter().copied());
-    let router = Arc::new(PrefillRouter::new(
-        ReplayFactory {
-            shared: Arc::clone(&shared),
-        },
-        PrefillRouterConfig {
-            // A request the hop cannot take waits a little (a flap), then is lost: it is
-            // never silently served elsewhere.
-            fallback: FallbackPolicy::WaitUpTo {
-                timeout: WAIT_FOR_HOP,
-                then: AfterWait::Reject,
-            },
-            jitter_seed: Some(config.seed),
-            name: "replay".to_owned(),
-            conditional: config.conditional,
-            ..PrefillRouterConfig::default()
-        },
-    ));
     let card = ModelCard {
         name: "replay-model".to_owned(),
         kv_cache_block_size: BLOCK_TOKENS,
@@ -133,9 +116,17 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         Arc::clone(&card),
         admitted_rx,
     );
-    router.set_target(Some(first.clone()));
-    // Virtual time: the build finishes at once, the wait costs nothing real.
-    let _ = router.wait_active(Duration::from_secs(60)).await;
+    // Independent frontends: each its own router, hence its own binding, dispatcher, KV
+    // index, bookings and affinity table, over the one pool.
+    let routers: Vec<Arc<PrefillRouter<ReplayFactory>>> = (0..config.frontends.max(1))
+        .map(|frontend| frontend_router(config, &shared, frontend))
+        .collect();
+    for router in &routers {
+        router.set_target(Some(first.clone()));
+        // Virtual time: the build finishes at once, the wait costs nothing real.
+        let _ = router.wait_active(Duration::from_secs(60)).await;
+    }
+    let routers: Arc<[Arc<PrefillRouter<ReplayFactory>>]> = routers.into();
     let decode = Arc::new(ReplayDecode {
         cost: config.cost.clone(),
         shared: Arc::clone(&shared),
@@ -148,7 +139,7 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(records.len());
     if let Some(event) = config.event {
-        let router = Arc::clone(&router);
+        let routers = Arc::clone(&routers);
         let shared = Arc::clone(&shared);
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until(start + event.at()).await;
@@ -167,13 +158,20 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
             match event {
                 PoolEvent::Retarget { .. } => {
                     shared.add_workers(next_ids);
-                    router.set_target(Some(second));
+                    for router in routers.iter() {
+                        router.set_target(Some(second.clone()));
+                    }
                     admitted.send_replace(BTreeSet::new());
                 }
                 PoolEvent::Flap { rebuild, .. } => {
-                    router.set_target(None);
+                    for router in routers.iter() {
+                        router.set_target(None);
+                    }
                     tokio::time::sleep(FLAP_DOWN).await;
-                    router.set_target(Some(if rebuild { second } else { first }));
+                    let back = if rebuild { second } else { first };
+                    for router in routers.iter() {
+                        router.set_target(Some(back.clone()));
+                    }
                 }
             }
             // Keep the admission channels open for the rest of the replay.
@@ -191,10 +189,14 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
             sessions(&records).into_iter().collect::<VecDeque<_>>(),
         ));
         for _ in 0..closed.users.max(1) {
-            let (queue, router, decode) =
-                (Arc::clone(&queue), Arc::clone(&router), Arc::clone(&decode));
+            let (queue, routers, decode) = (
+                Arc::clone(&queue),
+                Arc::clone(&routers),
+                Arc::clone(&decode),
+            );
             let (records, outcome) = (Arc::clone(&records), outcome.clone());
-            let (policy, affinity) = (config.policy, config.session_affinity);
+            let (policy, affinity, spread) =
+                (config.policy, config.session_affinity, config.spread);
             tasks.push(tokio::spawn(async move {
                 // Each user: the next session's turns in order, each after the previous one
                 // completed and a think time.
@@ -204,7 +206,9 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
                     };
                     for index in turns {
                         let request = replay_request(&records[index], index, policy, affinity);
-                        outcome.serve(&router, &decode, index, request).await;
+                        let router =
+                            &routers[frontend_of(spread, &records[index], index, routers.len())];
+                        outcome.serve(router, &decode, index, request).await;
                         tokio::time::sleep(closed.think).await;
                     }
                 }
@@ -228,7 +232,8 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
             );
         }
         let request = replay_request(record, index, config.policy, config.session_affinity);
-        let (router, decode, outcome) = (Arc::clone(&router), Arc::clone(&decode), outcome.clone());
+        let router = Arc::clone(&routers[frontend_of(config.spread, record, index, routers.len())]);
+        let (decode, outcome) = (Arc::clone(&decode), outcome.clone());
         tasks.push(tokio::spawn(async move {
             outcome.serve(&router, &decode, index, request).await;
         }));
@@ -241,10 +246,58 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         controller.abort();
     }
     let virtual_s = start.elapsed().as_secs_f64();
-    router.shutdown();
+    for router in routers.iter() {
+        router.shutdown();
+    }
     let ttft = ttft.lock().clone();
     let shed = shed.lock().clone();
     summarize(config, &records, &shared, &ttft, &shed, virtual_s)
+}
+
+/// Frontend `frontend`'s router over `shared`'s pool.
+fn frontend_router(
+    config: &ReplayConfig,
+    shared: &Arc<Shared>,
+    frontend: usize,
+) -> Arc<PrefillRouter<ReplayFactory>> {
+    let name = if config.frontends > 1 {
+        format!("replay-{frontend}")
+    } else {
+        "replay".to_owned()
+    };
+    Arc::new(PrefillRouter::new(
+        ReplayFactory {
+            shared: Arc::clone(shared),
+            frontend: frontend as u64,
+        },
+        PrefillRouterConfig {
+            // A request the hop cannot take waits a little (a flap), then is lost: it is
+            // never silently served elsewhere.
+            fallback: FallbackPolicy::WaitUpTo {
+                timeout: WAIT_FOR_HOP,
+                then: AfterWait::Reject,
+            },
+            jitter_seed: Some(config.seed ^ frontend as u64),
+            name,
+            conditional: config.conditional,
+            ..PrefillRouterConfig::default()
+        },
+    ))
+}
+
+/// The frontend (of `frontends`) that the balancer in front sends request `index` to.
+fn frontend_of(spread: Spread, record: &TraceRecord, index: usize, frontends: usize) -> usize {
+    let frontends = frontends.max(1);
+    match spread {
+        Spread::RoundRobin => index % frontends,
+        Spread::Session => {
+            let key = session_key(record);
+            let hash = key.bytes().fold(prefill_router::rng::GAMMA, |h, b| {
+                prefill_router::rng::finalize(h ^ u64::from(b))
+            });
+            (hash % frontends as u64) as usize
+        }
+    }
 }
 
 /// The request of trace record `index`.

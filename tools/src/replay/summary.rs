@@ -103,6 +103,8 @@ pub(crate) fn summarize(
     ReplayReport {
         policy: config.policy.name().to_owned(),
         workers: config.workers,
+        frontends: config.frontends.max(1),
+        spread: config.spread.name().to_owned(),
         cache_blocks: config.cache_blocks,
         requests: records.len() as u64,
         lost,

@@ -14,6 +14,7 @@ usage: prefill-router replay (--trace FILE | --workload SPEC) [--workers N] [--p
                              [--retarget-at T | --flap-at T | --flap-rebuild-at T]
                              [--event-loss-every K] [--event-delay-ms D]
                              [--conditional SPECS] [--affinity SPECS]
+                             [--frontends LIST] [--spread round-robin|session]
 
 Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
 hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and dispatchers
@@ -53,6 +54,11 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
   --affinity SPECS   session affinity (a session is a conversation), one run per
                      comma-separated spec (and policy and conditional spec): `off` or a TTL
                      in seconds (default: off only); kv, kv-events, round-robin, random
+  --frontends LIST   independent frontends over the one pool, one run per comma-separated
+                     count (default 1): each its own router, binding, dispatcher, KV index,
+                     bookings and affinity table, as separate processes
+  --spread S         how the balancer in front spreads requests over the frontends:
+                     round-robin (default) or session (every turn of a conversation to one)
 (from the workspace root: cargo run --release -- replay ...)";
 
 /// Parsed options.
@@ -78,6 +84,10 @@ pub struct ReplayOptions {
     conditional: Vec<Option<ConditionalPolicy>>,
     /// The session-affinity TTLs to run (`None`: off).
     affinity: Vec<Option<Duration>>,
+    /// The frontend counts to run.
+    frontends: Vec<usize>,
+    /// How requests are spread over the frontends.
+    spread: prefill_router_tools::replay::Spread,
 }
 
 /// One `--affinity` spec: `off` or a TTL in seconds (> 0, finite).
@@ -140,6 +150,8 @@ impl ReplayOptions {
             kv: prefill_router::advert::KvRouterConfig::default(),
             overload_wait: prefill_router::push::PushConfig::default().overload_wait,
             closed_loop: None,
+            frontends: vec![1],
+            spread: prefill_router_tools::replay::Spread::RoundRobin,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -198,6 +210,27 @@ impl ReplayOptions {
                         .split(',')
                         .map(parse_affinity)
                         .collect::<Result<_, _>>()?;
+                }
+                "--frontends" => {
+                    let spec = flags.value(flag)?;
+                    options.frontends = spec
+                        .split(',')
+                        .map(|n| n.parse::<usize>().ok().filter(|&n| (1..=64).contains(&n)))
+                        .collect::<Option<_>>()
+                        .ok_or_else(|| {
+                            CliError::Usage(format!(
+                                "--frontends takes counts from 1 to 64, comma-separated, not `{spec}`"
+                            ))
+                        })?;
+                }
+                "--spread" => {
+                    let name = flags.value(flag)?;
+                    options.spread =
+                        prefill_router_tools::replay::Spread::parse(name).ok_or_else(|| {
+                            CliError::Usage(format!(
+                                "--spread is round-robin or session, not `{name}`"
+                            ))
+                        })?;
                 }
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
@@ -265,9 +298,12 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
             .conditional
             .iter()
             .flat_map(move |&c| options.affinity.iter().map(move |&a| (p, c, a)))
+            .flat_map(move |(p, c, a)| options.frontends.iter().map(move |&n| (p, c, a, n)))
     });
-    for (policy, conditional, session_affinity) in runs {
+    for (policy, conditional, session_affinity, frontends) in runs {
         let config = ReplayConfig {
+            frontends,
+            spread: options.spread,
             conditional,
             session_affinity,
             workers: options.workers,
