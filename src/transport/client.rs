@@ -19,7 +19,8 @@ use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
 use super::error::{FrameError, RemoteError, TransportError};
-use super::events::{Feed, KvEventSink};
+use super::events::KvEventSink;
+use super::feed::Feed;
 use super::stream::{self, ReadHalf};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
 use super::writer::Writer;
@@ -224,13 +225,13 @@ impl Connection {
             Some(sink) => {
                 // First on the wire, so the worker subscribes before it sees any request.
                 let subscribe = bytes::Bytes::from(wire::encode_frame(&Frame::KvSubscribe));
-                let feed = Feed::spawn(sink);
                 if !shared.writer.send(subscribe).await {
                     return Err(TransportError::Disconnected {
                         reason: "connection closed while subscribing to KV events".into(),
                     });
                 }
-                Some(feed)
+                // After the subscribe, so a snapshot request follows it on the wire.
+                Some(Feed::spawn(sink, Some(shared.writer.clone())))
             }
             None => None,
         };
@@ -387,6 +388,18 @@ async fn read_loop(rd: ReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
                 }
                 continue;
             }
+            Ok(Frame::KvSnapshotChunk { seq, last, payload }) => {
+                if let Some(feed) = &feed {
+                    feed.offer_chunk(seq, last, payload);
+                }
+                continue;
+            }
+            Ok(Frame::KvSnapshotUnavailable) => {
+                if let Some(feed) = &feed {
+                    feed.offer_unavailable();
+                }
+                continue;
+            }
             Ok(Frame::Draining) => {
                 if !shared.draining.is_cancelled() {
                     shared.draining.cancel();
@@ -399,7 +412,11 @@ async fn read_loop(rd: ReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
                 continue;
             }
             Ok(
-                Frame::Request { .. } | Frame::Cancel { .. } | Frame::KvSubscribe | Frame::DrainAck,
+                Frame::Request { .. }
+                | Frame::Cancel { .. }
+                | Frame::KvSubscribe
+                | Frame::DrainAck
+                | Frame::KvSnapshotRequest,
             ) => {
                 break TransportError::Frame(FrameError::Unexpected {
                     reason: "worker sent a client frame".into(),

@@ -1,8 +1,8 @@
 //! A bounded LRU set of KV block hashes, optionally publishing its changes as KV events.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
-use prefill_router::kv_events::{EventBatch, EventPublisher};
+use prefill_router::kv_events::{EventBatch, EventPublisher, KvEvent, KvSnapshot};
 
 /// The KV blocks one mock worker holds: at most `capacity` block hashes, least recently used
 /// evicted first. Memory is bounded by the capacity whatever the traffic.
@@ -16,6 +16,9 @@ pub struct BlockCache {
     clock: u64,
     /// Where stores and evictions are reported, for a cache that publishes KV events.
     events: Option<EventPublisher>,
+    /// Held block -> the block it extends, kept only by a cache that publishes (its
+    /// snapshots carry the chains).
+    parents: HashMap<u64, Option<u64>>,
 }
 
 impl BlockCache {
@@ -27,6 +30,7 @@ impl BlockCache {
             order: BTreeMap::new(),
             clock: 0,
             events: None,
+            parents: HashMap::new(),
         }
     }
 
@@ -47,6 +51,55 @@ impl BlockCache {
             .as_mut()
             .map(EventPublisher::take_batches)
             .unwrap_or_default()
+    }
+
+    /// The whole cache as chains, consistent with the batches taken so far (see
+    /// [`KvSnapshot`]); `None` for a cache that does not publish. Every held block appears
+    /// once, after its parent when the parent is held; least recently used chains first.
+    pub fn snapshot(&self) -> Option<KvSnapshot> {
+        let events = self.events.as_ref()?;
+        let parent_of = |b: u64| self.parents.get(&b).copied().flatten();
+        let mut emitted: HashSet<u64> = HashSet::with_capacity(self.stamps.len());
+        let mut chains: Vec<KvEvent> = Vec::new();
+        let mut path = Vec::new();
+        for &hash in self.order.values() {
+            // The block and its held ancestors not yet emitted, emitted root first (bounded:
+            // a cycle of colliding hashes cannot loop).
+            path.clear();
+            let mut at = Some(hash);
+            while let Some(b) = at {
+                if emitted.contains(&b)
+                    || !self.stamps.contains_key(&b)
+                    || path.len() > self.stamps.len()
+                {
+                    break;
+                }
+                path.push(b);
+                at = parent_of(b);
+            }
+            for &b in path.iter().rev() {
+                if !emitted.insert(b) {
+                    continue;
+                }
+                let parent = parent_of(b);
+                match chains.last_mut() {
+                    Some(KvEvent::Stored { blocks, .. })
+                        if parent.is_some() && blocks.last() == parent.as_ref() =>
+                    {
+                        blocks.push(b);
+                    }
+                    _ => chains.push(KvEvent::Stored {
+                        parent,
+                        blocks: vec![b],
+                    }),
+                }
+            }
+        }
+        Some(KvSnapshot {
+            epoch: events.epoch(),
+            seq: events.snapshot_seq(),
+            chains,
+        })
     }
 
     /// Whether `hash` is held (no touch).
@@ -107,6 +160,7 @@ impl BlockCache {
         // worker's entries) the hot prefixes come back at their next use, with no snapshot.
         if let Some(events) = &mut self.events {
             events.stored(parent, hash);
+            self.parents.insert(hash, parent);
         }
         self.order.insert(self.clock, hash);
         while self.stamps.len() > self.capacity {
@@ -115,6 +169,7 @@ impl BlockCache {
                     self.stamps.remove(&evicted);
                     if let Some(events) = &mut self.events {
                         events.removed(evicted);
+                        self.parents.remove(&evicted);
                     }
                 }
                 None => break,
@@ -163,6 +218,32 @@ mod tests {
             credited.sort_unstable();
             assert_eq!(held, credited, "after {request:?}");
         }
+    }
+
+    #[test]
+    fn a_snapshot_holds_every_block_once_after_its_held_parent() {
+        let mut cache = BlockCache::with_events(6, 1);
+        for request in [&[1, 2, 3][..], &[1, 2, 4], &[5, 6], &[1]] {
+            cache.prefill(request);
+        }
+        cache.take_event_batches();
+        let snapshot = cache.snapshot().expect("a publishing cache");
+        assert_eq!((snapshot.epoch, snapshot.seq), (1, Some(0)));
+        let mut order = Vec::new();
+        for chain in &snapshot.chains {
+            let KvEvent::Stored { parent, blocks } = chain else {
+                panic!("Stored only: {chain:?}");
+            };
+            if let Some(p) = parent.filter(|p| cache.contains(*p)) {
+                assert!(order.contains(&p), "parent {p} before {blocks:?}");
+            }
+            order.extend(blocks);
+        }
+        let mut held: Vec<u64> = cache.blocks().collect();
+        held.sort_unstable();
+        order.sort_unstable();
+        assert_eq!(order, held);
+        assert!(BlockCache::new(4).snapshot().is_none());
     }
 
     #[test]

@@ -203,6 +203,11 @@ impl prefill_router::transport::KvEventSource for MockPrefill {
     fn take_kv_events(&self) -> Vec<EventBatch> {
         MockPrefill::take_kv_events(self)
     }
+
+    /// The cache's snapshot, taken under the lock its batches are taken under.
+    fn kv_snapshot(&self) -> Option<prefill_router::kv_events::KvSnapshot> {
+        self.worker.cache.lock().snapshot()
+    }
 }
 
 impl Engine for MockPrefill {
