@@ -81,6 +81,9 @@ struct Shared {
     closed: CancellationToken,
     /// Cancelled when the worker announced a drain ([`Frame::Draining`]): no new requests.
     draining: CancellationToken,
+    /// Arms the KV event feed's snapshot requests (see
+    /// [`Connection::request_kv_snapshot`]); `None` without a subscription.
+    kv_snapshot: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl Shared {
@@ -215,6 +218,7 @@ impl Connection {
             next_id: AtomicU64::new(1),
             closed,
             draining: CancellationToken::new(),
+            kv_snapshot: sink.as_ref().map(|_| Arc::new(tokio::sync::Notify::new())),
         });
         let connection = Connection {
             handle: Arc::new(Handle {
@@ -231,12 +235,26 @@ impl Connection {
                     });
                 }
                 // After the subscribe, so a snapshot request follows it on the wire.
-                Some(Feed::spawn(sink, Some(shared.writer.clone())))
+                let trigger = shared.kv_snapshot.clone().unwrap_or_default();
+                Some(Feed::spawn(sink, Some(shared.writer.clone()), trigger))
             }
             None => None,
         };
         tokio::spawn(read_loop(rd, shared, feed));
         Ok(connection)
+    }
+
+    /// Ask the worker for a snapshot of its KV cache now, for a connection made with
+    /// [`connect_with_kv_events`](Self::connect_with_kv_events) whose sink
+    /// [`wants_snapshots`](KvEventSink::wants_snapshots) (otherwise nothing happens). From then
+    /// on the connection also asks after every lost batch, at most once per
+    /// [`KV_SNAPSHOT_RETRY`](super::KV_SNAPSHOT_RETRY). Call it once the sink applies what it
+    /// gets (the dispatcher calls it when it adopts the connection), so the snapshot is not
+    /// refused as coming from a connection not yet in use.
+    pub fn request_kv_snapshot(&self) {
+        if let Some(trigger) = &self.handle.shared.kv_snapshot {
+            trigger.notify_one();
+        }
     }
 
     /// The worker's address.

@@ -2,8 +2,10 @@
 //! waiting, one task decodes them and feeds the sink, and (for a sink that wants them) asks the
 //! worker for snapshots and reassembles them.
 //!
-//! **Snapshot rule** (per connection): a snapshot is wanted on subscribe and after a lost
-//! batch (a sequence gap, a refused or dropped batch). A request goes out when one is wanted,
+//! **Snapshot rule** (per connection): a snapshot is wanted once the connection's owner arms
+//! it ([`Connection::request_kv_snapshot`](super::Connection::request_kv_snapshot), the
+//! dispatcher does when it adopts a new connection, right after the subscribe) and after every
+//! lost batch from then on (a sequence gap, a refused or dropped batch). A request goes out when one is wanted,
 //! none is outstanding, and [`KV_SNAPSHOT_RETRY`] has passed since the previous request (no
 //! storm, whatever the stream does). While it streams, live batches are delivered as before
 //! and also kept (at most [`KV_SNAPSHOT_BUFFER_BATCHES`]); when its last chunk is in, the sink
@@ -18,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
 use super::events::{decode_kv_payload, KvEventSink, KvStreamError, KV_SINK_BATCHES};
@@ -58,12 +60,19 @@ pub(crate) struct Feed {
 impl Feed {
     /// Start the feeding task on the current runtime; with a `writer`, and a sink that
     /// [`wants_snapshots`](KvEventSink::wants_snapshots), it asks for snapshots on it.
-    pub(crate) fn spawn(sink: Arc<dyn KvEventSink>, writer: Option<Writer>) -> Feed {
+    /// Requests wait for `trigger` (the first request, and the arming of later ones).
+    pub(crate) fn spawn(
+        sink: Arc<dyn KvEventSink>,
+        writer: Option<Writer>,
+        trigger: Arc<Notify>,
+    ) -> Feed {
         let (tx, rx) = mpsc::channel(KV_SINK_BATCHES);
         let dropped = Arc::new(AtomicU64::new(0));
         let task = Task {
             writer: writer.filter(|_| sink.wants_snapshots()),
-            want: sink.wants_snapshots(),
+            trigger,
+            armed: false,
+            want: false,
             sink,
             lagged: Arc::clone(&dropped),
             last: None,
@@ -110,6 +119,9 @@ struct Task {
     sink: Arc<dyn KvEventSink>,
     /// Where requests go; `None` when snapshots are not wanted or not supported.
     writer: Option<Writer>,
+    trigger: Arc<Notify>,
+    /// Whether the owner asked for snapshots: none is requested before.
+    armed: bool,
     lagged: Arc<AtomicU64>,
     /// `(epoch, seq)` of the newest live batch delivered, to see gaps.
     last: Option<(u64, u64)>,
@@ -124,18 +136,21 @@ impl Task {
             self.request_if_due().await;
             let wake = match &self.inflight {
                 Some(inflight) => Some(inflight.deadline),
-                None if self.want && self.writer.is_some() => Some(self.not_before),
+                None if self.armed && self.want && self.writer.is_some() => Some(self.not_before),
                 None => None,
             };
-            let item = match wake {
-                Some(at) => tokio::select! {
-                    item = rx.recv() => item,
-                    () = tokio::time::sleep_until(at) => {
-                        self.on_timer();
-                        continue;
-                    }
-                },
-                None => rx.recv().await,
+            let wake = wake.unwrap_or_else(|| Instant::now() + KV_SNAPSHOT_TIMEOUT);
+            let item = tokio::select! {
+                item = rx.recv() => item,
+                () = tokio::time::sleep_until(wake) => {
+                    self.on_timer();
+                    continue;
+                }
+                () = self.trigger.notified(), if !self.armed && self.writer.is_some() => {
+                    self.armed = true;
+                    self.want = true;
+                    continue;
+                }
             };
             let Some(item) = item else { break };
             // Drops are reported no later than the next item handled (possibly earlier than
@@ -158,7 +173,8 @@ impl Task {
     }
 
     async fn request_if_due(&mut self) {
-        if !self.want || self.inflight.is_some() || Instant::now() < self.not_before {
+        if !self.armed || !self.want || self.inflight.is_some() || Instant::now() < self.not_before
+        {
             return;
         }
         let Some(writer) = &self.writer else {
@@ -327,7 +343,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_router_that_falls_behind_drops_counted_batches_and_never_blocks_the_reader() {
         let sink = Arc::new(Recorder::default());
-        let feed = Feed::spawn(sink.clone(), None);
+        let feed = Feed::spawn(sink.clone(), None, Arc::default());
         // The feed task cannot run before this loop yields: the queue fills, the rest drop.
         let sent = KV_SINK_BATCHES + 44;
         for seq in 0..sent as u64 {
