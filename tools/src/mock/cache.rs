@@ -57,48 +57,23 @@ impl BlockCache {
     /// [`KvSnapshot`]); `None` for a cache that does not publish. Every held block appears
     /// once, after its parent when the parent is held; least recently used chains first.
     pub fn snapshot(&self) -> Option<KvSnapshot> {
+        self.snapshot_copy().map(SnapshotCopy::into_snapshot)
+    }
+
+    /// What [`snapshot`](Self::snapshot) needs, copied in one sequential pass: take it under
+    /// the lock the event batches are taken under (the consistency point), and build the
+    /// chains with [`SnapshotCopy::into_snapshot`] after releasing it, so a large cache stalls
+    /// the worker's prefills for a copy, not for the chain building.
+    pub fn snapshot_copy(&self) -> Option<SnapshotCopy> {
         let events = self.events.as_ref()?;
-        let parent_of = |b: u64| self.parents.get(&b).copied().flatten();
-        let mut emitted: HashSet<u64> = HashSet::with_capacity(self.stamps.len());
-        let mut chains: Vec<KvEvent> = Vec::new();
-        let mut path = Vec::new();
-        for &hash in self.order.values() {
-            // The block and its held ancestors not yet emitted, emitted root first (bounded:
-            // a cycle of colliding hashes cannot loop).
-            path.clear();
-            let mut at = Some(hash);
-            while let Some(b) = at {
-                if emitted.contains(&b)
-                    || !self.stamps.contains_key(&b)
-                    || path.len() > self.stamps.len()
-                {
-                    break;
-                }
-                path.push(b);
-                at = parent_of(b);
-            }
-            for &b in path.iter().rev() {
-                if !emitted.insert(b) {
-                    continue;
-                }
-                let parent = parent_of(b);
-                match chains.last_mut() {
-                    Some(KvEvent::Stored { blocks, .. })
-                        if parent.is_some() && blocks.last() == parent.as_ref() =>
-                    {
-                        blocks.push(b);
-                    }
-                    _ => chains.push(KvEvent::Stored {
-                        parent,
-                        blocks: vec![b],
-                    }),
-                }
-            }
-        }
-        Some(KvSnapshot {
+        Some(SnapshotCopy {
             epoch: events.epoch(),
             seq: events.snapshot_seq(),
-            chains,
+            blocks: self
+                .order
+                .values()
+                .map(|&b| (b, self.parents.get(&b).copied().flatten()))
+                .collect(),
         })
     }
 
@@ -174,6 +149,62 @@ impl BlockCache {
                 }
                 None => break,
             }
+        }
+    }
+}
+
+/// A cache's blocks at one point of its event stream (see [`BlockCache::snapshot_copy`]).
+#[derive(Debug)]
+pub struct SnapshotCopy {
+    epoch: u64,
+    seq: Option<u64>,
+    /// Held blocks with their parents, least recently used first.
+    blocks: Vec<(u64, Option<u64>)>,
+}
+
+impl SnapshotCopy {
+    /// The copy as a snapshot: every block once, after its parent when the parent is held.
+    pub fn into_snapshot(self) -> KvSnapshot {
+        let parents: HashMap<u64, Option<u64>> = self.blocks.iter().copied().collect();
+        let mut emitted: HashSet<u64> = HashSet::with_capacity(parents.len());
+        let mut chains: Vec<KvEvent> = Vec::new();
+        let mut path = Vec::new();
+        for &(hash, _) in &self.blocks {
+            // The block and its held ancestors not yet emitted, emitted root first (bounded:
+            // a cycle of colliding hashes cannot loop).
+            path.clear();
+            let mut at = Some(hash);
+            while let Some(b) = at {
+                let Some(&parent) = parents.get(&b) else {
+                    break;
+                };
+                if emitted.contains(&b) || path.len() > parents.len() {
+                    break;
+                }
+                path.push((b, parent));
+                at = parent;
+            }
+            for &(b, parent) in path.iter().rev() {
+                if !emitted.insert(b) {
+                    continue;
+                }
+                match chains.last_mut() {
+                    Some(KvEvent::Stored { blocks, .. })
+                        if parent.is_some() && blocks.last() == parent.as_ref() =>
+                    {
+                        blocks.push(b);
+                    }
+                    _ => chains.push(KvEvent::Stored {
+                        parent,
+                        blocks: vec![b],
+                    }),
+                }
+            }
+        }
+        KvSnapshot {
+            epoch: self.epoch,
+            seq: self.seq,
+            chains,
         }
     }
 }

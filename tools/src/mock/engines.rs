@@ -204,9 +204,11 @@ impl prefill_router::transport::KvEventSource for MockPrefill {
         MockPrefill::take_kv_events(self)
     }
 
-    /// The cache's snapshot, taken under the lock its batches are taken under.
+    /// The cache's snapshot: copied under the lock its batches are taken under, its chains
+    /// built after the lock is released.
     fn kv_snapshot(&self) -> Option<prefill_router::kv_events::KvSnapshot> {
-        self.worker.cache.lock().snapshot()
+        let copy = self.worker.cache.lock().snapshot_copy();
+        copy.map(crate::mock::SnapshotCopy::into_snapshot)
     }
 }
 
