@@ -226,7 +226,16 @@ impl Hub {
         let source = Arc::clone(&self.source);
         let max_frame_len = self.max_frame_len;
         tokio::spawn(async move {
-            for frame in snapshot_frames(source.kv_snapshot(), max_frame_len) {
+            // Off the runtime's workers: a large cache takes milliseconds to copy and encode.
+            let frames = tokio::task::spawn_blocking(move || {
+                snapshot_frames(source.kv_snapshot(), max_frame_len)
+            })
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "KV snapshot failed on the worker");
+                snapshot_frames(None, max_frame_len)
+            });
+            for frame in frames {
                 if !writer.send(frame).await {
                     break;
                 }
