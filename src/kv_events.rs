@@ -10,12 +10,16 @@
 //!
 //! - [`wire`]: the versioned, bounded wire format ([`encode_events`], [`decode_events`]).
 //! - [`index`]: the index of real caches ([`KvIndex`]) and its sequence rule.
+//! - [`snapshot`]: a worker's whole cache at one point of its stream ([`KvSnapshot`]), in
+//!   bounded chunks.
 //! - [`EventPublisher`]: the worker side, which numbers batches and keeps them bounded.
 
 pub mod index;
+pub mod snapshot;
 pub mod wire;
 
 pub use index::{Applied, KvIndex, DEFAULT_MAX_BLOCKS_PER_WORKER};
+pub use snapshot::{KvSnapshot, SnapshotAssembler, SnapshotError, SNAPSHOT_CHUNK_BLOCKS};
 pub use wire::{
     decode_events, encode_events, EventDecodeError, EventEncodeError, MAX_BLOCKS_PER_BATCH,
     MAX_EVENTS_PER_BATCH, WIRE_VERSION,
@@ -178,6 +182,14 @@ impl EventPublisher {
         self.pending.push(KvEvent::Cleared);
     }
 
+    /// The `seq` a snapshot of the cache taken now is consistent with (see
+    /// [`KvSnapshot::seq`]): the last batch handed out, or the number the next batch skips
+    /// when pending changes were dropped (the cache state covers them, so that batch applies
+    /// in order after the snapshot). Call it under the same lock as [`take_batches`](Self::take_batches).
+    pub fn snapshot_seq(&self) -> Option<u64> {
+        (self.next_seq + u64::from(self.overflowed)).checked_sub(1)
+    }
+
     /// Whether changes wait to be taken.
     pub fn has_pending(&self) -> bool {
         !self.pending.is_empty()
@@ -306,5 +318,25 @@ mod tests {
         assert!(p.pending_blocks <= MAX_PENDING_BLOCKS);
         let batches = p.take_batches();
         assert_eq!(batches[0].seq, 2, "seq 1 skipped: the dropped changes");
+    }
+
+    #[test]
+    fn a_snapshot_seq_is_the_last_batch_handed_out_or_the_skipped_one() {
+        let mut p = EventPublisher::new(0);
+        assert_eq!(p.snapshot_seq(), None, "nothing handed out yet");
+        p.stored(None, 1);
+        p.take_batches();
+        assert_eq!(p.snapshot_seq(), Some(0));
+        p.stored(None, 2);
+        assert_eq!(
+            p.snapshot_seq(),
+            Some(0),
+            "pending changes are not handed out"
+        );
+        for h in 0..(MAX_PENDING_BLOCKS as u64 + 10) {
+            p.removed(h);
+        }
+        assert_eq!(p.snapshot_seq(), Some(1), "the skipped number is covered");
+        assert_eq!(p.take_batches()[0].seq, 2);
     }
 }

@@ -17,15 +17,20 @@
 //!   batch is applied. What the index holds for the worker afterwards is what it stored since
 //!   the gap: a subset of its real cache, never a block it does not hold.
 //!
-//! There is no snapshot request: after a gap, a reconnect or a rebuild the index learns the
-//! worker's cache again from its next events (under-credit for a while, never stale credit).
+//! **Snapshot rule**: [`KvIndex::apply_snapshot`] replaces the worker's entries with a
+//! [`KvSnapshot`]'s blocks and sets its position to the snapshot's `(epoch, seq)` (a snapshot
+//! of an older epoch is ignored); live batches then apply by the rule above, so a batch the
+//! snapshot already covers (`seq <=` the snapshot's) is stale and the next one is in order.
+//! The router asks for one on subscribe and after a gap (docs/kv_events.md); until it arrives
+//! the index learns the worker's cache from its next events (under-credit for a while, never
+//! stale credit).
 //!
 //! **Cost.** Applying a batch costs O(blocks in it × log holders); [`KvIndex::overlaps`] for a
 //! request of B blocks costs O(B + holders of the walked blocks), independent of the pool size.
 
 use std::collections::{HashMap, HashSet};
 
-use super::{EventBatch, KvEvent, MixState};
+use super::{EventBatch, KvEvent, KvSnapshot, MixState};
 use crate::discovery::InstanceId;
 use crate::hooks::Seam;
 
@@ -51,7 +56,8 @@ pub enum Applied {
 #[derive(Debug)]
 struct WorkerEntry {
     epoch: u64,
-    last_seq: u64,
+    /// The last batch applied (`None`: a snapshot taken before the epoch's first batch).
+    last_seq: Option<u64>,
     blocks: HashSet<u64, MixState>,
 }
 
@@ -140,7 +146,7 @@ impl KvIndex {
                     worker,
                     WorkerEntry {
                         epoch: batch.epoch,
-                        last_seq: batch.seq,
+                        last_seq: Some(batch.seq),
                         blocks: HashSet::default(),
                     },
                 );
@@ -149,17 +155,22 @@ impl KvIndex {
             Some(entry) if batch.epoch < entry.epoch => return Applied::Stale,
             Some(entry) if batch.epoch > entry.epoch => {
                 entry.epoch = batch.epoch;
-                entry.last_seq = batch.seq;
+                entry.last_seq = Some(batch.seq);
                 self.drop_entries(worker);
                 Applied::Started
             }
-            Some(entry) if batch.seq <= entry.last_seq => return Applied::Stale,
-            Some(entry) if batch.seq == entry.last_seq + 1 => {
-                entry.last_seq = batch.seq;
+            Some(entry) if entry.last_seq.is_some_and(|last| batch.seq <= last) => {
+                return Applied::Stale
+            }
+            Some(entry)
+                if entry.last_seq.map_or(Some(0), |last| last.checked_add(1))
+                    == Some(batch.seq) =>
+            {
+                entry.last_seq = Some(batch.seq);
                 Applied::InOrder
             }
             Some(entry) => {
-                entry.last_seq = batch.seq;
+                entry.last_seq = Some(batch.seq);
                 self.drop_entries(worker);
                 Applied::Resynced
             }
@@ -186,6 +197,39 @@ impl KvIndex {
             }
         }
         outcome
+    }
+
+    /// Replace `worker`'s entries with `snapshot`'s blocks and its position with the
+    /// snapshot's `(epoch, seq)`, per the snapshot rule (module docs): [`Applied::Stale`] for a
+    /// snapshot of an older epoch (ignored), [`Applied::Overflowed`] past the block limit (the
+    /// entries dropped), else [`Applied::Started`].
+    pub fn apply_snapshot(&mut self, worker: InstanceId, snapshot: &KvSnapshot) -> Applied {
+        if self
+            .workers
+            .get(&worker)
+            .is_some_and(|entry| snapshot.epoch < entry.epoch)
+        {
+            return Applied::Stale;
+        }
+        self.drop_entries(worker);
+        let entry = self.workers.entry(worker).or_insert_with(|| WorkerEntry {
+            epoch: snapshot.epoch,
+            last_seq: None,
+            blocks: HashSet::default(),
+        });
+        entry.epoch = snapshot.epoch;
+        entry.last_seq = snapshot.seq;
+        for chain in &snapshot.chains {
+            if let KvEvent::Stored { blocks, .. } = chain {
+                for &h in blocks {
+                    if !self.store(worker, h) {
+                        self.drop_entries(worker);
+                        return Applied::Overflowed;
+                    }
+                }
+            }
+        }
+        Applied::Started
     }
 
     /// Credit `worker` with `block`; false when that would exceed its limit.

@@ -14,7 +14,7 @@ use super::select::{self, is_busy, Candidate, Choice, KvCost};
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
 use crate::hooks::Seam;
-use crate::kv_events::{Applied, EventBatch, KvIndex, MixState};
+use crate::kv_events::{Applied, EventBatch, KvIndex, KvSnapshot, MixState};
 
 /// A block chain is remembered for at most this many workers (the most recent ones); a shared
 /// system prompt routed everywhere would otherwise grow one entry without bound.
@@ -228,6 +228,12 @@ impl KvSelector {
     /// then on the worker is scored by the index, not by prediction.
     pub fn apply_events(&mut self, worker: InstanceId, batch: &EventBatch) -> Applied {
         self.index.apply(worker, batch)
+    }
+
+    /// Replace what the index knows of `worker` with a snapshot of its cache (see
+    /// [`KvIndex::apply_snapshot`]); from then on the worker is scored by the index.
+    pub fn apply_snapshot(&mut self, worker: InstanceId, snapshot: &KvSnapshot) -> Applied {
+        self.index.apply_snapshot(worker, snapshot)
     }
 
     /// Drop what the index knows of `worker` (its event stream reconnected): its next batch

@@ -2,6 +2,10 @@
 //! by the transport, reach the binding's [`KvSelector`] here, and the end of a connection drops
 //! the worker's entries (no stale credit across a reconnect).
 //!
+//! Snapshots: every connection's sink asks for them (`transport/feed.rs` sends the requests
+//! and reassembles the chunks); a complete one replaces the worker's entries, counted in
+//! [`KvEventCounts`].
+//!
 //! A connection's sink carries a generation: only the worker's current connection (the one the
 //! dispatcher pooled) may apply batches or, by closing, reset the worker. A connection that
 //! lost a connect race, or an old one whose close arrives late, changes nothing.
@@ -17,7 +21,7 @@ use super::view::{InstanceStatus, RoutableView};
 use super::DispatchMutant;
 use crate::discovery::InstanceId;
 use crate::hooks::Seam;
-use crate::kv_events::{Applied, EventBatch};
+use crate::kv_events::{Applied, EventBatch, KvSnapshot, SnapshotError};
 use crate::transport::{KvEventSink, KvStreamError};
 
 /// What the workers' KV event streams delivered to one dispatcher (relaxed counters: read them
@@ -30,6 +34,9 @@ pub struct KvEventCounts {
     refused: AtomicU64,
     lagged: AtomicU64,
     resets: AtomicU64,
+    snapshots_requested: AtomicU64,
+    snapshots_applied: AtomicU64,
+    snapshots_failed: AtomicU64,
 }
 
 impl KvEventCounts {
@@ -64,6 +71,24 @@ impl KvEventCounts {
     /// closed or replaced connection, a batch from a worker outside admission.
     pub fn resets(&self) -> u64 {
         self.resets.load(Ordering::Relaxed)
+    }
+
+    /// Snapshots of a worker's cache asked for (on subscribe, after a lost batch; at most
+    /// one per connection per [`KV_SNAPSHOT_RETRY`](crate::transport::KV_SNAPSHOT_RETRY)).
+    pub fn snapshots_requested(&self) -> u64 {
+        self.snapshots_requested.load(Ordering::Relaxed)
+    }
+
+    /// Snapshots that replaced a worker's entries.
+    pub fn snapshots_applied(&self) -> u64 {
+        self.snapshots_applied.load(Ordering::Relaxed)
+    }
+
+    /// Snapshots asked for that did not replace the worker's entries: not supported by the
+    /// worker, a bad chunk, a batch lost while streaming, a timeout, or a worker outside
+    /// admission, of an older epoch or past the block limit.
+    pub fn snapshots_failed(&self) -> u64 {
+        self.snapshots_failed.load(Ordering::Relaxed)
     }
 
     fn bump(counter: &AtomicU64, n: u64) {
@@ -136,6 +161,36 @@ impl KvFeed {
         Some(applied)
     }
 
+    /// Replace `worker`'s entries with `snapshot`, if the worker is discovered and admitted
+    /// (otherwise its entries are dropped, as for a batch).
+    fn apply_snapshot(&self, worker: InstanceId, snapshot: &KvSnapshot) {
+        let member = matches!(
+            self.view.status(worker),
+            InstanceStatus::Routable(_) | InstanceStatus::Unhealthy(_)
+        );
+        let mut kv = self.kv.lock();
+        let applied = if member {
+            kv.apply_snapshot(worker, snapshot)
+        } else {
+            kv.reset_events(worker);
+            Applied::Overflowed
+        };
+        drop(kv);
+        let counter = if applied == Applied::Started {
+            &self.counts.snapshots_applied
+        } else {
+            &self.counts.snapshots_failed
+        };
+        KvEventCounts::bump(counter, 1);
+        tracing::debug!(
+            worker,
+            blocks = snapshot.block_count(),
+            seq = ?snapshot.seq,
+            ?applied,
+            "KV snapshot"
+        );
+    }
+
     /// Drop what the index knows of `worker`.
     pub(super) fn reset(&self, worker: InstanceId) {
         self.kv.lock().reset_events(worker);
@@ -205,6 +260,27 @@ impl KvEventSink for ConnectionSink {
             tracing::debug!(worker = self.worker, %error, "KV events: worker's entries dropped");
             self.feed.reset(self.worker);
         }
+    }
+
+    fn wants_snapshots(&self) -> bool {
+        true
+    }
+
+    fn snapshot_requested(&self) {
+        KvEventCounts::bump(&self.feed.counts.snapshots_requested, 1);
+    }
+
+    fn snapshot(&self, snapshot: KvSnapshot) {
+        if self.feed.is_current(self.worker, self.generation) {
+            self.feed.apply_snapshot(self.worker, &snapshot);
+        } else {
+            KvEventCounts::bump(&self.feed.counts.snapshots_failed, 1);
+        }
+    }
+
+    fn snapshot_failed(&self, error: SnapshotError) {
+        tracing::debug!(worker = self.worker, %error, "KV snapshot failed");
+        KvEventCounts::bump(&self.feed.counts.snapshots_failed, 1);
     }
 
     fn closed(&self) {

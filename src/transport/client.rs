@@ -19,7 +19,8 @@ use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
 use super::error::{FrameError, RemoteError, TransportError};
-use super::events::{Feed, KvEventSink};
+use super::events::KvEventSink;
+use super::feed::Feed;
 use super::stream::{self, ReadHalf};
 use super::wire::{self, Frame, DEFAULT_MAX_FRAME_LEN};
 use super::writer::Writer;
@@ -80,6 +81,9 @@ struct Shared {
     closed: CancellationToken,
     /// Cancelled when the worker announced a drain ([`Frame::Draining`]): no new requests.
     draining: CancellationToken,
+    /// Arms the KV event feed's snapshot requests (see
+    /// [`Connection::request_kv_snapshot`]); `None` without a subscription.
+    kv_snapshot: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl Shared {
@@ -214,6 +218,7 @@ impl Connection {
             next_id: AtomicU64::new(1),
             closed,
             draining: CancellationToken::new(),
+            kv_snapshot: sink.as_ref().map(|_| Arc::new(tokio::sync::Notify::new())),
         });
         let connection = Connection {
             handle: Arc::new(Handle {
@@ -224,18 +229,32 @@ impl Connection {
             Some(sink) => {
                 // First on the wire, so the worker subscribes before it sees any request.
                 let subscribe = bytes::Bytes::from(wire::encode_frame(&Frame::KvSubscribe));
-                let feed = Feed::spawn(sink);
                 if !shared.writer.send(subscribe).await {
                     return Err(TransportError::Disconnected {
                         reason: "connection closed while subscribing to KV events".into(),
                     });
                 }
-                Some(feed)
+                // After the subscribe, so a snapshot request follows it on the wire.
+                let trigger = shared.kv_snapshot.clone().unwrap_or_default();
+                Some(Feed::spawn(sink, Some(shared.writer.clone()), trigger))
             }
             None => None,
         };
         tokio::spawn(read_loop(rd, shared, feed));
         Ok(connection)
+    }
+
+    /// Ask the worker for a snapshot of its KV cache now, for a connection made with
+    /// [`connect_with_kv_events`](Self::connect_with_kv_events) whose sink
+    /// [`wants_snapshots`](KvEventSink::wants_snapshots) (otherwise nothing happens). From then
+    /// on the connection also asks after every lost batch, at most once per
+    /// [`KV_SNAPSHOT_RETRY`](super::KV_SNAPSHOT_RETRY). Call it once the sink applies what it
+    /// gets (the dispatcher calls it when it adopts the connection), so the snapshot is not
+    /// refused as coming from a connection not yet in use.
+    pub fn request_kv_snapshot(&self) {
+        if let Some(trigger) = &self.handle.shared.kv_snapshot {
+            trigger.notify_one();
+        }
     }
 
     /// The worker's address.
@@ -387,6 +406,18 @@ async fn read_loop(rd: ReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
                 }
                 continue;
             }
+            Ok(Frame::KvSnapshotChunk { seq, last, payload }) => {
+                if let Some(feed) = &feed {
+                    feed.offer_chunk(seq, last, payload);
+                }
+                continue;
+            }
+            Ok(Frame::KvSnapshotUnavailable) => {
+                if let Some(feed) = &feed {
+                    feed.offer_unavailable();
+                }
+                continue;
+            }
             Ok(Frame::Draining) => {
                 if !shared.draining.is_cancelled() {
                     shared.draining.cancel();
@@ -399,7 +430,11 @@ async fn read_loop(rd: ReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
                 continue;
             }
             Ok(
-                Frame::Request { .. } | Frame::Cancel { .. } | Frame::KvSubscribe | Frame::DrainAck,
+                Frame::Request { .. }
+                | Frame::Cancel { .. }
+                | Frame::KvSubscribe
+                | Frame::DrainAck
+                | Frame::KvSnapshotRequest,
             ) => {
                 break TransportError::Frame(FrameError::Unexpected {
                     reason: "worker sent a client frame".into(),

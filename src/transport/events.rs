@@ -9,24 +9,29 @@
 //!   subscribes and hands each batch, decoded off the connection's reader task, to a
 //!   [`KvEventSink`]. A batch that is oversize or undecodable is a [`KvStreamError`] for the
 //!   sink (which drops the worker's entries), never a closed connection.
+//! - Snapshots: a sink that [`wants_snapshots`](KvEventSink::wants_snapshots) gets the
+//!   worker's whole cache ([`KvEventSource::kv_snapshot`], chunked as
+//!   [`Frame::KvSnapshotChunk`]s) on subscribe and after a lost batch; the router side's state
+//!   machine is `transport/feed.rs`.
 //!
 //! Why the same connection rather than a stream next to it: one socket per worker keeps one
 //! lifetime for both (a reconnect of the request plane is a reconnect of the event stream, so
 //! the router's "reconnect drops the entries" rule needs no second state machine), costs no
 //! second port or handshake, and frames interleave under the existing length prefix.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::sync::{broadcast, mpsc, Notify};
+use tokio::sync::{broadcast, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::wire::{self, Frame};
 use super::writer::Writer;
 use crate::kv_events::{
-    decode_events, encode_events, EventBatch, EventDecodeError, MAX_BLOCKS_PER_BATCH,
-    MAX_EVENTS_PER_BATCH,
+    decode_events, encode_events, EventBatch, EventDecodeError, KvSnapshot, SnapshotError,
+    MAX_BLOCKS_PER_BATCH, MAX_EVENTS_PER_BATCH,
 };
 
 /// The largest encoded v1 batch within the wire bounds: header, every event's tag, parent and
@@ -56,6 +61,13 @@ pub const KV_COALESCE: Duration = Duration::from_millis(1);
 pub trait KvEventSource: Send + Sync + 'static {
     /// The batches since the last call, in order (empty when nothing changed).
     fn take_kv_events(&self) -> Vec<EventBatch>;
+
+    /// The whole cache now, consistent with the batches handed out so far (taken under the
+    /// same lock as [`take_kv_events`](Self::take_kv_events); see [`KvSnapshot`]). `None`
+    /// (the default): this source takes no snapshots, and routers rely on live events alone.
+    fn kv_snapshot(&self) -> Option<KvSnapshot> {
+        None
+    }
 }
 
 /// Why a worker's event stream lost a batch on the router side.
@@ -91,6 +103,28 @@ pub trait KvEventSink: Send + Sync + 'static {
     fn error(&self, error: KvStreamError);
     /// The connection ended: no more batches from it.
     fn closed(&self);
+
+    /// Whether the connection should ask the worker for snapshots of its cache (on subscribe
+    /// and after a lost batch) and deliver them to [`snapshot`](Self::snapshot). Default: no.
+    fn wants_snapshots(&self) -> bool {
+        false
+    }
+
+    /// The connection asked the worker for a snapshot.
+    fn snapshot_requested(&self) {}
+
+    /// A complete snapshot: replace the worker's entries with it. The batches that arrived
+    /// while it streamed follow, delivered again through [`batch`](Self::batch) (the ones the
+    /// snapshot covers are stale by the sequence rule).
+    fn snapshot(&self, snapshot: KvSnapshot) {
+        drop(snapshot);
+    }
+
+    /// A requested snapshot will not come (unsupported, bad chunk, lost batch, timeout):
+    /// live batches alone keep feeding the worker's entries.
+    fn snapshot_failed(&self, error: SnapshotError) {
+        drop(error);
+    }
 }
 
 /// Check and decode one [`Frame::KvEvents`] payload (pure: the fuzz target's harness).
@@ -108,59 +142,13 @@ pub fn decode_kv_payload(payload: &[u8]) -> Result<EventBatch, KvStreamError> {
     Ok(decode_events(payload)?)
 }
 
-/// The router side of one connection's event stream: the reader offers payloads without
-/// waiting, a task decodes them and feeds the sink. Dropping it ends the stream (the task
-/// drains what is buffered, then calls [`KvEventSink::closed`]).
-pub(crate) struct Feed {
-    tx: mpsc::Sender<Vec<u8>>,
-    dropped: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl Feed {
-    /// Start the feeding task on the current runtime.
-    pub(crate) fn spawn(sink: Arc<dyn KvEventSink>) -> Feed {
-        let (tx, mut rx) = mpsc::channel::<Vec<u8>>(KV_SINK_BATCHES);
-        let dropped = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let lagged = Arc::clone(&dropped);
-        tokio::spawn(async move {
-            let report_lag = |sink: &dyn KvEventSink| {
-                let n = lagged.swap(0, std::sync::atomic::Ordering::Relaxed);
-                if n > 0 {
-                    sink.error(KvStreamError::Lagged { dropped: n });
-                }
-            };
-            while let Some(payload) = rx.recv().await {
-                // Drops are reported no later than the next batch delivered (possibly earlier
-                // than their place in the stream: an early reset is safe, a late one is not).
-                report_lag(sink.as_ref());
-                match decode_kv_payload(&payload) {
-                    Ok(batch) => sink.batch(batch),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "KV event batch refused");
-                        sink.error(e);
-                    }
-                }
-            }
-            report_lag(sink.as_ref());
-            sink.closed();
-        });
-        Feed { tx, dropped }
-    }
-
-    /// Hand a payload to the task; if its buffer is full the payload is dropped and counted.
-    pub(crate) fn offer(&self, payload: Vec<u8>) {
-        if self.tx.try_send(payload).is_err() {
-            self.dropped
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-}
-
 /// The worker side: one pump task takes batches from the source and broadcasts them encoded;
 /// one task per subscribed connection writes them.
 pub(crate) struct Hub {
     tx: broadcast::Sender<Bytes>,
     wake: Notify,
+    source: Arc<dyn KvEventSource>,
+    max_frame_len: usize,
 }
 
 impl Hub {
@@ -175,6 +163,8 @@ impl Hub {
         let hub = Arc::new(Hub {
             tx,
             wake: Notify::new(),
+            source: Arc::clone(&source),
+            max_frame_len,
         });
         let pump = Arc::clone(&hub);
         tokio::spawn(async move {
@@ -223,6 +213,37 @@ impl Hub {
         self.wake.notify_one();
     }
 
+    /// Take a snapshot of the source and send it to `writer` as chunks (or
+    /// [`Frame::KvSnapshotUnavailable`]), unless one is already streaming on the connection
+    /// (`busy`, one flag per connection): then the request is ignored and the client's bounded
+    /// wait ends it. Call it after [`subscribe`](Self::subscribe), so every batch handed out
+    /// after the snapshot reaches the connection.
+    pub(crate) fn snapshot(&self, writer: Writer, busy: Arc<AtomicBool>) {
+        if busy.swap(true, Ordering::AcqRel) {
+            tracing::debug!("KV snapshot already streaming; request ignored");
+            return;
+        }
+        let source = Arc::clone(&self.source);
+        let max_frame_len = self.max_frame_len;
+        tokio::spawn(async move {
+            // Off the runtime's workers: a large cache takes milliseconds to copy and encode.
+            let frames = tokio::task::spawn_blocking(move || {
+                snapshot_frames(source.kv_snapshot(), max_frame_len)
+            })
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "KV snapshot failed on the worker");
+                snapshot_frames(None, max_frame_len)
+            });
+            for frame in frames {
+                if !writer.send(frame).await {
+                    break;
+                }
+            }
+            busy.store(false, Ordering::Release);
+        });
+    }
+
     /// Send the batches published from now on to `writer` until `closed`.
     pub(crate) fn subscribe(&self, writer: Writer, closed: CancellationToken) {
         let mut rx = self.tx.subscribe();
@@ -249,6 +270,44 @@ impl Hub {
             }
         });
     }
+}
+
+/// The frames answering a snapshot request: the chunks of `snapshot`, or
+/// [`Frame::KvSnapshotUnavailable`] without one (or if a chunk exceeds the connection's frame
+/// limit, which only a limit below [`MAX_KV_BATCH_BYTES`] makes possible).
+pub(crate) fn snapshot_frames(snapshot: Option<KvSnapshot>, max_frame_len: usize) -> Vec<Bytes> {
+    let unavailable = || {
+        wire::encode_bounded(&Frame::KvSnapshotUnavailable, max_frame_len)
+            .into_iter()
+            .collect()
+    };
+    let Some(snapshot) = snapshot else {
+        return unavailable();
+    };
+    let chunks = snapshot.chunks();
+    let count = chunks.len();
+    let mut frames = Vec::with_capacity(count);
+    for (i, chunk) in chunks.iter().enumerate() {
+        let frame = encode_events(chunk).ok().and_then(|payload| {
+            let frame = Frame::KvSnapshotChunk {
+                seq: snapshot.seq,
+                last: i + 1 == count,
+                payload,
+            };
+            wire::encode_bounded(&frame, max_frame_len)
+        });
+        match frame {
+            Some(bytes) => frames.push(bytes),
+            None => {
+                tracing::warn!(
+                    max_frame_len,
+                    "KV snapshot chunk over the frame limit; none sent"
+                );
+                return unavailable();
+            }
+        }
+    }
+    frames
 }
 
 #[cfg(test)]
@@ -278,53 +337,6 @@ mod tests {
         let bytes = encode_events(&batch).unwrap();
         assert!(bytes.len() <= MAX_KV_BATCH_BYTES);
         assert_eq!(decode_kv_payload(&bytes), Ok(batch));
-    }
-
-    /// Records what a feed delivers.
-    #[derive(Default)]
-    struct Recorder(parking_lot::Mutex<Vec<String>>);
-
-    impl KvEventSink for Recorder {
-        fn batch(&self, batch: EventBatch) {
-            self.0.lock().push(format!("batch {}", batch.seq));
-        }
-        fn error(&self, error: KvStreamError) {
-            self.0.lock().push(format!("error {error:?}"));
-        }
-        fn closed(&self) {
-            self.0.lock().push("closed".into());
-        }
-    }
-
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_router_that_falls_behind_drops_counted_batches_and_never_blocks_the_reader() {
-        let sink = Arc::new(Recorder::default());
-        let feed = Feed::spawn(sink.clone());
-        // The feed task cannot run before this loop yields: the queue fills, the rest drop.
-        let sent = KV_SINK_BATCHES + 44;
-        for seq in 0..sent as u64 {
-            let batch = EventBatch {
-                epoch: 1,
-                seq,
-                events: vec![KvEvent::Cleared],
-            };
-            feed.offer(encode_events(&batch).unwrap());
-        }
-        drop(feed);
-        tokio::time::timeout(Duration::from_secs(10), async {
-            while sink.0.lock().last().map(String::as_str) != Some("closed") {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("the feed ends");
-        let seen = sink.0.lock().clone();
-        let lagged: Vec<&String> = seen.iter().filter(|e| e.starts_with("error")).collect();
-        assert_eq!(lagged, vec!["error Lagged { dropped: 44 }"]);
-        let batches = seen.iter().filter(|e| e.starts_with("batch")).count();
-        assert_eq!(batches, KV_SINK_BATCHES);
-        // The lag is reported before any batch that follows it is applied.
-        assert!(seen[0].starts_with("error"), "{:?}", &seen[..2]);
     }
 
     #[test]

@@ -71,10 +71,33 @@ pub enum Frame {
     /// [`RemoteError::Draining`]. Sent only in reply to `Draining`, so a worker that predates
     /// the pair never receives it.
     DrainAck,
+    /// Client to worker: send this connection a snapshot of the worker's KV cache
+    /// ([`Frame::KvSnapshotChunk`]s, or [`Frame::KvSnapshotUnavailable`]). Sent after
+    /// [`Frame::KvSubscribe`], at most one outstanding per connection. Appended to the enum
+    /// (earlier encodings unchanged); a worker that predates it reads a malformed frame and
+    /// closes the connection, so a pool mixing builds upgrades workers first.
+    KvSnapshotRequest,
+    /// Worker to client: one chunk of the snapshot, in order. The chunk is a v1 batch (the
+    /// encoding of [`crate::kv_events::encode_events`], at most
+    /// [`crate::kv_events::SNAPSHOT_CHUNK_BLOCKS`] blocks, so within
+    /// [`crate::transport::MAX_KV_BATCH_BYTES`]): its epoch is the worker's, its seq the chunk's
+    /// index from 0, its events Stored chains.
+    KvSnapshotChunk {
+        /// The last event batch the snapshot is consistent with (`None`: none yet in its
+        /// epoch); live batches with a larger seq apply after it.
+        seq: Option<u64>,
+        /// Whether this is the snapshot's last chunk.
+        last: bool,
+        /// The encoded chunk.
+        payload: Vec<u8>,
+    },
+    /// Worker to client: the answer to [`Frame::KvSnapshotRequest`] of a worker that takes no
+    /// snapshots (the client then relies on live events alone, as before snapshots existed).
+    KvSnapshotUnavailable,
 }
 
 impl Frame {
-    /// The request the frame belongs to (`None` for the KV event and drain frames).
+    /// The request the frame belongs to (`None` for the KV event, snapshot and drain frames).
     pub(crate) fn request_id(&self) -> Option<u64> {
         match self {
             Frame::Request { id, .. }
@@ -82,7 +105,13 @@ impl Frame {
             | Frame::Data { id, .. }
             | Frame::End { id }
             | Frame::Error { id, .. } => Some(*id),
-            Frame::KvSubscribe | Frame::KvEvents { .. } | Frame::Draining | Frame::DrainAck => None,
+            Frame::KvSubscribe
+            | Frame::KvEvents { .. }
+            | Frame::Draining
+            | Frame::DrainAck
+            | Frame::KvSnapshotRequest
+            | Frame::KvSnapshotChunk { .. }
+            | Frame::KvSnapshotUnavailable => None,
         }
     }
 }

@@ -79,6 +79,13 @@ pub enum FrameSeed {
     Draining,
     /// `Frame::DrainAck`.
     DrainAck,
+    /// `Frame::KvSnapshotRequest`.
+    KvSnapshotRequest,
+    /// `Frame::KvSnapshotChunk`: its snapshot seq, last flag and payload (any bytes: the
+    /// frame decoder does not look inside).
+    KvSnapshotChunk(Option<u64>, bool, Vec<u8>),
+    /// `Frame::KvSnapshotUnavailable`.
+    KvSnapshotUnavailable,
 }
 
 impl PrefillSeed {
@@ -154,6 +161,13 @@ impl FrameSeed {
             },
             FrameSeed::Draining => Frame::Draining,
             FrameSeed::DrainAck => Frame::DrainAck,
+            FrameSeed::KvSnapshotRequest => Frame::KvSnapshotRequest,
+            FrameSeed::KvSnapshotChunk(seq, last, payload) => Frame::KvSnapshotChunk {
+                seq: *seq,
+                last: *last,
+                payload: payload.clone(),
+            },
+            FrameSeed::KvSnapshotUnavailable => Frame::KvSnapshotUnavailable,
         }
     }
 }

@@ -18,6 +18,6 @@ mod cache;
 mod engines;
 mod worker;
 
-pub use cache::BlockCache;
+pub use cache::{BlockCache, SnapshotCopy};
 pub use engines::{MockConfig, MockDecode, MockPrefill, MockStats};
 pub use worker::{spawn_registered, SpawnError};

@@ -346,3 +346,97 @@ fn a_worker_claiming_more_than_its_limit_is_dropped() {
     assert_eq!(index.blocks_of(1).count(), 0);
     assert!(index.is_empty());
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The snapshot rule: whatever the index held for the worker (a lossy, reordered prefix of
+    /// its stream), a snapshot consistent with batch `k` (and possibly already holding the
+    /// changes of a few later batches, not yet handed out when it was taken), then late copies
+    /// of the covered batches and every later batch, leave the index equal to the real cache.
+    #[test]
+    fn a_snapshot_then_the_later_batches_equals_the_real_cache(
+        ops in proptest::collection::vec(op(), 0..60),
+        cut in any::<proptest::sample::Index>(),
+        ahead in 0usize..3,
+        faults in proptest::collection::vec(fault(), 1..16),
+    ) {
+        let p = publish(&ops);
+        prop_assume!(!p.batches.is_empty());
+        let k = cut.index(p.batches.len());
+        let at = &p.batches[k];
+        // The cache state a few batches on, within the same epoch.
+        let mut state_at = k;
+        while state_at + 1 < p.batches.len()
+            && state_at < k + ahead
+            && p.batches[state_at + 1].epoch == at.epoch
+        {
+            state_at += 1;
+        }
+        let state = &p.batches[state_at];
+        let snapshot = KvSnapshot {
+            epoch: at.epoch,
+            seq: Some(at.seq),
+            chains: p.after[&(state.epoch, state.seq)]
+                .iter()
+                .map(|&h| KvEvent::Stored { parent: None, blocks: vec![h] })
+                .collect(),
+        };
+        let mut index = KvIndex::default();
+        let covered = |b: &EventBatch| (b.epoch, b.seq) <= (at.epoch, at.seq);
+        for (w, b) in deliveries(std::slice::from_ref(&p), &faults) {
+            if covered(&b) {
+                index.apply(w, &b);
+            }
+        }
+        prop_assert_ne!(index.apply_snapshot(1, &snapshot), Applied::Stale);
+        for b in &p.batches[..=k] {
+            prop_assert_eq!(index.apply(1, b), Applied::Stale, "covered by the snapshot");
+        }
+        for b in &p.batches[k + 1..] {
+            index.apply(1, b);
+        }
+        let credited: BTreeSet<u64> = index.blocks_of(1).collect();
+        prop_assert_eq!(credited, p.real);
+    }
+}
+
+#[test]
+fn a_snapshot_before_the_epochs_first_batch_lets_batch_zero_apply_in_order() {
+    let mut index = KvIndex::default();
+    let stored = |epoch, seq, h| EventBatch {
+        epoch,
+        seq,
+        events: vec![KvEvent::Stored {
+            parent: None,
+            blocks: vec![h],
+        }],
+    };
+    assert_eq!(index.apply(4, &stored(1, 7, 70)), Applied::Started);
+    let snapshot = KvSnapshot {
+        epoch: 2,
+        seq: None,
+        chains: vec![KvEvent::Stored {
+            parent: None,
+            blocks: vec![5, 6],
+        }],
+    };
+    assert_eq!(index.apply_snapshot(4, &snapshot), Applied::Started);
+    assert_eq!(index.overlap(&[5, 6], 4), 2);
+    assert!(
+        !index.holds(4, 70),
+        "the older epoch's entries are replaced"
+    );
+    assert_eq!(index.apply(4, &stored(2, 0, 8)), Applied::InOrder);
+    assert_eq!(index.apply(4, &stored(1, 9, 9)), Applied::Stale);
+    let older = KvSnapshot {
+        epoch: 1,
+        ..KvSnapshot::default()
+    };
+    assert_eq!(index.apply_snapshot(4, &older), Applied::Stale);
+    assert_eq!(
+        index.overlap(&[5, 6, 8], 4),
+        3,
+        "unchanged by the stale snapshot"
+    );
+}

@@ -154,6 +154,8 @@ impl TcpLink {
                 // the old stream's end and this one's start may be lost.
                 if let (Some(feed), Some(generation)) = (&self.kv_feed, generation) {
                     feed.adopt(id, generation);
+                    // Adopted first, so the snapshot is applied rather than refused as stale.
+                    fresh.request_kv_snapshot();
                 }
                 Ok(fresh)
             }

@@ -120,6 +120,8 @@ pub(super) async fn serve_connection(
     let active: Arc<Mutex<HashMap<u64, CancellationToken>>> = Arc::default();
     let mut frames = FramedRead::new(rd, wire::codec(max));
     let mut subscribed = false;
+    // One snapshot streams at a time per connection (a client asks for one at a time).
+    let snapshotting = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut drain_state = DrainState::Serving;
     // Woken when a spawned request ends, so an acknowledged drain closes once idle.
     let finished = Arc::new(Notify::new());
@@ -228,6 +230,12 @@ pub(super) async fn serve_connection(
                     }
                 }
             }
+            Ok(Frame::KvSnapshotRequest) => match &hub {
+                Some(hub) => hub.snapshot(writer.clone(), Arc::clone(&snapshotting)),
+                None => writer.send_detached(bytes::Bytes::from(wire::encode_frame(
+                    &Frame::KvSnapshotUnavailable,
+                ))),
+            },
             Ok(Frame::DrainAck) => {
                 if drain_state != DrainState::Told {
                     break Closed::Frame(FrameError::Unexpected {
@@ -245,6 +253,8 @@ pub(super) async fn serve_connection(
                 | Frame::End { .. }
                 | Frame::Error { .. }
                 | Frame::KvEvents { .. }
+                | Frame::KvSnapshotChunk { .. }
+                | Frame::KvSnapshotUnavailable
                 | Frame::Draining,
             ) => {
                 break Closed::Frame(FrameError::Unexpected {

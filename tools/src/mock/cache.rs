@@ -1,8 +1,8 @@
 //! A bounded LRU set of KV block hashes, optionally publishing its changes as KV events.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
-use prefill_router::kv_events::{EventBatch, EventPublisher};
+use prefill_router::kv_events::{EventBatch, EventPublisher, KvEvent, KvSnapshot};
 
 /// The KV blocks one mock worker holds: at most `capacity` block hashes, least recently used
 /// evicted first. Memory is bounded by the capacity whatever the traffic.
@@ -16,6 +16,9 @@ pub struct BlockCache {
     clock: u64,
     /// Where stores and evictions are reported, for a cache that publishes KV events.
     events: Option<EventPublisher>,
+    /// Held block -> the block it extends, kept only by a cache that publishes (its
+    /// snapshots carry the chains).
+    parents: HashMap<u64, Option<u64>>,
 }
 
 impl BlockCache {
@@ -27,6 +30,7 @@ impl BlockCache {
             order: BTreeMap::new(),
             clock: 0,
             events: None,
+            parents: HashMap::new(),
         }
     }
 
@@ -47,6 +51,30 @@ impl BlockCache {
             .as_mut()
             .map(EventPublisher::take_batches)
             .unwrap_or_default()
+    }
+
+    /// The whole cache as chains, consistent with the batches taken so far (see
+    /// [`KvSnapshot`]); `None` for a cache that does not publish. Every held block appears
+    /// once, after its parent when the parent is held; least recently used chains first.
+    pub fn snapshot(&self) -> Option<KvSnapshot> {
+        self.snapshot_copy().map(SnapshotCopy::into_snapshot)
+    }
+
+    /// What [`snapshot`](Self::snapshot) needs, copied in one sequential pass: take it under
+    /// the lock the event batches are taken under (the consistency point), and build the
+    /// chains with [`SnapshotCopy::into_snapshot`] after releasing it, so a large cache stalls
+    /// the worker's prefills for a copy, not for the chain building.
+    pub fn snapshot_copy(&self) -> Option<SnapshotCopy> {
+        let events = self.events.as_ref()?;
+        Some(SnapshotCopy {
+            epoch: events.epoch(),
+            seq: events.snapshot_seq(),
+            blocks: self
+                .order
+                .values()
+                .map(|&b| (b, self.parents.get(&b).copied().flatten()))
+                .collect(),
+        })
     }
 
     /// Whether `hash` is held (no touch).
@@ -107,6 +135,7 @@ impl BlockCache {
         // worker's entries) the hot prefixes come back at their next use, with no snapshot.
         if let Some(events) = &mut self.events {
             events.stored(parent, hash);
+            self.parents.insert(hash, parent);
         }
         self.order.insert(self.clock, hash);
         while self.stamps.len() > self.capacity {
@@ -115,10 +144,67 @@ impl BlockCache {
                     self.stamps.remove(&evicted);
                     if let Some(events) = &mut self.events {
                         events.removed(evicted);
+                        self.parents.remove(&evicted);
                     }
                 }
                 None => break,
             }
+        }
+    }
+}
+
+/// A cache's blocks at one point of its event stream (see [`BlockCache::snapshot_copy`]).
+#[derive(Debug)]
+pub struct SnapshotCopy {
+    epoch: u64,
+    seq: Option<u64>,
+    /// Held blocks with their parents, least recently used first.
+    blocks: Vec<(u64, Option<u64>)>,
+}
+
+impl SnapshotCopy {
+    /// The copy as a snapshot: every block once, after its parent when the parent is held.
+    pub fn into_snapshot(self) -> KvSnapshot {
+        let parents: HashMap<u64, Option<u64>> = self.blocks.iter().copied().collect();
+        let mut emitted: HashSet<u64> = HashSet::with_capacity(parents.len());
+        let mut chains: Vec<KvEvent> = Vec::new();
+        let mut path = Vec::new();
+        for &(hash, _) in &self.blocks {
+            // The block and its held ancestors not yet emitted, emitted root first (bounded:
+            // a cycle of colliding hashes cannot loop).
+            path.clear();
+            let mut at = Some(hash);
+            while let Some(b) = at {
+                let Some(&parent) = parents.get(&b) else {
+                    break;
+                };
+                if emitted.contains(&b) || path.len() > parents.len() {
+                    break;
+                }
+                path.push((b, parent));
+                at = parent;
+            }
+            for &(b, parent) in path.iter().rev() {
+                if !emitted.insert(b) {
+                    continue;
+                }
+                match chains.last_mut() {
+                    Some(KvEvent::Stored { blocks, .. })
+                        if parent.is_some() && blocks.last() == parent.as_ref() =>
+                    {
+                        blocks.push(b);
+                    }
+                    _ => chains.push(KvEvent::Stored {
+                        parent,
+                        blocks: vec![b],
+                    }),
+                }
+            }
+        }
+        KvSnapshot {
+            epoch: self.epoch,
+            seq: self.seq,
+            chains,
         }
     }
 }
@@ -163,6 +249,32 @@ mod tests {
             credited.sort_unstable();
             assert_eq!(held, credited, "after {request:?}");
         }
+    }
+
+    #[test]
+    fn a_snapshot_holds_every_block_once_after_its_held_parent() {
+        let mut cache = BlockCache::with_events(6, 1);
+        for request in [&[1, 2, 3][..], &[1, 2, 4], &[5, 6], &[1]] {
+            cache.prefill(request);
+        }
+        cache.take_event_batches();
+        let snapshot = cache.snapshot().expect("a publishing cache");
+        assert_eq!((snapshot.epoch, snapshot.seq), (1, Some(0)));
+        let mut order = Vec::new();
+        for chain in &snapshot.chains {
+            let KvEvent::Stored { parent, blocks } = chain else {
+                panic!("Stored only: {chain:?}");
+            };
+            if let Some(p) = parent.filter(|p| cache.contains(*p)) {
+                assert!(order.contains(&p), "parent {p} before {blocks:?}");
+            }
+            order.extend(blocks);
+        }
+        let mut held: Vec<u64> = cache.blocks().collect();
+        held.sort_unstable();
+        order.sort_unstable();
+        assert_eq!(order, held);
+        assert!(BlockCache::new(4).snapshot().is_none());
     }
 
     #[test]

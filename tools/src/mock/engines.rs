@@ -203,6 +203,13 @@ impl prefill_router::transport::KvEventSource for MockPrefill {
     fn take_kv_events(&self) -> Vec<EventBatch> {
         MockPrefill::take_kv_events(self)
     }
+
+    /// The cache's snapshot: copied under the lock its batches are taken under, its chains
+    /// built after the lock is released.
+    fn kv_snapshot(&self) -> Option<prefill_router::kv_events::KvSnapshot> {
+        let copy = self.worker.cache.lock().snapshot_copy();
+        copy.map(crate::mock::SnapshotCopy::into_snapshot)
+    }
 }
 
 impl Engine for MockPrefill {
