@@ -131,6 +131,10 @@ pub(crate) enum DispatchMutant {
     /// Session affinity sends a session to its remembered worker whether or not it is still
     /// routable (outside admission, breaker open); the affinity checks must catch it.
     AffinityIgnoresRoutable,
+    /// Session affinity keeps a session on its live entry's worker while that worker is
+    /// routable, even when it is no longer first in the session's rendezvous order (the old
+    /// per-frontend stickiness); the rendezvous checks must catch it.
+    AffinityKeepsLiveEntry,
     /// A reconnect or a closed connection keeps the worker's KV index entries (the KV feed
     /// tests must catch it).
     KeepKvOnReconnect,

@@ -157,6 +157,7 @@ pub fn mutant_name(mutant: Mutant) -> &'static str {
         Mutant::ConditionalProbeLies => "conditional-probe-lies",
         Mutant::ConditionalPrefillOnProbe => "conditional-prefill-on-probe",
         Mutant::AffinityIgnoresRoutable => "affinity-ignores-routable",
+        Mutant::AffinityKeepsLiveEntry => "affinity-keeps-live-entry",
         Mutant::AffinityInheritedByRebuild => "affinity-inherited-by-rebuild",
         Mutant::KvIgnoresRemovals => "kv-ignores-removals",
     }
@@ -174,6 +175,7 @@ pub fn parse_mutant(name: &str) -> Option<Mutant> {
         Mutant::ConditionalProbeLies,
         Mutant::ConditionalPrefillOnProbe,
         Mutant::AffinityIgnoresRoutable,
+        Mutant::AffinityKeepsLiveEntry,
         Mutant::AffinityInheritedByRebuild,
         Mutant::KvIgnoresRemovals,
     ]
