@@ -61,7 +61,7 @@ pub struct SimStats {
     pub conditional_short: u64,
     /// Requests the conditional policy skipped as busy.
     pub conditional_busy: u64,
-    /// Picks session affinity sent to the session's remembered worker (runs with sessions).
+    /// Picks that landed on the worker the session's live entry names (runs with sessions).
     pub affinity_hits: u64,
     /// Picks of a session with no live entry on the binding.
     pub affinity_misses: u64,

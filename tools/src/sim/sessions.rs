@@ -230,7 +230,8 @@ pub(crate) fn picked(world: &World, pick: &Pick<'_>) {
 }
 
 /// The remembered worker of `session` on binding `serial`, if the entry is younger than the
-/// TTL (the `AffinityIgnoresRoutable` mutant sends the request there unchecked).
+/// TTL (the `AffinityIgnoresRoutable` mutant sends the request there unchecked, the
+/// `AffinityKeepsLiveEntry` one while it is usable).
 pub(crate) fn live_entry(world: &World, serial: u64, session: &str) -> Option<InstanceId> {
     let now = Instant::now();
     world.with(|s| {
