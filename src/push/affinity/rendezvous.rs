@@ -37,7 +37,8 @@ pub fn session_key(session: &str) -> u64 {
 }
 
 /// The weight of `worker` for the session `key`: the session's rendezvous order is the
-/// workers by weight, highest first (ties, 2^-64 likely, to the smaller id).
+/// workers by weight, highest first. Distinct ids never tie (every step is a bijection of the
+/// id); equal ids order by id only so that the order is total.
 pub fn rendezvous_weight(key: u64, worker: InstanceId) -> u64 {
     // The id is mixed on its own first, so sequential ids are as far apart as random ones.
     finalize(key ^ finalize(worker.wrapping_add(GAMMA)))
