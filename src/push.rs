@@ -7,7 +7,8 @@
 //! - [`Dispatcher`]: modes [`PushMode::RoundRobin`], [`PushMode::Random`],
 //!   [`PushMode::Direct`] and [`PushMode::Kv`] (approximate prefix-aware selection, see
 //!   [`KvSelector`], costed by [`select`]), each with optional session affinity ([`Dispatcher::with_session_affinity`]:
-//!   a session's requests stay on its worker while it stays routable, for a TTL).
+//!   a session's requests go to the first routable worker of its rendezvous order, the same
+//!   on every frontend that sees the same routable set; [`rendezvous_order`]).
 //! - [`WorkerLink`]: the dispatcher's send step, the one seam between choosing a worker and
 //!   reaching it: [`TcpLink`] (the request plane) in production, an in-memory link in the
 //!   simulator, which thereby runs the dispatcher's own select, book, send, retry and release.
@@ -26,7 +27,8 @@ mod tests;
 mod view;
 
 pub use affinity::{
-    AffinityCounts, AffinityOutcome, AffinityStats, AffinityTable, DEFAULT_AFFINITY_CAPACITY,
+    rendezvous_first, rendezvous_order, rendezvous_weight, session_key, AffinityCounts,
+    AffinityOutcome, AffinityStats, AffinityTable, DEFAULT_AFFINITY_CAPACITY,
 };
 pub(crate) use dispatcher::DispatchMutant;
 pub use dispatcher::{

@@ -1,4 +1,15 @@
-//! Session affinity: the worker a session's last prefill went to, remembered for a while.
+//! Session affinity: a session's worker is the first routable one in its rendezvous order
+//! ([`rendezvous`]), the same on every frontend that sees the same routable set; the table
+//! remembers, for a TTL, where this frontend last sent each session, to tell a continuing
+//! session (hit or re-pick) from a new one (miss).
+//!
+//! The table does not choose: a live entry never overrides the rendezvous order. When a worker
+//! joins and ranks first for a session, the session moves to it at once on every frontend (its
+//! cache is recomputed once there) rather than staying on the old worker until the entry
+//! expires on some frontends and not others, which would split the session between two
+//! workers for as long as it stays active (the TTL slides). Likewise a spill (the first worker
+//! over the busy threshold) lasts only while that worker stays over it. See docs/router.md,
+//! "Session affinity across frontends".
 //!
 //! One [`AffinityTable`] per dispatcher (so per binding: a rebuilt binding starts empty, a
 //! reused one keeps it, a retired one drops it with its last request). Entries expire a TTL
@@ -7,8 +18,9 @@
 //! the order they were last touched, so the expired and the oldest are at its front. No task
 //! sweeps the table.
 
+mod rendezvous;
+
 use std::collections::{HashMap, VecDeque};
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,31 +29,37 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::discovery::Instance;
+pub(crate) use rendezvous::first_index;
+pub use rendezvous::{rendezvous_first, rendezvous_order, rendezvous_weight, session_key};
 
 /// Default cap on remembered sessions per dispatcher ([`super::PushConfig::affinity_capacity`]).
 pub const DEFAULT_AFFINITY_CAPACITY: usize = 65_536;
 
-/// How session affinity decided one pick.
+/// How session affinity decided one pick. The pick itself is always the session's first
+/// usable worker in its rendezvous order; the outcome compares it with where this frontend
+/// sent the session last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum AffinityOutcome {
-    /// The session's remembered worker was routable: it got the request.
+    /// The session's live entry names the worker that got the request: it stayed put.
     Hit,
-    /// Nothing (live) remembered for the session: the mode picked, and the pick is remembered.
+    /// Nothing (live) remembered for the session: a new session, or one idle for the TTL (or
+    /// last seen by another frontend); it went to its rendezvous worker, now remembered.
     Miss,
-    /// The remembered worker is no longer routable for this request (left admission or
-    /// discovery, breaker open, or it already failed this request): the mode picked another
-    /// and the entry moved to it.
+    /// The live entry names another worker: that one is no longer usable for this request
+    /// (left admission or discovery, breaker open, already failed this request, or over the
+    /// busy threshold), or no longer first in the session's order (a worker joined, or the
+    /// worker a spill left has room again). The entry moved to the new worker.
     Repick,
 }
 
 /// Affinity counters since the dispatcher (or the factory sharing them) was created.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AffinityStats {
-    /// Requests sent to their session's remembered worker.
+    /// Requests sent to the worker their session's live entry names.
     pub hits: u64,
     /// Requests of a session with no live entry.
     pub misses: u64,
-    /// Requests whose remembered worker was not routable, so the entry moved.
+    /// Requests of a session with a live entry that went to another worker (the entry moved).
     pub repicks: u64,
     /// Entries dropped to keep the table within its capacity.
     pub evictions: u64,
@@ -87,15 +105,6 @@ impl AffinityCounts {
     }
 }
 
-/// The key of a session: a hash, so an entry's size does not depend on the client's string
-/// (SipHash with fixed keys: deterministic runs; two colliding sessions merely share a worker,
-/// which stays inside admission).
-pub(crate) fn session_key(session: &str) -> u64 {
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    session.hash(&mut hasher);
-    hasher.finish()
-}
-
 struct Entry {
     instance: Arc<Instance>,
     touched: Instant,
@@ -118,7 +127,8 @@ struct Dropped {
     expired: u64,
 }
 
-/// The session → worker table of one dispatcher: entries kept for a TTL after their last use,
+/// The session → worker table of one dispatcher (where each session last went, to count hits,
+/// misses and re-picks; the choice is the rendezvous order's): entries kept for a TTL after their last use,
 /// at most a capacity of them, with the hits, misses and repicks counted in its
 /// [`AffinityCounts`]. [`Dispatcher::with_session_affinity`] makes a fresh one;
 /// [`Dispatcher::with_affinity_table`] takes one made here (the simulator shares one between
@@ -313,11 +323,5 @@ mod tests {
         t.remember(3, instance(2), t0);
         assert_eq!(t.remembered(3, t0).map(|i| i.instance_id), Some(2));
         assert_eq!(t.len(), 1);
-    }
-
-    #[test]
-    fn session_keys_are_stable_and_distinguish_sessions() {
-        assert_eq!(session_key("alice"), session_key("alice"));
-        assert_ne!(session_key("alice"), session_key("bob"));
     }
 }

@@ -131,6 +131,10 @@ pub(crate) enum DispatchMutant {
     /// Session affinity sends a session to its remembered worker whether or not it is still
     /// routable (outside admission, breaker open); the affinity checks must catch it.
     AffinityIgnoresRoutable,
+    /// Session affinity keeps a session on its live entry's worker while that worker is
+    /// routable, even when it is no longer first in the session's rendezvous order (the old
+    /// per-frontend stickiness); the rendezvous checks must catch it.
+    AffinityKeepsLiveEntry,
     /// A reconnect or a closed connection keeps the worker's KV index entries (the KV feed
     /// tests must catch it).
     KeepKvOnReconnect,
@@ -252,8 +256,10 @@ impl<L: WorkerLink> Dispatcher<L> {
         }
     }
 
-    /// Turn on session affinity: a request with a session key goes to the worker its session
-    /// last went to while that was less than `ttl` ago and the worker is still routable
+    /// Turn on session affinity: a request with a session key goes to the first routable
+    /// worker of its session's rendezvous order (in KV mode the first not over the busy
+    /// threshold), the same on every dispatcher with the same routable set; the table
+    /// remembers for `ttl` where each session went, to count hits, misses and re-picks
     /// (`None`: no affinity, as when [`PushConfig::affinity_capacity`] is 0). Counted in
     /// `counts` (shared, e.g. by every binding of one factory). `Direct` mode ignores it.
     #[must_use]

@@ -26,7 +26,7 @@
 //! | `unreachable_bypassed_total` | counter | requests whose prefill found no reachable worker (none routable, or every attempt failed to reach its worker) and that the fallback policy sent to decode whole |
 //! | `open_breakers` | gauge | the serving binding's instances whose health breaker is open (0 when not Active) |
 //! | `prefill_retries_total{class}` | counter | prefills retried on another worker, by the failure's class (the serving binding's; the default factory's bindings share one count) |
-//! | `affinity_total{outcome}` | counter | prefills of requests with a session key, by how session affinity decided them: `hit` (remembered worker), `miss` (no live entry), `repick` (remembered worker not routable; the entry moved) |
+//! | `affinity_total{outcome}` | counter | prefills of requests with a session key, by how session affinity decided them: `hit` (the live entry's worker), `miss` (no live entry), `repick` (a live entry on another worker: it left, failed, is busy, or no longer ranks first; the entry moved) |
 //! | `affinity_evictions_total` | counter | affinity entries evicted to keep a binding's table within its cap |
 //! | `affinity_expired_total` | counter | affinity entries dropped after their TTL |
 //! | `prefill_booked_tokens` | gauge | prefill work (uncached tokens plus the per-request booking) booked on the serving binding's workers now (KV mode) |

@@ -238,7 +238,8 @@ fn real_trace_events_give_stale_credit_only_when_batches_are_lost_or_late() {
 
 /// Four conversations of four turns, interleaved, ten seconds apart: turn *t* of
 /// conversation *c* repeats the conversation's earlier blocks and adds one. Three round-robin
-/// workers scatter the turns; session affinity keeps each conversation on one worker.
+/// workers scatter the turns; session affinity keeps each conversation on one worker (its
+/// rendezvous worker, whatever the TTL).
 fn conversations() -> Vec<TraceRecord> {
     let mut lines = String::new();
     for turn in 0..4u64 {
@@ -292,9 +293,11 @@ fn session_affinity_keeps_every_later_turn_on_its_conversations_worker() {
         "every later turn hits its whole history: {on}"
     );
     assert!(on.prefix_hit_rate > off.prefix_hit_rate, "{on}\n{off}");
-    // Turns 40 s apart outlive a 5 s TTL: no hits, every turn a miss.
+    // Turns 40 s apart outlive a 5 s TTL: no hits, every turn a miss, yet every turn goes
+    // where it would with a live entry (the session's rendezvous worker), with the same reuse.
     let stats = expired.affinity.clone().expect("affinity report");
     assert_eq!((stats.hits, stats.misses), (0, 16), "{expired}");
+    assert_eq!(expired.cached_blocks, on.cached_blocks, "{expired}\n{on}");
     assert!(on.label().ends_with("affinity 60 s"), "{}", on.label());
 }
 

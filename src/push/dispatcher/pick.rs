@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::booking::Booking;
@@ -15,6 +16,7 @@ use crate::push::error::PushError;
 use crate::push::kv::{block_hashes, mix};
 use crate::push::select::Choice;
 use crate::push::view::InstanceStatus;
+use crate::push::{KvSelector, LoadBoard};
 use crate::request::GenerateRequest;
 
 /// What a pick chooses from: the view's shared routable set, that set minus the excluded
@@ -125,13 +127,7 @@ impl<L: WorkerLink> Dispatcher<L> {
                 let hashes = block_hashes(&request.token_ids, *block_size);
                 let random = self.random();
                 let mut board = self.loads.board();
-                // The view hands out one shared set until it changes: re-sync the board's
-                // members, and drop indexed workers that left, only then (O(pool) per change,
-                // O(1) per request).
-                if !board.has_members(all) {
-                    board.set_members(Arc::clone(all));
-                    self.prune_kv_index(&mut kv.lock());
-                }
+                self.sync_board(&mut board, all, kv);
                 let mut kv = kv.lock();
                 let tokens = request.token_ids.len() as u64;
                 let threshold = self.busy_threshold();
@@ -167,6 +163,21 @@ impl<L: WorkerLink> Dispatcher<L> {
                 })
             }
             PushMode::Direct(_) => Err(PushError::NoRoutableInstances),
+        }
+    }
+
+    /// Make the locked `board`'s members the view's routable set `all`. The view hands out one
+    /// shared set until it changes: re-sync the members, and drop indexed workers that left,
+    /// only then (O(pool) per change, O(1) per request).
+    pub(super) fn sync_board(
+        &self,
+        board: &mut LoadBoard,
+        all: &Arc<[Arc<Instance>]>,
+        kv: &Mutex<KvSelector>,
+    ) {
+        if !board.has_members(all) {
+            board.set_members(Arc::clone(all));
+            self.prune_kv_index(&mut kv.lock());
         }
     }
 

@@ -62,7 +62,11 @@ impl SimConfig {
         self.sessions
             || matches!(
                 self.mutant,
-                Some(Mutant::AffinityIgnoresRoutable | Mutant::AffinityInheritedByRebuild)
+                Some(
+                    Mutant::AffinityIgnoresRoutable
+                        | Mutant::AffinityKeepsLiveEntry
+                        | Mutant::AffinityInheritedByRebuild
+                )
             )
     }
 
@@ -132,6 +136,10 @@ pub enum Mutant {
     /// A session goes to its remembered worker while the entry lives, whether or not that
     /// worker is still routable (oracle: an affinity hit outside the routable set).
     AffinityIgnoresRoutable,
+    /// A session stays on its live entry's worker while that worker is usable, even when it
+    /// is no longer first in the session's rendezvous order: the per-frontend stickiness that
+    /// rendezvous affinity replaced (oracle: a pick off the rendezvous order).
+    AffinityKeepsLiveEntry,
     /// Every binding shares the first binding's affinity table, so a rebuilt binding inherits
     /// the old sessions (oracle: affinity survived a rebuild).
     AffinityInheritedByRebuild,

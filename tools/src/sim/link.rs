@@ -8,7 +8,7 @@
 //! so the per-pick oracles run here against the world exactly as the dispatcher saw it: the
 //! stale KV credit (`sim/kv_events.rs`), the session-affinity ones (`sim/sessions.rs`) and
 //! dispatch outside admission. The mutants that break the dispatcher's pick
-//! (`RetryReusesFailedWorker`, `AffinityIgnoresRoutable`) redirect the attempt here, as the
+//! (`RetryReusesFailedWorker`, `AffinityIgnoresRoutable`, `AffinityKeepsLiveEntry`) redirect the attempt here, as the
 //! broken dispatcher would have sent it; `NoPrefillTimeout` makes the link forget the deadline.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -191,7 +191,8 @@ impl SimLink {
     }
 
     /// The affinity oracles at a pick in runs with sessions; returns where the attempt goes
-    /// (the pick, or under `AffinityIgnoresRoutable` the session's live entry).
+    /// (the pick, or under `AffinityIgnoresRoutable` or `AffinityKeepsLiveEntry` the session's
+    /// live entry).
     fn judge_affinity(
         &self,
         id: u64,
@@ -208,14 +209,19 @@ impl SimLink {
         let mut outcomes = table.counted_since_last_pick();
         let mut worker = picked;
         let session = request.session.as_deref();
-        if self.mutant == Some(Mutant::AffinityIgnoresRoutable) {
+        let live = session.and_then(|s| sessions::live_entry(&self.world, self.serial, s));
+        let redirect = live.filter(|r| match self.mutant {
             // The broken dispatcher: a live entry wins, routable or not.
-            if let Some(remembered) =
-                session.and_then(|s| sessions::live_entry(&self.world, self.serial, s))
-            {
-                worker = remembered;
-                outcomes = vec![prefill_router::push::AffinityOutcome::Hit];
+            Some(Mutant::AffinityIgnoresRoutable) => true,
+            // The old, per-frontend rule: a live entry wins while its worker is usable.
+            Some(Mutant::AffinityKeepsLiveEntry) => {
+                routable.contains(r) && !dispatch.failed.contains(r)
             }
+            _ => false,
+        });
+        if let Some(remembered) = redirect {
+            worker = remembered;
+            outcomes = vec![prefill_router::push::AffinityOutcome::Hit];
         }
         sessions::picked(
             &self.world,

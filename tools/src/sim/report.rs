@@ -61,7 +61,7 @@ pub struct SimStats {
     pub conditional_short: u64,
     /// Requests the conditional policy skipped as busy.
     pub conditional_busy: u64,
-    /// Picks session affinity sent to the session's remembered worker (runs with sessions).
+    /// Picks that landed on the worker the session's live entry names (runs with sessions).
     pub affinity_hits: u64,
     /// Picks of a session with no live entry on the binding.
     pub affinity_misses: u64,
@@ -157,6 +157,7 @@ pub fn mutant_name(mutant: Mutant) -> &'static str {
         Mutant::ConditionalProbeLies => "conditional-probe-lies",
         Mutant::ConditionalPrefillOnProbe => "conditional-prefill-on-probe",
         Mutant::AffinityIgnoresRoutable => "affinity-ignores-routable",
+        Mutant::AffinityKeepsLiveEntry => "affinity-keeps-live-entry",
         Mutant::AffinityInheritedByRebuild => "affinity-inherited-by-rebuild",
         Mutant::KvIgnoresRemovals => "kv-ignores-removals",
     }
@@ -174,6 +175,7 @@ pub fn parse_mutant(name: &str) -> Option<Mutant> {
         Mutant::ConditionalProbeLies,
         Mutant::ConditionalPrefillOnProbe,
         Mutant::AffinityIgnoresRoutable,
+        Mutant::AffinityKeepsLiveEntry,
         Mutant::AffinityInheritedByRebuild,
         Mutant::KvIgnoresRemovals,
     ]

@@ -12,10 +12,14 @@
 //!   miss or re-pick), one without none;
 //! - `affinity_survived_rebuild`: the first pick of a session on a binding is a miss (a new
 //!   binding's table is empty, whatever the previous binding remembered);
-//! - `affinity_hit_missed`: while the session's entry is younger than the TTL and its worker
-//!   is routable and not failed by the request, the pick is a hit on that worker;
+//! - `affinity_off_rendezvous`: the pick is the first worker of the session's rendezvous
+//!   order among the routable ones the request has not failed on (the simulated bindings set
+//!   no busy threshold, so nothing spills): what makes every frontend agree;
+//! - `affinity_hit_missed`: the pick counts a hit exactly when it lands on the worker the
+//!   session's live entry names (younger than the TTL): a live entry is never a miss, and a
+//!   re-pick leaves the entry's worker;
 //! - `affinity_outside_routable`: a hit is only on a routable worker not failed by the
-//!   request, and a re-pick moves off the remembered worker;
+//!   request;
 //! - `affinity_expired_hit`: an entry as old as the TTL or older never gives a hit.
 //!
 //! The dispatch-outside-admission oracle of every run still judges every pick.
@@ -32,7 +36,8 @@ use super::oracle::Violation;
 use super::world::World;
 use prefill_router::discovery::InstanceId;
 use prefill_router::push::{
-    AffinityOutcome, AffinityStats, AffinityTable, DEFAULT_AFFINITY_CAPACITY,
+    rendezvous_first, session_key, AffinityOutcome, AffinityStats, AffinityTable,
+    DEFAULT_AFFINITY_CAPACITY,
 };
 
 /// The simulated session TTL: a few request bursts long, so entries both live and expire
@@ -165,6 +170,17 @@ pub(crate) fn picked(world: &World, pick: &Pick<'_>) {
         );
         broken(world, request, "affinity_outside_routable", detail);
     }
+    if usable(worker) {
+        let usable_set: Vec<InstanceId> = routable.iter().copied().filter(|&w| usable(w)).collect();
+        let first = rendezvous_first(session_key(session), &usable_set);
+        if first != Some(worker) {
+            let detail = format!(
+                "session {session} on worker {worker}, its first usable rendezvous worker is \
+                 {first:?} (usable {usable_set:?})"
+            );
+            broken(world, request, "affinity_off_rendezvous", detail);
+        }
+    }
     match entry {
         None if outcome != AffinityOutcome::Miss => {
             let detail = format!(
@@ -187,17 +203,6 @@ pub(crate) fn picked(world: &World, pick: &Pick<'_>) {
                         format!("hit on worker {worker}, the entry remembers {remembered}");
                     broken(world, request, "affinity_hit_missed", detail);
                 }
-                AffinityOutcome::Miss | AffinityOutcome::Repick if live && usable(remembered) => {
-                    let detail = format!(
-                        "{outcome:?} to worker {worker} while {remembered} (remembered \
-                         {age:?} ago) is routable"
-                    );
-                    broken(world, request, "affinity_hit_missed", detail);
-                }
-                AffinityOutcome::Repick if worker == remembered => {
-                    let detail = format!("re-pick stayed on the unroutable worker {worker}");
-                    broken(world, request, "affinity_outside_routable", detail);
-                }
                 AffinityOutcome::Miss if live => {
                     let detail = format!("miss on a live entry ({age:?} old, worker {remembered})");
                     broken(world, request, "affinity_hit_missed", detail);
@@ -205,6 +210,10 @@ pub(crate) fn picked(world: &World, pick: &Pick<'_>) {
                 AffinityOutcome::Repick if !live => {
                     let detail = format!("re-pick on an expired entry ({age:?} old)");
                     broken(world, request, "affinity_outcome_miscounted", detail);
+                }
+                AffinityOutcome::Repick if worker == remembered => {
+                    let detail = format!("re-pick that stayed on the entry's worker {worker}");
+                    broken(world, request, "affinity_hit_missed", detail);
                 }
                 _ => {}
             }
@@ -221,7 +230,8 @@ pub(crate) fn picked(world: &World, pick: &Pick<'_>) {
 }
 
 /// The remembered worker of `session` on binding `serial`, if the entry is younger than the
-/// TTL (the `AffinityIgnoresRoutable` mutant sends the request there unchecked).
+/// TTL (the `AffinityIgnoresRoutable` mutant sends the request there unchecked, the
+/// `AffinityKeepsLiveEntry` one while it is usable).
 pub(crate) fn live_entry(world: &World, serial: u64, session: &str) -> Option<InstanceId> {
     let now = Instant::now();
     world.with(|s| {

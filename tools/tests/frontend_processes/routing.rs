@@ -1,5 +1,6 @@
-//! Routing seen through the processes: session affinity, overload answered with 503 and
-//! `Retry-After`, and a shared system prompt under KV routing spread over every worker.
+//! Routing seen through the processes: session affinity (one frontend, and two agreeing on a
+//! session's worker), overload answered with 503 and `Retry-After`, and a shared system prompt
+//! under KV routing spread over every worker.
 
 use super::*;
 
@@ -244,5 +245,84 @@ fn a_shared_system_prompt_under_kv_routing_reaches_every_prefill_worker() {
             "worker {w} served {} of 120: {served:?}",
             served[w]
         );
+    }
+}
+
+/// Session affinity across frontends (issue #29 item 3): two `serve` processes over the same
+/// three prefill workers, with round robin as the mode (so without affinity their independent
+/// rotations would scatter a session). Each session's turns alternate between the frontends,
+/// and every turn of it lands on one prefill worker: the first of its rendezvous order, which
+/// each frontend computes alone from the session id and the worker ids.
+#[test]
+fn the_same_session_id_lands_on_the_same_prefill_worker_through_two_serve_processes() {
+    use prefill_router::push::{rendezvous_first, session_key};
+    let cluster = Cluster::new();
+    let card = prefill_card(
+        &cluster,
+        json!({"router_mode": "round-robin", "session_affinity_ttl_secs": 600}),
+    );
+    let _prefill: Vec<Proc> = (1..=3)
+        .map(|id| cluster.worker("prefill", id, &["--card", &card]))
+        .collect();
+    let _d = cluster.worker("decode", DECODE, &[]);
+    let (_a, a) = cluster.serve(&[]);
+    let (_b, b) = cluster.serve(&[]);
+    for addr in [a, b] {
+        until("both frontends route to all three prefill workers", || {
+            let mut seen: Vec<u64> = (0..6)
+                .filter_map(|_| {
+                    let r = post(addr, "/v1/chat/completions", &chat("warm up", 1, false));
+                    (r.status == 200).then(|| prefill_worker(&r))
+                })
+                .collect();
+            seen.sort_unstable();
+            seen.dedup();
+            seen == [1, 2, 3]
+        });
+    }
+    let send = |addr, session: &str, n: u32| {
+        let body = chat(&format!("turn {n} of {session}"), 2, false).to_string();
+        let r = request_with(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            Some(body.as_bytes()),
+            &[("x-session-id", session)],
+        );
+        assert_eq!(r.status, 200, "{session} turn {n} via {addr}: {r:?}");
+        prefill_worker(&r)
+    };
+    let sessions: Vec<String> = (0..8).map(|s| format!("conversation-{s}")).collect();
+    let mut homes = Vec::new();
+    for (i, session) in sessions.iter().enumerate() {
+        let home = rendezvous_first(session_key(session), &[1, 2, 3]);
+        // Odd sessions start on B: the first frontend to see a session makes no difference.
+        let order = if i % 2 == 0 { [a, b] } else { [b, a] };
+        for n in 0..6 {
+            let via = order[n % 2];
+            let worker = send(via, session, n as u32);
+            assert_eq!(Some(worker), home, "{session} turn {n} via {via}");
+        }
+        homes.push(home);
+    }
+    homes.sort_unstable();
+    homes.dedup();
+    assert!(homes.len() > 1, "eight sessions on one worker: {homes:?}");
+    // Each frontend saw every session: a miss at its first turn there, hits after.
+    for addr in [a, b] {
+        let metrics = get(addr, "/metrics").body;
+        let value = |outcome: &str| -> u64 {
+            metrics
+                .lines()
+                .filter(|l| {
+                    l.starts_with("prefill_router_affinity_total{")
+                        && l.contains(&format!("outcome=\"{outcome}\""))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+                .sum()
+        };
+        assert_eq!(value("miss"), 8, "{addr}: {metrics}");
+        assert_eq!(value("hit"), 8 * 2, "{addr}: {metrics}");
+        assert_eq!(value("repick"), 0, "{addr}: {metrics}");
     }
 }

@@ -34,6 +34,11 @@ fn oracle_catches_affinity_that_ignores_routability() {
 }
 
 #[test]
+fn oracle_catches_affinity_that_keeps_a_live_entry_off_the_rendezvous_order() {
+    assert_caught(Mutant::AffinityKeepsLiveEntry, "affinity_off_rendezvous");
+}
+
+#[test]
 fn oracle_catches_affinity_that_survives_a_rebuild() {
     assert_caught(
         Mutant::AffinityInheritedByRebuild,

@@ -1,7 +1,8 @@
 //! Session affinity over event sequences, through the factory's own dispatcher construction:
 //! requests with sessions, admission changes, worker failures (breakers), time past the TTL,
 //! retargets that reuse or rebuild the binding, and retiring it. Properties: a pick is always
-//! routable (admitted, discovered, breaker closed); a hit is only on the binding that remembered
+//! routable (admitted, discovered, breaker closed) and the session's first routable worker in
+//! its rendezvous order; a hit is only on the binding that remembered
 //! the session, within the TTL, on the remembered worker; the table stays within its cap; a
 //! retired binding frees its table.
 
@@ -21,7 +22,10 @@ use crate::discovery::{
     EndpointId, Instance, InstanceEvent, InstanceId, MemoryConfig, MemoryDiscovery,
 };
 use crate::health::{BackoffPolicy, FailureClass};
-use crate::push::{AffinityOutcome, DispatchMutant, Dispatcher, Prober, PushConfig, RoutableView};
+use crate::push::{
+    rendezvous_first, session_key, AffinityOutcome, DispatchMutant, Dispatcher, Prober, PushConfig,
+    RoutableView,
+};
 use crate::request::GenerateRequest;
 
 const WORKERS: u64 = 4;
@@ -72,6 +76,8 @@ enum Plant {
     None,
     /// The dispatcher's affinity trusts the remembered worker without checking it is routable.
     IgnoresRoutable,
+    /// The dispatcher keeps a session on its live entry's worker while that one is routable.
+    KeepsEntry,
     /// The factory hands the first binding's table to every later one.
     InheritsTable,
 }
@@ -136,10 +142,10 @@ fn run(mode: SelectionMode, events: &[Event], plant: Plant) -> Result<(), String
         }
         let build = |factory: &DefaultBindingFactory| {
             let d = factory.dispatcher(view.clone(), &resolved);
-            let d = if plant == Plant::IgnoresRoutable {
-                d.with_mutant(DispatchMutant::AffinityIgnoresRoutable)
-            } else {
-                d
+            let d = match plant {
+                Plant::IgnoresRoutable => d.with_mutant(DispatchMutant::AffinityIgnoresRoutable),
+                Plant::KeepsEntry => d.with_mutant(DispatchMutant::AffinityKeepsLiveEntry),
+                Plant::None | Plant::InheritsTable => d,
             };
             Live {
                 dispatcher: d,
@@ -168,6 +174,13 @@ fn run(mode: SelectionMode, events: &[Event], plant: Plant) -> Result<(), String
                     if !routable.contains(&worker) {
                         return Err(format!(
                             "step {step}: dispatched to {worker} outside routable {routable:?}"
+                        ));
+                    }
+                    // No busy threshold here: always the first routable of the order.
+                    let first = rendezvous_first(session_key(&format!("s{session}")), &routable);
+                    if plant != Plant::IgnoresRoutable && Some(worker) != first {
+                        return Err(format!(
+                            "step {step}: session {session} on {worker}, its rendezvous worker is {first:?}"
                         ));
                     }
                     if pick.affinity() == Some(AffinityOutcome::Hit) {
@@ -252,6 +265,27 @@ fn the_admission_check_catches_affinity_that_ignores_routability() {
 }
 
 #[test]
+fn the_rendezvous_check_catches_affinity_that_keeps_a_live_entry() {
+    // Session 0 pinned on each worker alone in turn, then all four back: on at least three of
+    // the four its entry names a worker that is routable but not its rendezvous first.
+    let events: Vec<Event> = (0..4)
+        .flat_map(|w| {
+            [
+                Event::Admit(1 << w),
+                Event::Request(0, 0),
+                Event::Admit(0b1111),
+                Event::Request(0, 0),
+            ]
+        })
+        .collect();
+    for mode in [SelectionMode::RoundRobin, SelectionMode::KV] {
+        assert_eq!(run(mode, &events, Plant::None), Ok(()));
+        let caught = run(mode, &events, Plant::KeepsEntry);
+        assert!(caught.is_err_and(|e| e.contains("its rendezvous worker")));
+    }
+}
+
+#[test]
 fn the_rebuild_check_catches_a_binding_that_inherits_the_old_table() {
     let rebuilt = vec![Event::Request(0, 0), Event::Rebuild, Event::Request(0, 0)];
     assert_eq!(
@@ -267,8 +301,8 @@ fn the_rebuild_check_catches_a_binding_that_inherits_the_old_table() {
 }
 
 #[test]
-fn a_session_sticks_to_its_worker_until_the_ttl_then_may_move() {
-    // Round robin would rotate; affinity keeps the session on its first worker.
+fn a_session_stays_on_its_worker_and_counts_a_miss_after_the_ttl() {
+    // Round robin would rotate; affinity keeps the session on its rendezvous worker.
     let events: Vec<Event> = (0..6).map(|_| Event::Request(1, 0)).collect();
     assert_eq!(run(SelectionMode::RoundRobin, &events, Plant::None), Ok(()));
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -310,10 +344,11 @@ fn a_session_sticks_to_its_worker_until_the_ttl_then_may_move() {
             assert_eq!(pick.affinity(), Some(AffinityOutcome::Hit));
         }
         tokio::time::advance(Duration::from_millis(TTL_MS)).await;
-        assert_eq!(
-            d.select_held(&request).unwrap().affinity(),
-            Some(AffinityOutcome::Miss)
-        );
+        // The entry expired, not the choice: the same worker, counted as a new session.
+        let after = d.select_held(&request).unwrap();
+        assert_eq!(after.affinity(), Some(AffinityOutcome::Miss));
+        assert_eq!(after.instance().instance_id, first);
+        drop(after);
         let stats = d.affinity_stats();
         assert_eq!((stats.hits, stats.misses, stats.expired), (5, 2, 1));
         // TTL None: no affinity at all.

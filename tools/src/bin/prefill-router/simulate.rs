@@ -24,7 +24,8 @@ checks the oracles listed in docs/simulation.md.
                 deferred-set-target | breaker-never-closes |
                 retry-reuses-failed-worker | conditional-probe-lies |
                 conditional-prefill-on-probe | affinity-ignores-routable |
-                affinity-inherited-by-rebuild | kv-ignores-removals
+                affinity-keeps-live-entry | affinity-inherited-by-rebuild |
+                kv-ignores-removals
   --conditional run the router with the conditional disaggregation policy
                 (prefill_router_tools::sim::conditional::POLICY) and its oracles
   --sessions    give requests session keys and the bindings session affinity

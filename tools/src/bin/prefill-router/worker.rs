@@ -45,8 +45,9 @@ options:
                          prefill worker tells routers how to route to it
   --session-affinity-ttl-secs N
                          prefill only: advertise session affinity with this TTL (requests
-                         with an x-session-id header or a `user` stay on their session's
-                         worker while it is idle less than N s); overrides the card's
+                         with an x-session-id header or a `user` go to their session's
+                         rendezvous worker, the same on every frontend; a session idle
+                         less than N s counts as continuing); overrides the card's
                          router_config.session_affinity_ttl_secs (a card without a
                          router_config gets the default one with this TTL)
   --id N                 the instance id (default: the process id)
