@@ -19,6 +19,7 @@
 //!
 //! See docs/model.md for the bounds and why every path is finite and acyclic.
 
+pub mod booking;
 pub mod cli;
 pub mod config;
 pub mod health;
