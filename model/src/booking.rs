@@ -23,8 +23,10 @@
 //!   `channel` reports in flight per connection, `closes` connection closes in all. Every
 //!   action spends a budget or moves a request forward, so the state space is finite.
 //!
-//! The properties (ids BL1, BL2, DC1, S1, S2, vacuity BV1..BV6) are in [`properties`] and
-//! docs/properties.md; the deliberately broken drivers that each break one are in [`mutants`].
+//! The properties (ids BL1, BL2, DC1, S1, S2, vacuity witnesses BV1..BV7) are in
+//! [`properties`] and docs/properties.md ("Booking rule", with the checked configurations,
+//! their state counts and run times); the deliberately broken drivers that each break one are
+//! in [`mutants`].
 //! The stated slack: each frontend books at most the threshold on a worker, so booked work
 //! (sent or held, not released) on a worker is at most `frontends × threshold` (S1); with an
 //! exact view an admission never takes the true load past the threshold (S2); work a frontend

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-/// One step of the world. Requests are named by their index in [`State::requests`].
+/// One step of the world. Requests are named by their index in [`State::requests`](super::world::State::requests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BookingStep {
     /// Frontend `frontend` admits its next request, of `work` tokens, on `worker`, and books it.
