@@ -62,6 +62,10 @@ pub trait Booking: Send + Sync + 'static {
     /// Whether the frontend forgets its own bookings on a worker when it applies a newer report.
     const DROP_OWN_ON_REPORT: bool = false;
 
+    /// Whether the frontend starts a fresh [`ReportedLoad`] for a new connection (a new
+    /// connection's reports start again at seq 1).
+    const FRESH_VIEW_ON_RECONNECT: bool = true;
+
     /// What the worker puts on the wire for `report`, made by the real ledger for a connection
     /// that holds `own` work itself.
     fn send(report: LoadReport, own: Load) -> LoadReport {
@@ -397,7 +401,11 @@ impl<B: Booking> BookingModel<B> {
                 driven.open(u64::from(frontend));
                 // Both ends drop the connection: the worker its work, the frontend its
                 // requests on it, its bookings, its report and the reports in flight.
+                let kept = links[usize::from(frontend)].applied;
                 links[usize::from(frontend)] = Link::default();
+                if !B::FRESH_VIEW_ON_RECONNECT {
+                    links[usize::from(frontend)].applied = kept;
+                }
                 agree(driven, links);
                 for r in &mut n.requests {
                     if r.frontend == frontend && r.worker == worker && r.stage.in_flight() {

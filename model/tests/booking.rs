@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 
 use prefill_router_model::booking::mutants::{
-    AppliesAnyReport, DropsOwnOnReport, NoFinishOnCancel, ReportsOwnWork,
+    AppliesAnyReport, DropsOwnOnReport, KeepsViewOnReconnect, NoFinishOnCancel, ReportsOwnWork,
 };
 use prefill_router_model::booking::properties::*;
 use prefill_router_model::booking::{Booking, BookingConfig, BookingModel, RealBooking};
@@ -119,6 +119,12 @@ fn dropping_own_bookings_on_a_report_breaks_s2() {
 fn never_finishing_a_cancelled_request_breaks_bl1() {
     let t = counterexample::<NoFinishOnCancel>(NO_LEAK);
     assert!(t.contains("cancelled"), "{t}");
+}
+
+#[test]
+fn keeping_the_view_across_a_reconnect_breaks_bl2() {
+    let t = counterexample::<KeepsViewOnReconnect>(FRESH_REPORT_CLEARS);
+    assert!(t.contains("closes"), "{t}");
 }
 
 #[test]

@@ -62,3 +62,15 @@ impl Booking for NoFinishOnCancel {
     const NAME: &'static str = "no-finish-on-cancel";
     const FINISH_ON_CANCEL: bool = false;
 }
+
+/// A frontend that keeps its [`ReportedLoad`] across a reconnect: the new connection's reports
+/// start again at seq 1 and are ignored as stale until they pass the old seq, so the old
+/// connection's `others` stays counted. Breaks BL2 (the obligation is the transport's: a new
+/// connection gets a new view).
+#[derive(Clone, Copy, Debug)]
+pub struct KeepsViewOnReconnect;
+
+impl Booking for KeepsViewOnReconnect {
+    const NAME: &'static str = "keeps-view-on-reconnect";
+    const FRESH_VIEW_ON_RECONNECT: bool = false;
+}
