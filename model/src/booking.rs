@@ -6,7 +6,7 @@
 //! The code under check is the real `prefill_router::load_report` ([`LoadLedger`] on the worker,
 //! [`ReportedLoad`] on the frontend); the world around it is the model's:
 //!
-//! - **Actors**: `frontends` frontends, `workers` workers. Frontend `f` has one connection per
+//! - **Actors**: one frontend per entry of `requests`, `workers` workers. Frontend `f` has one connection per
 //!   worker, whose id at the worker is `f`; it keeps its own bookings per worker (the push load
 //!   board) and one [`ReportedLoad`] per worker.
 //! - **Actions**: a frontend admits a request of 1..=`max_work` tokens on a worker when the rule
@@ -193,7 +193,8 @@ impl<B> BookingModel<B> {
     }
 }
 
-/// Whether frontend `f` may admit `work` tokens on the worker of `link`: the rule under check.
+/// Whether the frontend of `link` may admit `work` tokens on its worker: the rule under check,
+/// computed by the real [`ReportedLoad::combined`].
 pub fn admits(link: &Link, work: u8, threshold: u8) -> bool {
     let load = link.reported_load().combined(link.own);
     load.tokens + u64::from(work) <= u64::from(threshold)
@@ -211,12 +212,18 @@ fn release(own: &mut Load, work: u8) {
 }
 
 /// Asserts that the ledger the step drove answers as the one rebuilt from the recorded inputs
-/// (same total, same report for every connection): the real `finish` and `close` did what
-/// their documentation says, and the rebuild is exact.
+/// (same total, same change report and re-sent report for every connection): the real
+/// `finish` and `close` did what their documentation says, and the rebuild is exact.
 fn agree(mut driven: LoadLedger, links: &[Link]) {
     let mut rebuilt = ledger(links);
     assert_eq!(driven.total(), rebuilt.total(), "ledger totals disagree");
     for c in 0..links.len() as u64 {
+        // `report_for` first: it compares with the last report made (the change rule).
+        assert_eq!(
+            driven.report_for(c),
+            rebuilt.report_for(c),
+            "ledger change reports for connection {c} disagree"
+        );
         assert_eq!(
             driven.refresh_for(c),
             rebuilt.refresh_for(c),
