@@ -15,10 +15,14 @@
 //!   ([`RouterModel::render`] prints a whole path).
 //! - [`health`]: a small separate model of the worker-health machine (per-instance breakers):
 //!   a reachable instance in discovery is routable again within the backoff cap.
+//! - [`booking`]: a separate model of the booking rule of load reports (issue 29): frontends
+//!   admitting work on shared workers by `own + others + work <= threshold`, with the real
+//!   `LoadLedger` and `ReportedLoad` and reports late, lost or reordered.
 //! - [`config`], [`step`]: the model's bounds and its steps (the world's actions).
 //!
 //! See docs/model.md for the bounds and why every path is finite and acyclic.
 
+pub mod booking;
 pub mod cli;
 pub mod config;
 pub mod health;
