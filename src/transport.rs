@@ -15,6 +15,7 @@ mod client;
 mod engine;
 mod error;
 mod events;
+mod reports;
 mod server;
 mod stream;
 #[cfg(feature = "tls")]
@@ -29,6 +30,7 @@ pub use events::{
     decode_kv_payload, KvEventSink, KvEventSource, KvStreamError, KV_BROADCAST_BATCHES,
     KV_COALESCE, KV_SINK_BATCHES, MAX_KV_BATCH_BYTES,
 };
+pub use reports::{LOAD_REPORT_INTERVAL, LOAD_REPORT_REFRESH};
 pub use server::{serve, serve_with_kv_events, DrainReport, ServerConfig, ServerHandle};
 #[cfg(feature = "tls")]
 pub use tls::{ClientTls, ServerTls, TlsError, TlsIdentity, TlsRoots, DEFAULT_HANDSHAKE_TIMEOUT};

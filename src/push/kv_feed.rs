@@ -5,6 +5,12 @@
 //! A connection's sink carries a generation: only the worker's current connection (the one the
 //! dispatcher pooled) may apply batches or, by closing, reset the worker. A connection that
 //! lost a connect race, or an old one whose close arrives late, changes nothing.
+//!
+//! The same connections carry the workers' load reports ([`crate::load_report`]): the current
+//! connection's newest report sets the worker's reported others on the dispatcher's
+//! [`LoadBoard`] ([`LoadBoard::set_others`]), and a new, closed or forgotten connection sets
+//! them back to zero (the next connection's reports start afresh, and a worker whose reports
+//! stopped is counted by the dispatcher's own bookings only).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,11 +19,13 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::kv::KvSelector;
+use super::load_board::LoadBoard;
 use super::view::{InstanceStatus, RoutableView};
 use super::DispatchMutant;
 use crate::discovery::InstanceId;
 use crate::hooks::Seam;
 use crate::kv_events::{Applied, EventBatch};
+use crate::load_report::{self, LoadReport, LoadReportError, ReportedLoad};
 use crate::transport::{KvEventSink, KvStreamError};
 
 /// What the workers' KV event streams delivered to one dispatcher (relaxed counters: read them
@@ -30,6 +38,9 @@ pub struct KvEventCounts {
     refused: AtomicU64,
     lagged: AtomicU64,
     resets: AtomicU64,
+    reports_applied: AtomicU64,
+    reports_stale: AtomicU64,
+    reports_refused: AtomicU64,
 }
 
 impl KvEventCounts {
@@ -66,6 +77,22 @@ impl KvEventCounts {
         self.resets.load(Ordering::Relaxed)
     }
 
+    /// Load reports applied (newer than the worker connection's last one).
+    pub fn reports_applied(&self) -> u64 {
+        self.reports_applied.load(Ordering::Relaxed)
+    }
+
+    /// Load reports ignored: not newer than the last applied, or from a connection that is no
+    /// longer the worker's current one.
+    pub fn reports_stale(&self) -> u64 {
+        self.reports_stale.load(Ordering::Relaxed)
+    }
+
+    /// Load reports refused as undecodable (counted and ignored; the connection stays).
+    pub fn reports_refused(&self) -> u64 {
+        self.reports_refused.load(Ordering::Relaxed)
+    }
+
     fn bump(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
@@ -78,9 +105,22 @@ pub(super) struct KvFeed {
     /// The dispatcher's mutant (`KeepKvOnReconnect` acts here).
     mutant: Seam<DispatchMutant>,
     counts: Arc<KvEventCounts>,
-    /// Worker → generation of its pooled connection (at most one entry per pooled worker).
-    current: Mutex<HashMap<InstanceId, u64>>,
+    /// Worker → its pooled connection (at most one entry per pooled worker). Load reports are
+    /// checked and applied under this lock, so a report of a replaced connection can never
+    /// land after its successor's reset.
+    current: Mutex<HashMap<InstanceId, Current>>,
     next_generation: AtomicU64,
+    /// The dispatcher's load board, where reported others are set.
+    board: Arc<Mutex<LoadBoard>>,
+    /// Wakes the requests waiting for room (a report lowered a worker's load).
+    wake: Box<dyn Fn() + Send + Sync>,
+}
+
+/// A worker's pooled connection: its generation and the newest load report applied from it.
+#[derive(Clone, Copy, Debug)]
+struct Current {
+    generation: u64,
+    reported: ReportedLoad,
 }
 
 impl KvFeed {
@@ -88,6 +128,7 @@ impl KvFeed {
         kv: Arc<Mutex<KvSelector>>,
         view: RoutableView,
         mutant: Seam<DispatchMutant>,
+        (board, wake): (Arc<Mutex<LoadBoard>>, Box<dyn Fn() + Send + Sync>),
     ) -> Self {
         KvFeed {
             kv,
@@ -96,6 +137,48 @@ impl KvFeed {
             counts: Arc::default(),
             current: Mutex::new(HashMap::new()),
             next_generation: AtomicU64::new(1),
+            board,
+            wake,
+        }
+    }
+
+    /// What `worker`'s current connection last reported (`None`: no pooled connection).
+    pub(super) fn reported(&self, worker: InstanceId) -> Option<ReportedLoad> {
+        self.current.lock().get(&worker).map(|c| c.reported)
+    }
+
+    /// Apply a load report of `worker`'s connection `generation`.
+    fn load_report(&self, worker: InstanceId, generation: u64, report: LoadReport) {
+        let mut current = self.current.lock();
+        let applied = match current.get_mut(&worker) {
+            Some(c) if c.generation == generation => c.reported.apply(report),
+            _ => load_report::Applied::Stale,
+        };
+        let counter = match applied {
+            load_report::Applied::Newer => &self.counts.reports_applied,
+            load_report::Applied::Stale => &self.counts.reports_stale,
+        };
+        KvEventCounts::bump(counter, 1);
+        if applied == load_report::Applied::Newer {
+            let mut board = self.board.lock();
+            let lower = report.others.tokens < board.others(worker);
+            board.set_others(worker, report.others.tokens);
+            drop(board);
+            drop(current);
+            if lower {
+                (self.wake)();
+            }
+        }
+    }
+
+    /// Set `worker`'s reported others back to zero (its report stream ended or restarts).
+    fn clear_reported(&self, worker: InstanceId) {
+        let mut board = self.board.lock();
+        let had = board.others(worker) > 0;
+        board.set_others(worker, 0);
+        drop(board);
+        if had {
+            (self.wake)();
         }
     }
 
@@ -157,7 +240,17 @@ impl KvFeed {
     /// The connection of `generation` is now `worker`'s pooled one: what the index knew from an
     /// earlier connection is dropped (events in between may be lost).
     pub(super) fn adopt(&self, worker: InstanceId, generation: u64) {
-        let previous = self.current.lock().insert(worker, generation);
+        let mut current = self.current.lock();
+        let previous = current.insert(
+            worker,
+            Current {
+                generation,
+                reported: ReportedLoad::new(),
+            },
+        );
+        // Under the lock: no report of the old connection lands after this reset.
+        self.clear_reported(worker);
+        drop(current);
         if previous.is_some() && !self.mutant.is(DispatchMutant::KeepKvOnReconnect) {
             self.reset(worker);
         }
@@ -165,11 +258,16 @@ impl KvFeed {
 
     /// `worker` departed: its connection's stream no longer applies anything.
     pub(super) fn forget(&self, worker: InstanceId) {
-        self.current.lock().remove(&worker);
+        let mut current = self.current.lock();
+        current.remove(&worker);
+        self.clear_reported(worker);
     }
 
     fn is_current(&self, worker: InstanceId, generation: u64) -> bool {
-        self.current.lock().get(&worker) == Some(&generation)
+        self.current
+            .lock()
+            .get(&worker)
+            .is_some_and(|c| c.generation == generation)
     }
 }
 
@@ -207,12 +305,26 @@ impl KvEventSink for ConnectionSink {
         }
     }
 
+    fn load_report(&self, report: Result<LoadReport, LoadReportError>) {
+        match report {
+            Ok(report) => self.feed.load_report(self.worker, self.generation, report),
+            Err(error) => {
+                KvEventCounts::bump(&self.feed.counts.reports_refused, 1);
+                tracing::debug!(worker = self.worker, %error, "load report refused");
+            }
+        }
+    }
+
     fn closed(&self) {
         let current = {
             let mut map = self.feed.current.lock();
-            let current = map.get(&self.worker) == Some(&self.generation);
+            let current = map
+                .get(&self.worker)
+                .is_some_and(|c| c.generation == self.generation);
             if current {
                 map.remove(&self.worker);
+                // The worker's reports stopped: its frontend-wide load is unknown again.
+                self.feed.clear_reported(self.worker);
             }
             current
         };

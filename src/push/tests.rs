@@ -3,5 +3,6 @@
 mod booking;
 mod kv_feed;
 mod link;
+mod reported;
 mod retry;
 mod select_on;

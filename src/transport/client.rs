@@ -36,6 +36,11 @@ pub struct ClientConfig {
     pub max_in_flight: usize,
     /// Responses buffered per request before the connection's reader waits for the caller.
     pub stream_buffer: usize,
+    /// With [`Connection::connect_with_kv_events`]: also subscribe to the worker's load
+    /// reports ([`Frame::LoadSubscribe`]), delivered to the sink's
+    /// [`KvEventSink::load_report`] (default true). Turn it off for a pool with workers that
+    /// predate load reports: they close a connection that sends the subscription.
+    pub load_reports: bool,
     /// TLS to the worker (`None`, the default: plain TCP). The handshake must finish within
     /// `connect_timeout` too; a failure is [`TransportError::Tls`].
     #[cfg(feature = "tls")]
@@ -49,6 +54,7 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(5),
             max_in_flight: 1024,
             stream_buffer: 64,
+            load_reports: true,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -157,7 +163,9 @@ impl Connection {
     /// [`connect`](Self::connect), and subscribe to the worker's KV cache event batches: they
     /// go to `sink` (decoded off the reader task, bounded; see [`KvEventSink`]) until the
     /// connection ends, which the sink hears as [`KvEventSink::closed`]. A worker that
-    /// publishes no events serves the connection as usual.
+    /// publishes no events serves the connection as usual. With
+    /// [`ClientConfig::load_reports`] the worker's load reports go to the same sink
+    /// ([`KvEventSink::load_report`]).
     pub async fn connect_with_kv_events(
         addr: SocketAddr,
         config: ClientConfig,
@@ -223,12 +231,18 @@ impl Connection {
         let feed = match sink {
             Some(sink) => {
                 // First on the wire, so the worker subscribes before it sees any request.
-                let subscribe = bytes::Bytes::from(wire::encode_frame(&Frame::KvSubscribe));
+                let mut subscribe = vec![Frame::KvSubscribe];
+                if shared.config.load_reports {
+                    subscribe.push(Frame::LoadSubscribe);
+                }
                 let feed = Feed::spawn(sink);
-                if !shared.writer.send(subscribe).await {
-                    return Err(TransportError::Disconnected {
-                        reason: "connection closed while subscribing to KV events".into(),
-                    });
+                for frame in &subscribe {
+                    let bytes = bytes::Bytes::from(wire::encode_frame(frame));
+                    if !shared.writer.send(bytes).await {
+                        return Err(TransportError::Disconnected {
+                            reason: "connection closed while subscribing to KV events".into(),
+                        });
+                    }
                 }
                 Some(feed)
             }
@@ -387,6 +401,13 @@ async fn read_loop(rd: ReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
                 }
                 continue;
             }
+            Ok(Frame::LoadReport { payload }) => {
+                // Unasked-for reports are ignored too; a bad one is the sink's to count.
+                if let Some(feed) = &feed {
+                    feed.report(&payload);
+                }
+                continue;
+            }
             Ok(Frame::Draining) => {
                 if !shared.draining.is_cancelled() {
                     shared.draining.cancel();
@@ -399,7 +420,11 @@ async fn read_loop(rd: ReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
                 continue;
             }
             Ok(
-                Frame::Request { .. } | Frame::Cancel { .. } | Frame::KvSubscribe | Frame::DrainAck,
+                Frame::Request { .. }
+                | Frame::Cancel { .. }
+                | Frame::KvSubscribe
+                | Frame::DrainAck
+                | Frame::LoadSubscribe,
             ) => {
                 break TransportError::Frame(FrameError::Unexpected {
                     reason: "worker sent a client frame".into(),

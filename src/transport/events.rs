@@ -28,6 +28,7 @@ use crate::kv_events::{
     decode_events, encode_events, EventBatch, EventDecodeError, MAX_BLOCKS_PER_BATCH,
     MAX_EVENTS_PER_BATCH,
 };
+use crate::load_report::{LoadReport, LoadReportError};
 
 /// The largest encoded v1 batch within the wire bounds: header, every event's tag, parent and
 /// count, every hash. A payload longer than this is refused before decoding.
@@ -89,8 +90,17 @@ pub trait KvEventSink: Send + Sync + 'static {
     /// A batch was lost (oversize, undecodable, or dropped for backpressure): the worker's
     /// index entries can no longer be trusted.
     fn error(&self, error: KvStreamError);
-    /// The connection ended: no more batches from it.
+    /// The connection ended: no more batches (nor load reports) from it.
     fn closed(&self);
+
+    /// A load report from the worker (the connection subscribed with
+    /// [`ClientConfig::load_reports`](super::ClientConfig::load_reports)), or why its payload
+    /// was refused. Called on the connection's reader task, in order with the responses and
+    /// before [`closed`](Self::closed): keep it short and non-blocking (a report is 24 bytes
+    /// and absolute, so no task or queue is worth placing between). Ignored by default.
+    fn load_report(&self, report: Result<LoadReport, LoadReportError>) {
+        let _ = report;
+    }
 }
 
 /// Check and decode one [`Frame::KvEvents`] payload (pure: the fuzz target's harness).
@@ -114,6 +124,7 @@ pub fn decode_kv_payload(payload: &[u8]) -> Result<EventBatch, KvStreamError> {
 pub(crate) struct Feed {
     tx: mpsc::Sender<Vec<u8>>,
     dropped: Arc<std::sync::atomic::AtomicU64>,
+    sink: Arc<dyn KvEventSink>,
 }
 
 impl Feed {
@@ -122,6 +133,7 @@ impl Feed {
         let (tx, mut rx) = mpsc::channel::<Vec<u8>>(KV_SINK_BATCHES);
         let dropped = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let lagged = Arc::clone(&dropped);
+        let reports = Arc::clone(&sink);
         tokio::spawn(async move {
             let report_lag = |sink: &dyn KvEventSink| {
                 let n = lagged.swap(0, std::sync::atomic::Ordering::Relaxed);
@@ -144,7 +156,20 @@ impl Feed {
             report_lag(sink.as_ref());
             sink.closed();
         });
-        Feed { tx, dropped }
+        Feed {
+            tx,
+            dropped,
+            sink: reports,
+        }
+    }
+
+    /// Decode a [`Frame::LoadReport`] payload and hand it (or why it was refused) to the sink.
+    pub(crate) fn report(&self, payload: &[u8]) {
+        let report = LoadReport::decode(payload);
+        if let Err(e) = &report {
+            tracing::debug!(error = %e, "load report refused");
+        }
+        self.sink.load_report(report);
     }
 
     /// Hand a payload to the task; if its buffer is full the payload is dropped and counted.

@@ -79,6 +79,11 @@ pub enum FrameSeed {
     Draining,
     /// `Frame::DrainAck`.
     DrainAck,
+    /// `Frame::LoadSubscribe`.
+    LoadSubscribe,
+    /// `Frame::LoadReport`, its payload (any bytes: decoded by the client, not the frame
+    /// decoder).
+    LoadReport(Vec<u8>),
 }
 
 impl PrefillSeed {
@@ -154,6 +159,10 @@ impl FrameSeed {
             },
             FrameSeed::Draining => Frame::Draining,
             FrameSeed::DrainAck => Frame::DrainAck,
+            FrameSeed::LoadSubscribe => Frame::LoadSubscribe,
+            FrameSeed::LoadReport(payload) => Frame::LoadReport {
+                payload: payload.clone(),
+            },
         }
     }
 }

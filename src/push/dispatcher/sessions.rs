@@ -83,7 +83,7 @@ impl<L: WorkerLink> Dispatcher<L> {
         let id = worker.instance_id;
         let hashes = block_hashes(&request.token_ids, *block_size);
         let mut board = self.loads.board();
-        if is_busy(board.load(id), self.busy_threshold()) {
+        if is_busy(board.combined(id), self.busy_threshold()) {
             return None;
         }
         let mut kv = kv.lock();

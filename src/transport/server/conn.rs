@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::super::engine::{Engine, EngineError, EngineStream};
 use super::super::error::{FrameError, RemoteError};
 use super::super::events::Hub;
+use super::super::reports::{PrefillWork, Reports};
 use super::super::stream::{self, ReadHalf, WriteHalf};
 use super::super::wire::{self, Frame};
 use super::super::writer::Writer;
@@ -112,10 +113,14 @@ pub(super) async fn serve_connection(
     peer: SocketAddr,
     engine: Arc<dyn Engine>,
     config: ServerConfig,
-    hub: Option<Arc<Hub>>,
+    (hub, reports): (Option<Arc<Hub>>, Option<Arc<Reports>>),
     (token, drain): (CancellationToken, CancellationToken),
 ) {
     let max = config.max_frame_len;
+    // This connection's id in the load ledger (every connection's work is reported to the
+    // others, subscribed or not).
+    let ledger = reports.as_ref().map(|r| (Arc::clone(r), r.open()));
+    let mut load_subscribed = false;
     let writer = Writer::new(wr, max, token.clone());
     let active: Arc<Mutex<HashMap<u64, CancellationToken>>> = Arc::default();
     let mut frames = FramedRead::new(rd, wire::codec(max));
@@ -185,6 +190,8 @@ pub(super) async fn serve_connection(
                     }
                     Some(Ok(())) => {}
                 }
+                // Asked before `generate`: an engine with a cache answers what it lacks now.
+                let work = ledger.as_ref().map(|_| engine.prefill_work(&request));
                 let mut stream = start(engine.as_ref(), request);
                 // The prefill's cache changes are in the source now.
                 if let Some(hub) = &hub {
@@ -192,7 +199,9 @@ pub(super) async fn serve_connection(
                 }
                 // Poll once here: an engine with its answer ready (a cached or one-token
                 // reply) is served from this task, without spawning one per request.
-                if let Some(item) = next_item(&mut stream).now_or_never() {
+                let ready = next_item(&mut stream).now_or_never();
+                let first_ready = ready.is_some();
+                if let Some(item) = ready {
                     let (frame, last) = to_frame(id, item);
                     if !send(&writer, frame, max).await {
                         break Closed::Shutdown;
@@ -201,10 +210,17 @@ pub(super) async fn serve_connection(
                         continue;
                     }
                 }
+                // An answer ready at once had its prefill done: only a pending one holds work.
+                let prefill = match (&ledger, work, first_ready) {
+                    (Some((reports, conn)), Some(work), false) => {
+                        Some(reports.start(*conn, id, work))
+                    }
+                    _ => None,
+                };
                 let request_token = token.child_token();
                 active.lock().insert(id, request_token.clone());
                 tokio::spawn(run_request(
-                    id,
+                    (id, prefill),
                     stream,
                     timeout_ms,
                     writer.clone(),
@@ -228,6 +244,15 @@ pub(super) async fn serve_connection(
                     }
                 }
             }
+            Ok(Frame::LoadSubscribe) => {
+                // A worker with reports off has nothing to send; a second subscribe is a no-op.
+                if let Some((reports, conn)) = &ledger {
+                    if !load_subscribed {
+                        load_subscribed = true;
+                        reports.subscribe(*conn, writer.clone(), token.clone(), max);
+                    }
+                }
+            }
             Ok(Frame::DrainAck) => {
                 if drain_state != DrainState::Told {
                     break Closed::Frame(FrameError::Unexpected {
@@ -245,7 +270,8 @@ pub(super) async fn serve_connection(
                 | Frame::End { .. }
                 | Frame::Error { .. }
                 | Frame::KvEvents { .. }
-                | Frame::Draining,
+                | Frame::Draining
+                | Frame::LoadReport { .. },
             ) => {
                 break Closed::Frame(FrameError::Unexpected {
                     reason: "client sent a worker frame".into(),
@@ -260,6 +286,10 @@ pub(super) async fn serve_connection(
         Closed::Frame(e) => {
             tracing::warn!(%peer, error = %e, "closing connection: bad frame from client")
         }
+    }
+    // Its requests' work leaves the other connections' reports now, not when each task ends.
+    if let Some((reports, conn)) = &ledger {
+        reports.close(*conn);
     }
     // Stops the writer and every request of this connection (their engine streams drop).
     token.cancel();
@@ -284,8 +314,9 @@ fn to_frame(id: u64, item: Option<Result<GenerateResponse, EngineError>>) -> (Fr
 }
 
 /// Drive one request's engine stream to the end, a cancel, the deadline, or connection close.
+/// `prefill` holds the request's work in the load ledger until its first item (or its end).
 async fn run_request(
-    id: u64,
+    (id, mut prefill): (u64, Option<PrefillWork>),
     mut stream: EngineStream,
     timeout_ms: Option<u64>,
     writer: Writer,
@@ -309,6 +340,9 @@ async fn run_request(
             }
             item = next_item(&mut stream) => item,
         };
+        // The first response, end or error: the prefill is done (before the send, so the
+        // report leaves as early as the response).
+        drop(prefill.take());
         let (frame, last) = to_frame(id, item);
         let sent = tokio::select! {
             _ = token.cancelled() => false,
@@ -320,6 +354,7 @@ async fn run_request(
     }
     // Generation stops here (the engine stream is dropped) whatever ended the loop.
     drop(stream);
+    drop(prefill);
     active.lock().remove(&id);
     // A permit is stored if the connection is not waiting now: it re-checks at its next wait.
     finished.notify_one();
