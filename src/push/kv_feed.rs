@@ -25,7 +25,7 @@ use super::DispatchMutant;
 use crate::discovery::InstanceId;
 use crate::hooks::Seam;
 use crate::kv_events::{Applied, EventBatch};
-use crate::load_report::{self, LoadReport, LoadReportError, ReportedLoad};
+use crate::load_report::{self, Load, LoadReport, LoadReportError, ReportedLoad};
 use crate::transport::{KvEventSink, KvStreamError};
 
 /// What the workers' KV event streams delivered to one dispatcher (relaxed counters: read them
@@ -77,7 +77,8 @@ impl KvEventCounts {
         self.resets.load(Ordering::Relaxed)
     }
 
-    /// Load reports applied (newer than the worker connection's last one).
+    /// Load reports applied (newer than the worker connection's last one; a report that a
+    /// connection sent before the dispatcher pooled it is kept and applied at the pooling).
     pub fn reports_applied(&self) -> u64 {
         self.reports_applied.load(Ordering::Relaxed)
     }
@@ -109,6 +110,10 @@ pub(super) struct KvFeed {
     /// checked and applied under this lock, so a report of a replaced connection can never
     /// land after its successor's reset.
     current: Mutex<HashMap<InstanceId, Current>>,
+    /// Generation → the newest report of a connection not pooled yet (at most one entry per
+    /// connection being opened; taken by `adopt`, dropped by its close). Locked after
+    /// `current`.
+    pending: Mutex<HashMap<u64, ReportedLoad>>,
     next_generation: AtomicU64,
     /// The dispatcher's load board, where reported others are set.
     board: Arc<Mutex<LoadBoard>>,
@@ -136,10 +141,17 @@ impl KvFeed {
             mutant,
             counts: Arc::default(),
             current: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
             next_generation: AtomicU64::new(1),
             board,
             wake,
         }
+    }
+
+    /// Reports kept aside for connections not pooled yet.
+    #[cfg(test)]
+    pub(super) fn pending_len(&self) -> usize {
+        self.pending.lock().len()
     }
 
     /// What `worker`'s current connection last reported (`None`: no pooled connection).
@@ -147,37 +159,52 @@ impl KvFeed {
         self.current.lock().get(&worker).map(|c| c.reported)
     }
 
-    /// Apply a load report of `worker`'s connection `generation`.
+    /// `load` in the unit of this dispatcher's bookings: uncached tokens plus the fixed cost of
+    /// each request (the selector's request overhead), as its own picks book.
+    fn booking_units(&self, load: Load) -> u64 {
+        let overhead = self.kv.lock().cost().request_overhead;
+        load.tokens
+            .saturating_add(overhead.saturating_mul(load.requests))
+    }
+
+    /// Apply a load report of `worker`'s connection `generation`. A connection not yet pooled
+    /// keeps its newest report aside (a worker reports as soon as the subscription arrives,
+    /// before the dispatcher adopts the connection); a replaced one's is stale.
     fn load_report(&self, worker: InstanceId, generation: u64, report: LoadReport) {
+        let units = self.booking_units(report.others);
         let mut current = self.current.lock();
         let applied = match current.get_mut(&worker) {
-            Some(c) if c.generation == generation => c.reported.apply(report),
-            _ => load_report::Applied::Stale,
+            Some(c) if c.generation == generation => {
+                let applied = c.reported.apply(report);
+                if applied == load_report::Applied::Newer {
+                    self.set_reported(worker, units);
+                }
+                applied
+            }
+            Some(c) if c.generation > generation => load_report::Applied::Stale,
+            _ => self
+                .pending
+                .lock()
+                .entry(generation)
+                .or_default()
+                .apply(report),
         };
+        drop(current);
         let counter = match applied {
             load_report::Applied::Newer => &self.counts.reports_applied,
             load_report::Applied::Stale => &self.counts.reports_stale,
         };
         KvEventCounts::bump(counter, 1);
-        if applied == load_report::Applied::Newer {
-            let mut board = self.board.lock();
-            let lower = report.others.tokens < board.others(worker);
-            board.set_others(worker, report.others.tokens);
-            drop(board);
-            drop(current);
-            if lower {
-                (self.wake)();
-            }
-        }
     }
 
-    /// Set `worker`'s reported others back to zero (its report stream ended or restarts).
-    fn clear_reported(&self, worker: InstanceId) {
+    /// Set `worker`'s reported others on the board (0: its report stream ended or restarts);
+    /// a lower load wakes the requests waiting for room.
+    fn set_reported(&self, worker: InstanceId, units: u64) {
         let mut board = self.board.lock();
-        let had = board.others(worker) > 0;
-        board.set_others(worker, 0);
+        let lower = units < board.others(worker);
+        board.set_others(worker, units);
         drop(board);
-        if had {
+        if lower {
             (self.wake)();
         }
     }
@@ -241,15 +268,18 @@ impl KvFeed {
     /// earlier connection is dropped (events in between may be lost).
     pub(super) fn adopt(&self, worker: InstanceId, generation: u64) {
         let mut current = self.current.lock();
+        // What the connection reported before it was pooled, if anything.
+        let reported = self.pending.lock().remove(&generation).unwrap_or_default();
+        let units = self.booking_units(reported.others());
         let previous = current.insert(
             worker,
             Current {
                 generation,
-                reported: ReportedLoad::new(),
+                reported,
             },
         );
         // Under the lock: no report of the old connection lands after this reset.
-        self.clear_reported(worker);
+        self.set_reported(worker, units);
         drop(current);
         if previous.is_some() && !self.mutant.is(DispatchMutant::KeepKvOnReconnect) {
             self.reset(worker);
@@ -260,7 +290,7 @@ impl KvFeed {
     pub(super) fn forget(&self, worker: InstanceId) {
         let mut current = self.current.lock();
         current.remove(&worker);
-        self.clear_reported(worker);
+        self.set_reported(worker, 0);
     }
 
     fn is_current(&self, worker: InstanceId, generation: u64) -> bool {
@@ -324,7 +354,10 @@ impl KvEventSink for ConnectionSink {
             if current {
                 map.remove(&self.worker);
                 // The worker's reports stopped: its frontend-wide load is unknown again.
-                self.feed.clear_reported(self.worker);
+                self.feed.set_reported(self.worker, 0);
+            } else {
+                // Never pooled (or replaced): what it kept aside goes.
+                self.feed.pending.lock().remove(&self.generation);
             }
             current
         };

@@ -30,12 +30,13 @@ fn members(ids: &[InstanceId]) -> Arc<[Arc<Instance>]> {
         .collect()
 }
 
+/// A report of `tokens` of others' work and no request (so no request overhead is added).
 fn report(seq: u64, tokens: u64) -> LoadReport {
     LoadReport {
         seq,
         others: Load {
             tokens,
-            requests: 1,
+            requests: 0,
         },
     }
 }
@@ -124,9 +125,10 @@ async fn only_the_current_connections_newest_report_counts_and_a_close_resets_it
     let (feed, board, wakes, cancel) = feed();
     let others = || board.lock().others(4);
     let (old, g1) = feed.sink(4);
-    old.load_report(Ok(report(1, 40)));
-    assert_eq!(others(), 0, "not pooled yet: ignored");
+    old.load_report(Ok(report(1, 30)));
+    assert_eq!(others(), 0, "not pooled yet: kept aside");
     feed.adopt(4, g1);
+    assert_eq!(others(), 30, "counted from the adoption");
     old.load_report(Ok(report(2, 40)));
     assert_eq!(others(), 40);
     old.load_report(Ok(report(1, 99)));
@@ -151,14 +153,27 @@ async fn only_the_current_connections_newest_report_counts_and_a_close_resets_it
     new.load_report(Ok(report(1, 25)));
     assert_eq!(others(), 25);
     assert_eq!(feed.reported(4).map(|r| r.others().tokens), Some(25));
+    // Each reported request costs the request overhead, as the dispatcher's own bookings do.
+    let overhead = KvRouterConfig::default().prefill_request_tokens;
+    let mut two = report(2, 25);
+    two.others.requests = 2;
+    new.load_report(Ok(two));
+    assert_eq!(others(), 25 + 2 * overhead);
     old.closed();
     assert_eq!(
         others(),
-        25,
+        25 + 2 * overhead,
         "the replaced connection's close changes nothing"
     );
     new.closed();
     assert_eq!(others(), 0, "reports stopped: others back to zero");
+    // A connection that lost a connect race: its reports never count, and its close clears
+    // what it kept aside.
+    let (loser, _) = feed.sink(4);
+    loser.load_report(Ok(report(1, 80)));
+    loser.closed();
+    assert_eq!(others(), 0);
+    assert_eq!(feed.pending_len(), 0);
     assert_eq!(feed.reported(4), None);
     let counts = feed.counts();
     assert_eq!(
@@ -167,7 +182,7 @@ async fn only_the_current_connections_newest_report_counts_and_a_close_resets_it
             counts.reports_stale(),
             counts.reports_refused()
         ),
-        (2, 3, 1)
+        (5, 2, 1)
     );
     cancel.cancel();
 }

@@ -38,6 +38,16 @@ fn start(engine: &dyn Engine, request: GenerateRequest) -> EngineStream {
     }
 }
 
+/// The request's prefill work for the load ledger; a panicking engine counts its whole prompt.
+fn prefill_work(engine: &dyn Engine, request: &GenerateRequest) -> u64 {
+    std::panic::catch_unwind(AssertUnwindSafe(|| engine.prefill_work(request))).unwrap_or_else(
+        |_| {
+            tracing::error!("engine panicked computing a request's prefill work");
+            request.token_ids.len() as u64
+        },
+    )
+}
+
 /// The engine stream's next item; a panic inside the engine becomes an error item (and the
 /// stream is not polled again, since an error is the last frame).
 async fn next_item(stream: &mut EngineStream) -> Option<Result<GenerateResponse, EngineError>> {
@@ -191,7 +201,9 @@ pub(super) async fn serve_connection(
                     Some(Ok(())) => {}
                 }
                 // Asked before `generate`: an engine with a cache answers what it lacks now.
-                let work = ledger.as_ref().map(|_| engine.prefill_work(&request));
+                let work = ledger
+                    .as_ref()
+                    .map(|_| prefill_work(engine.as_ref(), &request));
                 let mut stream = start(engine.as_ref(), request);
                 // The prefill's cache changes are in the source now.
                 if let Some(hub) = &hub {
