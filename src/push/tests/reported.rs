@@ -16,7 +16,6 @@ use crate::load_report::{Load, LoadReport, LoadReportError};
 use crate::push::kv::KvSelector;
 use crate::push::kv_feed::KvFeed;
 use crate::push::{LoadBoard, RoutableView};
-use crate::transport::KvEventSink;
 
 fn members(ids: &[InstanceId]) -> Arc<[Arc<Instance>]> {
     ids.iter()

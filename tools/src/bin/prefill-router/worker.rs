@@ -442,11 +442,22 @@ mod tests {
     #[test]
     fn a_worker_publishes_load_reports_unless_told_not_to() {
         let base = "--role prefill --discovery file:///tmp/x --namespace ns";
-        let on = WorkerOptions::parse(&args(base)).expect("parses");
-        assert!(on.load_reports);
-        let off =
-            WorkerOptions::parse(&args(&format!("{base} --no-load-reports"))).expect("parses");
-        assert!(!off.load_reports);
+        let on = WorkerOptions::parse(&args(base));
+        assert!(matches!(
+            on,
+            Ok(WorkerOptions {
+                load_reports: true,
+                ..
+            })
+        ));
+        let off = WorkerOptions::parse(&args(&format!("{base} --no-load-reports")));
+        assert!(matches!(
+            off,
+            Ok(WorkerOptions {
+                load_reports: false,
+                ..
+            })
+        ));
     }
 
     #[test]
