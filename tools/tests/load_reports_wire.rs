@@ -474,3 +474,66 @@ async fn a_bad_report_is_counted_and_ignored_and_the_connection_stays() {
     finish(s).await;
     assert_eq!(counts.reports_applied(), 1, "one connection all along");
 }
+
+/// Write one frame on a raw connection.
+async fn write_frame(wr: &mut tokio::net::tcp::OwnedWriteHalf, frame: &Frame) {
+    let payload = encode_frame(frame);
+    let mut bytes = (payload.len() as u32).to_be_bytes().to_vec();
+    bytes.extend_from_slice(&payload);
+    wr.write_all(&bytes).await.expect("write");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_asks_for_reports_never_receives_one() {
+    let pool = Pool::start(1, true).await;
+    let a = pool.frontend();
+    warm_up(&pool, &[&a]).await;
+    // Another connection's work is on the worker's ledger: a subscribed peer would be told.
+    let mut held = Vec::new();
+    in_flight(&pool, &a, 500, &mut held).await;
+    // A client from before load reports: it subscribes to KV events only.
+    let stream = tokio::net::TcpStream::connect(pool.workers[0].1.local_addr())
+        .await
+        .expect("connect");
+    let (mut rd, mut wr) = stream.into_split();
+    write_frame(&mut wr, &Frame::KvSubscribe).await;
+    let request = GenerateRequest::new(prompt(501), 1);
+    write_frame(
+        &mut wr,
+        &Frame::Request {
+            id: 1,
+            timeout_ms: None,
+            request,
+        },
+    )
+    .await;
+    pool.gate.send_replace(true);
+    let mut kinds = Vec::new();
+    let done = tokio::time::timeout(WAIT, async {
+        loop {
+            let mut len = [0u8; 4];
+            rd.read_exact(&mut len).await.expect("read");
+            let mut payload = vec![0u8; u32::from_be_bytes(len) as usize];
+            rd.read_exact(&mut payload).await.expect("read");
+            let frame = decode_frame(&payload).expect("a frame this client knows");
+            let last =
+                matches!(&frame, Frame::Data { id: 1, response } if response.finish.is_some());
+            kinds.push(format!("{frame:?}").chars().take(12).collect::<String>());
+            assert!(
+                !matches!(frame, Frame::LoadReport { .. }),
+                "an unasked-for report: {kinds:?}"
+            );
+            if last {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(done.is_ok(), "the request was served: {kinds:?}");
+    for task in held {
+        tokio::time::timeout(WAIT, task)
+            .await
+            .expect("in time")
+            .expect("request task");
+    }
+}
