@@ -16,6 +16,7 @@ mod engine;
 mod error;
 mod events;
 mod feed;
+mod reports;
 mod server;
 mod stream;
 #[cfg(feature = "tls")]
@@ -31,6 +32,7 @@ pub use events::{
     KV_COALESCE, KV_SINK_BATCHES, MAX_KV_BATCH_BYTES,
 };
 pub use feed::{KV_SNAPSHOT_BUFFER_BATCHES, KV_SNAPSHOT_RETRY, KV_SNAPSHOT_TIMEOUT};
+pub use reports::{LOAD_REPORT_INTERVAL, LOAD_REPORT_REFRESH};
 pub use server::{serve, serve_with_kv_events, DrainReport, ServerConfig, ServerHandle};
 #[cfg(feature = "tls")]
 pub use tls::{ClientTls, ServerTls, TlsError, TlsIdentity, TlsRoots, DEFAULT_HANDSHAKE_TIMEOUT};

@@ -140,6 +140,20 @@ pub(crate) enum DispatchMutant {
     KeepKvOnReconnect,
 }
 
+/// The board a KV feed sets reported loads on, and how it wakes the requests waiting for room.
+fn feed_board(
+    loads: &Arc<Bookings>,
+) -> (Arc<Mutex<super::LoadBoard>>, Box<dyn Fn() + Send + Sync>) {
+    // Weak: the feed must not keep the dispatcher's bookings alive.
+    let weak = Arc::downgrade(loads);
+    let wake = move || {
+        if let Some(loads) = weak.upgrade() {
+            loads.wake_all();
+        }
+    };
+    (loads.shared_board(), Box::new(wake))
+}
+
 /// No busy threshold, in [`Dispatcher`]'s atomic.
 const NO_THRESHOLD: u64 = u64::MAX;
 
@@ -195,10 +209,15 @@ impl Dispatcher<TcpLink> {
     pub(crate) fn with_mutant(mut self, mutant: DispatchMutant) -> Self {
         self.mutant = Seam::on(mutant);
         // The KV feed runs it too: a new feed, handed to the link.
-        self.kv_feed = self
-            .kv
-            .as_ref()
-            .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), self.view.clone(), self.mutant)));
+        let loads = Arc::clone(&self.loads);
+        self.kv_feed = self.kv.as_ref().map(|kv| {
+            Arc::new(KvFeed::new(
+                Arc::clone(kv),
+                self.view.clone(),
+                self.mutant,
+                feed_board(&loads),
+            ))
+        });
         self.link.set_kv_feed(self.kv_feed.clone());
         self
     }
@@ -234,9 +253,15 @@ impl<L: WorkerLink> Dispatcher<L> {
             _ => None,
         };
         let mutant = Seam::off();
-        let kv_feed = kv
-            .as_ref()
-            .map(|kv| Arc::new(KvFeed::new(Arc::clone(kv), view.clone(), mutant)));
+        let loads: Arc<Bookings> = Arc::default();
+        let kv_feed = kv.as_ref().map(|kv| {
+            Arc::new(KvFeed::new(
+                Arc::clone(kv),
+                view.clone(),
+                mutant,
+                feed_board(&loads),
+            ))
+        });
         let link = link(&view, kv_feed.as_ref());
         Dispatcher {
             rng: AtomicU64::new(config.seed),
@@ -247,7 +272,7 @@ impl<L: WorkerLink> Dispatcher<L> {
             next: AtomicUsize::new(0),
             kv,
             kv_feed,
-            loads: Arc::default(),
+            loads,
             busy_threshold: AtomicU64::new(threshold.unwrap_or(NO_THRESHOLD)),
             overload: Arc::default(),
             retries: Arc::default(),
@@ -352,6 +377,19 @@ impl<L: WorkerLink> Dispatcher<L> {
         self.loads.board().load(worker)
     }
 
+    /// The load `worker` is ordered and checked by now (KV mode; 0 otherwise): this
+    /// dispatcher's bookings plus the other frontends' work per the worker's newest load
+    /// report (see [`crate::load_report`]).
+    pub fn combined_work(&self, worker: InstanceId) -> u64 {
+        self.loads.board().combined(worker)
+    }
+
+    /// What `worker`'s current connection last reported of the other connections' load
+    /// (`None`: not in KV mode, or no pooled connection to it; zero before a first report).
+    pub fn reported_load(&self, worker: InstanceId) -> Option<crate::load_report::ReportedLoad> {
+        self.kv_feed.as_ref()?.reported(worker)
+    }
+
     /// The prefill work booked over every worker now (0 once every booking was released).
     pub fn total_booked_work(&self) -> u64 {
         self.loads.board().total()
@@ -387,8 +425,9 @@ impl<L: WorkerLink> Dispatcher<L> {
 
     /// A dispatcher whose board runs `board` (the tests' mutant boards).
     #[cfg(test)]
-    pub(crate) fn with_board(mut self, board: super::LoadBoard) -> Self {
-        self.loads = Arc::new(Bookings::with_board(board));
+    pub(crate) fn with_board(self, board: super::LoadBoard) -> Self {
+        // In place: the KV feed shares the board.
+        *self.loads.board() = board;
         self
     }
 

@@ -382,7 +382,7 @@ impl KvSelector {
                 .iter()
                 .map(|i| i.instance_id)
                 .filter(|id| !excluded.contains(id))
-                .map(|id| Candidate::new(id, 0, board.load(id)).with_recent(board.recent(id)));
+                .map(|id| Candidate::new(id, 0, board.combined(id)).with_recent(board.recent(id)));
             return self.select_among(hashes, tokens, base, busy_threshold, random);
         }
         let salt = tie_salt(hashes, random);

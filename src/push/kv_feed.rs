@@ -9,6 +9,12 @@
 //! A connection's sink carries a generation: only the worker's current connection (the one the
 //! dispatcher pooled) may apply batches or, by closing, reset the worker. A connection that
 //! lost a connect race, or an old one whose close arrives late, changes nothing.
+//!
+//! The same connections carry the workers' load reports ([`crate::load_report`]): the current
+//! connection's newest report sets the worker's reported others on the dispatcher's
+//! [`LoadBoard`] ([`LoadBoard::set_others`]), and a new, closed or forgotten connection sets
+//! them back to zero (the next connection's reports start afresh, and a worker whose reports
+//! stopped is counted by the dispatcher's own bookings only).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,11 +23,13 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::kv::KvSelector;
+use super::load_board::LoadBoard;
 use super::view::{InstanceStatus, RoutableView};
 use super::DispatchMutant;
 use crate::discovery::InstanceId;
 use crate::hooks::Seam;
 use crate::kv_events::{Applied, EventBatch, KvSnapshot, SnapshotError};
+use crate::load_report::{self, Load, LoadReport, LoadReportError, ReportedLoad};
 use crate::transport::{KvEventSink, KvStreamError};
 
 /// What the workers' KV event streams delivered to one dispatcher (relaxed counters: read them
@@ -37,6 +45,9 @@ pub struct KvEventCounts {
     snapshots_requested: AtomicU64,
     snapshots_applied: AtomicU64,
     snapshots_failed: AtomicU64,
+    reports_applied: AtomicU64,
+    reports_stale: AtomicU64,
+    reports_refused: AtomicU64,
 }
 
 impl KvEventCounts {
@@ -91,6 +102,23 @@ impl KvEventCounts {
         self.snapshots_failed.load(Ordering::Relaxed)
     }
 
+    /// Load reports applied (newer than the worker connection's last one; a report that a
+    /// connection sent before the dispatcher pooled it is kept and applied at the pooling).
+    pub fn reports_applied(&self) -> u64 {
+        self.reports_applied.load(Ordering::Relaxed)
+    }
+
+    /// Load reports ignored: not newer than the last applied, or from a connection that is no
+    /// longer the worker's current one.
+    pub fn reports_stale(&self) -> u64 {
+        self.reports_stale.load(Ordering::Relaxed)
+    }
+
+    /// Load reports refused as undecodable (counted and ignored; the connection stays).
+    pub fn reports_refused(&self) -> u64 {
+        self.reports_refused.load(Ordering::Relaxed)
+    }
+
     fn bump(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
@@ -103,9 +131,26 @@ pub(super) struct KvFeed {
     /// The dispatcher's mutant (`KeepKvOnReconnect` acts here).
     mutant: Seam<DispatchMutant>,
     counts: Arc<KvEventCounts>,
-    /// Worker → generation of its pooled connection (at most one entry per pooled worker).
-    current: Mutex<HashMap<InstanceId, u64>>,
+    /// Worker → its pooled connection (at most one entry per pooled worker). Load reports are
+    /// checked and applied under this lock, so a report of a replaced connection can never
+    /// land after its successor's reset.
+    current: Mutex<HashMap<InstanceId, Current>>,
+    /// Generation → the newest report of a connection not pooled yet (at most one entry per
+    /// connection being opened; taken by `adopt`, dropped by its close). Locked after
+    /// `current`.
+    pending: Mutex<HashMap<u64, ReportedLoad>>,
     next_generation: AtomicU64,
+    /// The dispatcher's load board, where reported others are set.
+    board: Arc<Mutex<LoadBoard>>,
+    /// Wakes the requests waiting for room (a report lowered a worker's load).
+    wake: Box<dyn Fn() + Send + Sync>,
+}
+
+/// A worker's pooled connection: its generation and the newest load report applied from it.
+#[derive(Clone, Copy, Debug)]
+struct Current {
+    generation: u64,
+    reported: ReportedLoad,
 }
 
 impl KvFeed {
@@ -113,6 +158,7 @@ impl KvFeed {
         kv: Arc<Mutex<KvSelector>>,
         view: RoutableView,
         mutant: Seam<DispatchMutant>,
+        (board, wake): (Arc<Mutex<LoadBoard>>, Box<dyn Fn() + Send + Sync>),
     ) -> Self {
         KvFeed {
             kv,
@@ -120,7 +166,71 @@ impl KvFeed {
             mutant,
             counts: Arc::default(),
             current: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
             next_generation: AtomicU64::new(1),
+            board,
+            wake,
+        }
+    }
+
+    /// Reports kept aside for connections not pooled yet.
+    #[cfg(test)]
+    pub(super) fn pending_len(&self) -> usize {
+        self.pending.lock().len()
+    }
+
+    /// What `worker`'s current connection last reported (`None`: no pooled connection).
+    pub(super) fn reported(&self, worker: InstanceId) -> Option<ReportedLoad> {
+        self.current.lock().get(&worker).map(|c| c.reported)
+    }
+
+    /// `load` in the unit of this dispatcher's bookings: uncached tokens plus the fixed cost of
+    /// each request (the selector's request overhead), as its own picks book.
+    fn booking_units(&self, load: Load) -> u64 {
+        let overhead = self.kv.lock().cost().request_overhead;
+        load.tokens
+            .saturating_add(overhead.saturating_mul(load.requests))
+    }
+
+    /// Apply a load report of `worker`'s connection `generation`. A connection not yet pooled
+    /// keeps its newest report aside (a worker reports as soon as the subscription arrives,
+    /// before the dispatcher adopts the connection); a replaced one's is stale.
+    fn load_report(&self, worker: InstanceId, generation: u64, report: LoadReport) {
+        let units = self.booking_units(report.others);
+        let mut current = self.current.lock();
+        let applied = match current.get_mut(&worker) {
+            Some(c) if c.generation == generation => {
+                let applied = c.reported.apply(report);
+                if applied == load_report::Applied::Newer {
+                    self.set_reported(worker, units);
+                }
+                applied
+            }
+            Some(c) if c.generation > generation => load_report::Applied::Stale,
+            _ => self
+                .pending
+                .lock()
+                .entry(generation)
+                .or_default()
+                .apply(report),
+        };
+        drop(current);
+        let counter = match applied {
+            load_report::Applied::Newer => &self.counts.reports_applied,
+            load_report::Applied::Stale => &self.counts.reports_stale,
+        };
+        KvEventCounts::bump(counter, 1);
+    }
+
+    /// Set `worker`'s reported others on the board (0: its report stream ended or restarts);
+    /// a lower load wakes the requests waiting for room.
+    fn set_reported(&self, worker: InstanceId, units: u64) {
+        let mut board = self.board.lock();
+        let lower = units < board.others(worker);
+        board.set_others(worker, units);
+        drop(board);
+        if lower {
+            (self.wake)();
         }
     }
 
@@ -212,7 +322,20 @@ impl KvFeed {
     /// The connection of `generation` is now `worker`'s pooled one: what the index knew from an
     /// earlier connection is dropped (events in between may be lost).
     pub(super) fn adopt(&self, worker: InstanceId, generation: u64) {
-        let previous = self.current.lock().insert(worker, generation);
+        let mut current = self.current.lock();
+        // What the connection reported before it was pooled, if anything.
+        let reported = self.pending.lock().remove(&generation).unwrap_or_default();
+        let units = self.booking_units(reported.others());
+        let previous = current.insert(
+            worker,
+            Current {
+                generation,
+                reported,
+            },
+        );
+        // Under the lock: no report of the old connection lands after this reset.
+        self.set_reported(worker, units);
+        drop(current);
         if previous.is_some() && !self.mutant.is(DispatchMutant::KeepKvOnReconnect) {
             self.reset(worker);
         }
@@ -220,11 +343,16 @@ impl KvFeed {
 
     /// `worker` departed: its connection's stream no longer applies anything.
     pub(super) fn forget(&self, worker: InstanceId) {
-        self.current.lock().remove(&worker);
+        let mut current = self.current.lock();
+        current.remove(&worker);
+        self.set_reported(worker, 0);
     }
 
     fn is_current(&self, worker: InstanceId, generation: u64) -> bool {
-        self.current.lock().get(&worker) == Some(&generation)
+        self.current
+            .lock()
+            .get(&worker)
+            .is_some_and(|c| c.generation == generation)
     }
 }
 
@@ -283,12 +411,29 @@ impl KvEventSink for ConnectionSink {
         KvEventCounts::bump(&self.feed.counts.snapshots_failed, 1);
     }
 
+    fn load_report(&self, report: Result<LoadReport, LoadReportError>) {
+        match report {
+            Ok(report) => self.feed.load_report(self.worker, self.generation, report),
+            Err(error) => {
+                KvEventCounts::bump(&self.feed.counts.reports_refused, 1);
+                tracing::debug!(worker = self.worker, %error, "load report refused");
+            }
+        }
+    }
+
     fn closed(&self) {
         let current = {
             let mut map = self.feed.current.lock();
-            let current = map.get(&self.worker) == Some(&self.generation);
+            let current = map
+                .get(&self.worker)
+                .is_some_and(|c| c.generation == self.generation);
             if current {
                 map.remove(&self.worker);
+                // The worker's reports stopped: its frontend-wide load is unknown again.
+                self.feed.set_reported(self.worker, 0);
+            } else {
+                // Never pooled (or replaced): what it kept aside goes.
+                self.feed.pending.lock().remove(&self.generation);
             }
             current
         };

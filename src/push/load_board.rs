@@ -24,7 +24,11 @@ const RESCALE_EXP: f64 = 256.0;
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {
+    /// Work this board booked.
     load: u64,
+    /// Work of other frontends, per the worker's newest load report (see
+    /// [`LoadBoard::set_others`]).
+    others: u64,
     /// Recent work, scaled by `2^((tick − base) / half-life)` at the time it was added (so
     /// that the decay, the same for every worker, never reorders them); see
     /// [`LoadBoard::recent`].
@@ -47,7 +51,13 @@ pub enum Walk {
 }
 
 /// Prefill work booked per worker (tokens, or requests for callers that book 1 each), the
-/// work recently placed on each, and the routable members bucketed by booked load.
+/// work recently placed on each, and the routable members bucketed by combined load.
+///
+/// *Combined load* is the booked work plus the work other frontends hold on the worker per its
+/// newest load report ([`set_others`](Self::set_others); zero for a worker that reports
+/// nothing), the rule of [`crate::load_report`]: the walk, the candidates' load and the busy
+/// threshold go by it, while [`load`](Self::load) and [`total`](Self::total) stay this
+/// board's own bookings (what its releases must return to zero).
 ///
 /// Loads are kept for every worker with work booked; only members (the routable set last given
 /// to [`set_members`](Self::set_members)) are candidates for
@@ -100,6 +110,25 @@ impl std::fmt::Debug for LoadBoard {
     }
 }
 
+impl Slot {
+    const EMPTY: Slot = Slot {
+        load: 0,
+        others: 0,
+        scaled: 0.0,
+        member: None,
+    };
+
+    /// The load the order and the busy threshold go by: booked plus reported.
+    fn combined(&self) -> u64 {
+        self.load.saturating_add(self.others)
+    }
+
+    /// A non-member slot with nothing booked or reported is forgotten.
+    fn idle(&self) -> bool {
+        self.member.is_none() && self.load == 0 && self.others == 0
+    }
+}
+
 /// The bucket key of a member: its scaled recent work (non-negative, so its bits order as
 /// the value does) and its id.
 fn key(slot: &Slot, id: InstanceId) -> (u64, InstanceId) {
@@ -141,23 +170,20 @@ impl LoadBoard {
             .all(|w| w[0].instance_id < w[1].instance_id);
         for (i, instance) in members.iter().enumerate() {
             let id = instance.instance_id;
-            let slot = self.slots.entry(id).or_insert(Slot {
-                load: 0,
-                scaled: 0.0,
-                member: None,
-            });
+            let slot = self.slots.entry(id).or_insert(Slot::EMPTY);
             if slot.member.is_some() {
                 continue; // a duplicate id: the first entry stands
             }
             slot.member = Some(i);
-            self.member_loads[i] = slot.load;
+            self.member_loads[i] = slot.combined();
             self.buckets
-                .entry(slot.load)
+                .entry(slot.combined())
                 .or_default()
                 .insert(key(slot, id));
         }
-        // A worker that left keeps only what it has booked (its recent work goes with it).
-        self.slots.retain(|_, s| s.member.is_some() || s.load > 0);
+        // A worker that left keeps only what it has booked or reported (its recent work goes
+        // with it).
+        self.slots.retain(|_, s| !s.idle());
         self.members = Some(members);
     }
 
@@ -172,9 +198,37 @@ impl LoadBoard {
         self.members.as_ref()?.get(i)
     }
 
-    /// Work booked on `id`.
+    /// Work booked on `id` (by this board).
     pub fn load(&self, id: InstanceId) -> u64 {
         self.slots.get(&id).map_or(0, |s| s.load)
+    }
+
+    /// Work other frontends hold on `id`, per its newest load report (0 without one).
+    pub fn others(&self, id: InstanceId) -> u64 {
+        self.slots.get(&id).map_or(0, |s| s.others)
+    }
+
+    /// The load the board orders `id` by and checks against the busy threshold: booked plus
+    /// reported ([`load`](Self::load) + [`others`](Self::others)).
+    pub fn combined(&self, id: InstanceId) -> u64 {
+        self.slots.get(&id).map_or(0, Slot::combined)
+    }
+
+    /// `id`'s worker reported that other frontends hold `tokens` of work there (0: none, or
+    /// its report stream ended). Moves a member between load buckets. O(log members).
+    pub fn set_others(&mut self, id: InstanceId, tokens: u64) {
+        if tokens == 0 && !self.slots.contains_key(&id) {
+            return;
+        }
+        let slot = self.slots.entry(id).or_insert(Slot::EMPTY);
+        let from = slot.combined();
+        slot.others = tokens;
+        let to = slot.combined();
+        if slot.idle() {
+            self.slots.remove(&id);
+        } else {
+            self.shift(id, from, to);
+        }
     }
 
     /// Work booked over every worker, members or not (zero once every booking was released).
@@ -208,7 +262,7 @@ impl LoadBoard {
         };
         let before = key(slot, id);
         slot.scaled += amount as f64 * scale;
-        let (after, load, member) = (key(slot, id), slot.load, slot.member.is_some());
+        let (after, load, member) = (key(slot, id), slot.combined(), slot.member.is_some());
         if member {
             if let Some(bucket) = self.buckets.get_mut(&load) {
                 bucket.remove(&before);
@@ -237,15 +291,11 @@ impl LoadBoard {
 
     /// Book `amount` more work on `id`. O(log members).
     pub fn acquire(&mut self, id: InstanceId, amount: u64) {
-        let slot = self.slots.entry(id).or_insert(Slot {
-            load: 0,
-            scaled: 0.0,
-            member: None,
-        });
-        let from = slot.load;
-        slot.load = from.saturating_add(amount);
-        let to = slot.load;
-        self.total = self.total.saturating_add(to - from);
+        let slot = self.slots.entry(id).or_insert(Slot::EMPTY);
+        let (own, from) = (slot.load, slot.combined());
+        slot.load = own.saturating_add(amount);
+        let to = slot.combined();
+        self.total = self.total.saturating_add(slot.load - own);
         self.shift(id, from, to);
     }
 
@@ -257,13 +307,13 @@ impl LoadBoard {
         if self.mutant.is(BoardMutant::LeaksNonMembers) && slot.member.is_none() {
             return;
         }
-        let from = slot.load;
-        slot.load = from.saturating_sub(amount);
-        let to = slot.load;
-        self.total = self.total.saturating_sub(from - to);
+        let (own, from) = (slot.load, slot.combined());
+        slot.load = own.saturating_sub(amount);
+        let to = slot.combined();
+        self.total = self.total.saturating_sub(own - slot.load);
         if slot.member.is_some() {
             self.shift(id, from, to);
-        } else if to == 0 {
+        } else if slot.idle() {
             self.slots.remove(&id);
         }
     }
@@ -327,7 +377,8 @@ impl LoadBoard {
             if let Some(slot) = self.slots.get(&id) {
                 if slot.member.is_some() && !excluded.contains(&id) {
                     out.push(
-                        Candidate::new(id, overlap, slot.load).with_recent(slot.scaled / scale),
+                        Candidate::new(id, overlap, slot.combined())
+                            .with_recent(slot.scaled / scale),
                     );
                 }
             }
@@ -414,7 +465,7 @@ mod tests {
             .iter()
             .map(|i| i.instance_id)
             .filter(|id| !excluded.contains(id))
-            .map(|id| board.load(id))
+            .map(|id| board.combined(id))
             .min()
     }
 
@@ -441,7 +492,7 @@ mod tests {
             if let Some((id, load)) = got {
                 assert!(board.member(id).is_some());
                 assert!(!excluded.contains(&id));
-                assert_eq!(board.load(id), load);
+                assert_eq!(board.combined(id), load);
             }
             // The walk: every usable member once, by ascending load, the least loaded first.
             let mut walked = Vec::new();
@@ -461,7 +512,7 @@ mod tests {
                 .collect();
             usable.sort_unstable();
             assert_eq!(ids, usable, "step {step}");
-            assert!(walked.iter().all(|&(id, load)| board.load(id) == load));
+            assert!(walked.iter().all(|&(id, load)| board.combined(id) == load));
         }
     }
 

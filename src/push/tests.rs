@@ -3,6 +3,7 @@
 mod booking;
 mod kv_feed;
 mod link;
+mod reported;
 mod retry;
 mod select_on;
 mod sessions;

@@ -37,6 +37,11 @@ pub struct ClientConfig {
     pub max_in_flight: usize,
     /// Responses buffered per request before the connection's reader waits for the caller.
     pub stream_buffer: usize,
+    /// With [`Connection::connect_with_kv_events`]: also subscribe to the worker's load
+    /// reports ([`Frame::LoadSubscribe`]), delivered to the sink's
+    /// [`KvEventSink::load_report`] (default true). Turn it off for a pool with workers that
+    /// predate load reports: they close a connection that sends the subscription.
+    pub load_reports: bool,
     /// TLS to the worker (`None`, the default: plain TCP). The handshake must finish within
     /// `connect_timeout` too; a failure is [`TransportError::Tls`].
     #[cfg(feature = "tls")]
@@ -50,6 +55,7 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(5),
             max_in_flight: 1024,
             stream_buffer: 64,
+            load_reports: true,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -161,7 +167,9 @@ impl Connection {
     /// [`connect`](Self::connect), and subscribe to the worker's KV cache event batches: they
     /// go to `sink` (decoded off the reader task, bounded; see [`KvEventSink`]) until the
     /// connection ends, which the sink hears as [`KvEventSink::closed`]. A worker that
-    /// publishes no events serves the connection as usual.
+    /// publishes no events serves the connection as usual. With
+    /// [`ClientConfig::load_reports`] the worker's load reports go to the same sink
+    /// ([`KvEventSink::load_report`]).
     pub async fn connect_with_kv_events(
         addr: SocketAddr,
         config: ClientConfig,
@@ -228,11 +236,17 @@ impl Connection {
         let feed = match sink {
             Some(sink) => {
                 // First on the wire, so the worker subscribes before it sees any request.
-                let subscribe = bytes::Bytes::from(wire::encode_frame(&Frame::KvSubscribe));
-                if !shared.writer.send(subscribe).await {
-                    return Err(TransportError::Disconnected {
-                        reason: "connection closed while subscribing to KV events".into(),
-                    });
+                let mut subscribe = vec![Frame::KvSubscribe];
+                if shared.config.load_reports {
+                    subscribe.push(Frame::LoadSubscribe);
+                }
+                for frame in &subscribe {
+                    let bytes = bytes::Bytes::from(wire::encode_frame(frame));
+                    if !shared.writer.send(bytes).await {
+                        return Err(TransportError::Disconnected {
+                            reason: "connection closed while subscribing to KV events".into(),
+                        });
+                    }
                 }
                 // After the subscribe, so a snapshot request follows it on the wire.
                 let trigger = shared.kv_snapshot.clone().unwrap_or_default();
@@ -418,6 +432,13 @@ async fn read_loop(rd: ReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
                 }
                 continue;
             }
+            Ok(Frame::LoadReport { payload }) => {
+                // Unasked-for reports are ignored too; a bad one is the sink's to count.
+                if let Some(feed) = &feed {
+                    feed.report(&payload);
+                }
+                continue;
+            }
             Ok(Frame::Draining) => {
                 if !shared.draining.is_cancelled() {
                     shared.draining.cancel();
@@ -434,7 +455,8 @@ async fn read_loop(rd: ReadHalf, shared: Arc<Shared>, feed: Option<Feed>) {
                 | Frame::Cancel { .. }
                 | Frame::KvSubscribe
                 | Frame::DrainAck
-                | Frame::KvSnapshotRequest,
+                | Frame::KvSnapshotRequest
+                | Frame::LoadSubscribe,
             ) => {
                 break TransportError::Frame(FrameError::Unexpected {
                     reason: "worker sent a client frame".into(),

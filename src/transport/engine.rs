@@ -32,4 +32,13 @@ pub type EngineStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Engin
 pub trait Engine: Send + Sync + 'static {
     /// Start generating for `request`.
     fn generate(&self, request: GenerateRequest) -> EngineStream;
+
+    /// The prefill work `request` will cost this engine, in the unit of the frontends'
+    /// bookings (prompt tokens it has to compute): what the worker's load reports count
+    /// until the request's first response. Called just before [`generate`](Self::generate),
+    /// only when the server publishes load reports. Default: the whole prompt; an engine with
+    /// a prefix cache should answer its uncached tokens, as the KV dispatcher books them.
+    fn prefill_work(&self, request: &GenerateRequest) -> u64 {
+        request.token_ids.len() as u64
+    }
 }

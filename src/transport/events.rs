@@ -33,6 +33,7 @@ use crate::kv_events::{
     decode_events, encode_events, EventBatch, EventDecodeError, KvSnapshot, SnapshotError,
     MAX_BLOCKS_PER_BATCH, MAX_EVENTS_PER_BATCH,
 };
+use crate::load_report::{LoadReport, LoadReportError};
 
 /// The largest encoded v1 batch within the wire bounds: header, every event's tag, parent and
 /// count, every hash. A payload longer than this is refused before decoding.
@@ -101,7 +102,7 @@ pub trait KvEventSink: Send + Sync + 'static {
     /// A batch was lost (oversize, undecodable, or dropped for backpressure): the worker's
     /// index entries can no longer be trusted.
     fn error(&self, error: KvStreamError);
-    /// The connection ended: no more batches from it.
+    /// The connection ended: no more batches (nor load reports) from it.
     fn closed(&self);
 
     /// Whether the connection should ask the worker for snapshots of its cache (on subscribe
@@ -124,6 +125,15 @@ pub trait KvEventSink: Send + Sync + 'static {
     /// live batches alone keep feeding the worker's entries.
     fn snapshot_failed(&self, error: SnapshotError) {
         drop(error);
+    }
+
+    /// A load report from the worker (the connection subscribed with
+    /// [`ClientConfig::load_reports`](super::ClientConfig::load_reports)), or why its payload
+    /// was refused. Called on the connection's reader task, in order with the responses and
+    /// before [`closed`](Self::closed): keep it short and non-blocking (a report is 24 bytes
+    /// and absolute, so no task or queue is worth placing between). Ignored by default.
+    fn load_report(&self, report: Result<LoadReport, LoadReportError>) {
+        let _ = report;
     }
 }
 

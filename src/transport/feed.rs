@@ -26,6 +26,7 @@ use tokio::time::Instant;
 use super::events::{decode_kv_payload, KvEventSink, KvStreamError, KV_SINK_BATCHES};
 use super::wire::{self, Frame};
 use super::writer::Writer;
+use crate::load_report::LoadReport;
 use crate::kv_events::{
     EventBatch, SnapshotAssembler, SnapshotError, DEFAULT_MAX_BLOCKS_PER_WORKER,
 };
@@ -55,6 +56,9 @@ enum Incoming {
 pub(crate) struct Feed {
     tx: mpsc::Sender<Incoming>,
     dropped: Arc<AtomicU64>,
+    /// The sink, for load reports: applied on the reader task, not queued (see
+    /// [`KvEventSink::load_report`]).
+    sink: Arc<dyn KvEventSink>,
 }
 
 impl Feed {
@@ -68,6 +72,7 @@ impl Feed {
     ) -> Feed {
         let (tx, rx) = mpsc::channel(KV_SINK_BATCHES);
         let dropped = Arc::new(AtomicU64::new(0));
+        let reports = Arc::clone(&sink);
         let task = Task {
             writer: writer.filter(|_| sink.wants_snapshots()),
             trigger,
@@ -80,7 +85,21 @@ impl Feed {
             inflight: None,
         };
         tokio::spawn(task.run(rx));
-        Feed { tx, dropped }
+        Feed {
+            tx,
+            dropped,
+            sink: reports,
+        }
+    }
+
+    /// Decode a [`Frame::LoadReport`](super::wire::Frame::LoadReport) payload and hand it (or
+    /// why it was refused) to the sink.
+    pub(crate) fn report(&self, payload: &[u8]) {
+        let report = LoadReport::decode(payload);
+        if let Err(e) = &report {
+            tracing::debug!(error = %e, "load report refused");
+        }
+        self.sink.load_report(report);
     }
 
     /// Hand an event batch payload to the task; if its buffer is full the payload is dropped

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::engine::Engine;
 use super::events::{Hub, KvEventSource};
+use super::reports::Reports;
 use super::wire::DEFAULT_MAX_FRAME_LEN;
 
 mod conn;
@@ -33,6 +34,21 @@ pub struct ServerConfig {
     /// [`KV_COALESCE`](super::KV_COALESCE), 1 ms; zero: a batch per request start, lowest
     /// latency, highest cost per request).
     pub kv_coalesce: Duration,
+    /// Publish load reports ([`Frame::LoadReport`]) to the connections that ask for them
+    /// ([`Frame::LoadSubscribe`]; default true). Off, the worker keeps no ledger and ignores
+    /// the subscription: its frontends count their own bookings only.
+    ///
+    /// [`Frame::LoadReport`]: super::Frame::LoadReport
+    /// [`Frame::LoadSubscribe`]: super::Frame::LoadSubscribe
+    pub load_reports: bool,
+    /// Least time between two load reports on one connection (default
+    /// [`LOAD_REPORT_INTERVAL`](super::LOAD_REPORT_INTERVAL), 2 ms): the changes meanwhile
+    /// are sent as one report.
+    pub load_report_interval: Duration,
+    /// How often an unchanged load report is sent again (default
+    /// [`LOAD_REPORT_REFRESH`](super::LOAD_REPORT_REFRESH), 1 s), so that a report the
+    /// frontend lost or refused is healed within it.
+    pub load_report_refresh: Duration,
     /// TLS for every connection (`None`, the default: plain TCP). The handshake runs on the
     /// connection's own task, bounded by [`ServerTls::handshake_timeout`], so a client that
     /// stalls in it delays no one else; a connection that fails it is closed before any frame
@@ -50,6 +66,9 @@ impl Default for ServerConfig {
             max_in_flight: 1024,
             max_connections: 4096,
             kv_coalesce: super::events::KV_COALESCE,
+            load_reports: true,
+            load_report_interval: super::reports::LOAD_REPORT_INTERVAL,
+            load_report_refresh: super::reports::LOAD_REPORT_REFRESH,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -217,11 +236,14 @@ fn serve_inner(
             shutdown.clone(),
         )
     });
+    let reports = config
+        .load_reports
+        .then(|| Reports::new(config.load_report_interval, config.load_report_refresh));
     let task = tokio::spawn(accept_loop(
         listener,
         engine,
         config,
-        hub,
+        (hub, reports),
         (shutdown.clone(), drain.clone()),
         Arc::clone(&connections),
     ));
@@ -238,7 +260,7 @@ async fn accept_loop(
     listener: TcpListener,
     engine: Arc<dyn Engine>,
     config: ServerConfig,
-    hub: Option<Arc<Hub>>,
+    (hub, reports): (Option<Arc<Hub>>, Option<Arc<Reports>>),
     (shutdown, drain): (CancellationToken, CancellationToken),
     connections: Arc<OpenCount>,
 ) {
@@ -258,14 +280,15 @@ async fn accept_loop(
                 let config = config.clone();
                 let token = shutdown.child_token();
                 let connections = Arc::clone(&connections);
-                let hub = hub.clone();
+                let planes = (hub.clone(), reports.clone());
                 let drain = drain.clone();
                 tokio::spawn(async move {
                     let _open = OpenConnection(Arc::clone(&connections));
                     if let Some((rd, wr)) =
                         establish(stream, peer, &config, &token, &connections).await
                     {
-                        serve_connection((rd, wr), peer, engine, config, hub, (token, drain)).await;
+                        serve_connection((rd, wr), peer, engine, config, planes, (token, drain))
+                            .await;
                     }
                 });
             }

@@ -94,10 +94,29 @@ pub enum Frame {
     /// Worker to client: the answer to [`Frame::KvSnapshotRequest`] of a worker that takes no
     /// snapshots (the client then relies on live events alone, as before snapshots existed).
     KvSnapshotUnavailable,
+    /// Client to worker: send this connection the worker's load reports
+    /// ([`Frame::LoadReport`]) from now on. Sent at most once, right after
+    /// [`Frame::KvSubscribe`], by a frontend that books prefill work on a load board
+    /// ([`ClientConfig::load_reports`](super::ClientConfig::load_reports)); a worker with
+    /// reports off ignores it. A subscription of its own rather than a side effect of
+    /// `KvSubscribe`: a client that predates reports never receives a frame it cannot decode
+    /// (it would close the connection), and a worker that predates them closes the connection
+    /// on it as it did on `KvSubscribe` before KV events (turn the client flag off for such a
+    /// pool, or upgrade workers first).
+    LoadSubscribe,
+    /// Worker to client: the worker's load without this connection's own requests, the 24
+    /// bytes of [`crate::load_report::LoadReport::encode`] (decoded by the client, not here,
+    /// so a bad report is counted and ignored instead of closing the connection). Sent only
+    /// to a connection that sent [`Frame::LoadSubscribe`].
+    LoadReport {
+        /// The encoded report.
+        payload: Vec<u8>,
+    },
 }
 
 impl Frame {
-    /// The request the frame belongs to (`None` for the KV event, snapshot and drain frames).
+    /// The request the frame belongs to (`None` for the KV event, snapshot, drain and load
+    /// frames).
     pub(crate) fn request_id(&self) -> Option<u64> {
         match self {
             Frame::Request { id, .. }
@@ -111,7 +130,9 @@ impl Frame {
             | Frame::DrainAck
             | Frame::KvSnapshotRequest
             | Frame::KvSnapshotChunk { .. }
-            | Frame::KvSnapshotUnavailable => None,
+            | Frame::KvSnapshotUnavailable
+            | Frame::LoadSubscribe
+            | Frame::LoadReport { .. } => None,
         }
     }
 }

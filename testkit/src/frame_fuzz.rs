@@ -86,6 +86,11 @@ pub enum FrameSeed {
     KvSnapshotChunk(Option<u64>, bool, Vec<u8>),
     /// `Frame::KvSnapshotUnavailable`.
     KvSnapshotUnavailable,
+    /// `Frame::LoadSubscribe`.
+    LoadSubscribe,
+    /// `Frame::LoadReport`, its payload (any bytes: decoded by the client, not the frame
+    /// decoder).
+    LoadReport(Vec<u8>),
 }
 
 impl PrefillSeed {
@@ -168,6 +173,10 @@ impl FrameSeed {
                 payload: payload.clone(),
             },
             FrameSeed::KvSnapshotUnavailable => Frame::KvSnapshotUnavailable,
+            FrameSeed::LoadSubscribe => Frame::LoadSubscribe,
+            FrameSeed::LoadReport(payload) => Frame::LoadReport {
+                payload: payload.clone(),
+            },
         }
     }
 }

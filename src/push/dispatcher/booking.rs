@@ -48,20 +48,17 @@ pub struct OverloadStats {
 /// The dispatcher's booked work per worker, and the requests waiting for room.
 #[derive(Debug, Default)]
 pub(crate) struct Bookings {
-    board: Mutex<LoadBoard>,
+    /// Shared with the KV feed, which sets the workers' reported others on it.
+    board: Arc<Mutex<LoadBoard>>,
     /// Waiters by (deadline, arrival): the earliest deadline is woken first.
     waiters: Mutex<BTreeMap<(Instant, u64), oneshot::Sender<()>>>,
     arrivals: AtomicU64,
 }
 
 impl Bookings {
-    /// Bookings over `board` (the tests' mutant boards).
-    #[cfg(test)]
-    pub(crate) fn with_board(board: LoadBoard) -> Self {
-        Bookings {
-            board: Mutex::new(board),
-            ..Bookings::default()
-        }
+    /// The board, shared (the KV feed applies load reports to it).
+    pub(crate) fn shared_board(&self) -> Arc<Mutex<LoadBoard>> {
+        Arc::clone(&self.board)
     }
 
     /// The board, locked.

@@ -94,7 +94,7 @@ impl<L: WorkerLink> Dispatcher<L> {
         let threshold = self.busy_threshold();
         let mut board = self.loads.board();
         self.sync_board(&mut board, all, kv);
-        let has_room = |board: &LoadBoard, id: InstanceId| !is_busy(board.load(id), threshold);
+        let has_room = |board: &LoadBoard, id: InstanceId| !is_busy(board.combined(id), threshold);
         // The common case, the first choice with room, costs one pass and no sort.
         let chosen = if has_room(&board, routable[first].instance_id) {
             Some(Arc::clone(&routable[first]))

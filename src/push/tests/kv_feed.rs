@@ -121,7 +121,13 @@ async fn only_the_workers_current_connection_feeds_or_resets_its_entries() {
         &KvRouterConfig::default(),
         1024,
     )));
-    let feed = Arc::new(KvFeed::new(Arc::clone(&kv), view, Seam::off()));
+    let board = Arc::default();
+    let feed = Arc::new(KvFeed::new(
+        Arc::clone(&kv),
+        view,
+        Seam::off(),
+        (board, Box::new(|| {})),
+    ));
     let indexed = || kv.lock().index().publishes(4);
     let batch = |seq| EventBatch {
         epoch: 1,

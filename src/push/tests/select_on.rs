@@ -221,7 +221,7 @@ fn check(
     let cost = |id: InstanceId| {
         kv.cost().cost(
             tokens(hashes),
-            &kv.candidate(hashes, id, board.load(id))
+            &kv.candidate(hashes, id, board.combined(id))
                 .with_recent(board.recent(id)),
         )
     };
@@ -234,7 +234,7 @@ fn check(
     let free: Vec<InstanceId> = usable
         .iter()
         .copied()
-        .filter(|&id| !is_busy(board.load(id), threshold))
+        .filter(|&id| !is_busy(board.combined(id), threshold))
         .collect();
     let best = free.iter().map(|&id| cost(id)).reduce(f64::min);
     match (choice, best) {

@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::super::engine::{Engine, EngineError, EngineStream};
 use super::super::error::{FrameError, RemoteError};
 use super::super::events::Hub;
+use super::super::reports::{PrefillWork, Reports};
 use super::super::stream::{self, ReadHalf, WriteHalf};
 use super::super::wire::{self, Frame};
 use super::super::writer::Writer;
@@ -35,6 +36,16 @@ fn start(engine: &dyn Engine, request: GenerateRequest) -> EngineStream {
             ))]))
         }
     }
+}
+
+/// The request's prefill work for the load ledger; a panicking engine counts its whole prompt.
+fn prefill_work(engine: &dyn Engine, request: &GenerateRequest) -> u64 {
+    std::panic::catch_unwind(AssertUnwindSafe(|| engine.prefill_work(request))).unwrap_or_else(
+        |_| {
+            tracing::error!("engine panicked computing a request's prefill work");
+            request.token_ids.len() as u64
+        },
+    )
 }
 
 /// The engine stream's next item; a panic inside the engine becomes an error item (and the
@@ -112,10 +123,14 @@ pub(super) async fn serve_connection(
     peer: SocketAddr,
     engine: Arc<dyn Engine>,
     config: ServerConfig,
-    hub: Option<Arc<Hub>>,
+    (hub, reports): (Option<Arc<Hub>>, Option<Arc<Reports>>),
     (token, drain): (CancellationToken, CancellationToken),
 ) {
     let max = config.max_frame_len;
+    // This connection's id in the load ledger (every connection's work is reported to the
+    // others, subscribed or not).
+    let ledger = reports.as_ref().map(|r| (Arc::clone(r), r.open()));
+    let mut load_subscribed = false;
     let writer = Writer::new(wr, max, token.clone());
     let active: Arc<Mutex<HashMap<u64, CancellationToken>>> = Arc::default();
     let mut frames = FramedRead::new(rd, wire::codec(max));
@@ -187,6 +202,10 @@ pub(super) async fn serve_connection(
                     }
                     Some(Ok(())) => {}
                 }
+                // Asked before `generate`: an engine with a cache answers what it lacks now.
+                let work = ledger
+                    .as_ref()
+                    .map(|_| prefill_work(engine.as_ref(), &request));
                 let mut stream = start(engine.as_ref(), request);
                 // The prefill's cache changes are in the source now.
                 if let Some(hub) = &hub {
@@ -194,7 +213,9 @@ pub(super) async fn serve_connection(
                 }
                 // Poll once here: an engine with its answer ready (a cached or one-token
                 // reply) is served from this task, without spawning one per request.
-                if let Some(item) = next_item(&mut stream).now_or_never() {
+                let ready = next_item(&mut stream).now_or_never();
+                let first_ready = ready.is_some();
+                if let Some(item) = ready {
                     let (frame, last) = to_frame(id, item);
                     if !send(&writer, frame, max).await {
                         break Closed::Shutdown;
@@ -203,10 +224,17 @@ pub(super) async fn serve_connection(
                         continue;
                     }
                 }
+                // An answer ready at once had its prefill done: only a pending one holds work.
+                let prefill = match (&ledger, work, first_ready) {
+                    (Some((reports, conn)), Some(work), false) => {
+                        Some(reports.start(*conn, id, work))
+                    }
+                    _ => None,
+                };
                 let request_token = token.child_token();
                 active.lock().insert(id, request_token.clone());
                 tokio::spawn(run_request(
-                    id,
+                    (id, prefill),
                     stream,
                     timeout_ms,
                     writer.clone(),
@@ -236,6 +264,15 @@ pub(super) async fn serve_connection(
                     &Frame::KvSnapshotUnavailable,
                 ))),
             },
+            Ok(Frame::LoadSubscribe) => {
+                // A worker with reports off has nothing to send; a second subscribe is a no-op.
+                if let Some((reports, conn)) = &ledger {
+                    if !load_subscribed {
+                        load_subscribed = true;
+                        reports.subscribe(*conn, writer.clone(), token.clone(), max);
+                    }
+                }
+            }
             Ok(Frame::DrainAck) => {
                 if drain_state != DrainState::Told {
                     break Closed::Frame(FrameError::Unexpected {
@@ -255,7 +292,8 @@ pub(super) async fn serve_connection(
                 | Frame::KvEvents { .. }
                 | Frame::KvSnapshotChunk { .. }
                 | Frame::KvSnapshotUnavailable
-                | Frame::Draining,
+                | Frame::Draining
+                | Frame::LoadReport { .. },
             ) => {
                 break Closed::Frame(FrameError::Unexpected {
                     reason: "client sent a worker frame".into(),
@@ -270,6 +308,10 @@ pub(super) async fn serve_connection(
         Closed::Frame(e) => {
             tracing::warn!(%peer, error = %e, "closing connection: bad frame from client")
         }
+    }
+    // Its requests' work leaves the other connections' reports now, not when each task ends.
+    if let Some((reports, conn)) = &ledger {
+        reports.close(*conn);
     }
     // Stops the writer and every request of this connection (their engine streams drop).
     token.cancel();
@@ -294,8 +336,9 @@ fn to_frame(id: u64, item: Option<Result<GenerateResponse, EngineError>>) -> (Fr
 }
 
 /// Drive one request's engine stream to the end, a cancel, the deadline, or connection close.
+/// `prefill` holds the request's work in the load ledger until its first item (or its end).
 async fn run_request(
-    id: u64,
+    (id, mut prefill): (u64, Option<PrefillWork>),
     mut stream: EngineStream,
     timeout_ms: Option<u64>,
     writer: Writer,
@@ -319,6 +362,9 @@ async fn run_request(
             }
             item = next_item(&mut stream) => item,
         };
+        // The first response, end or error: the prefill is done (before the send, so the
+        // report leaves as early as the response).
+        drop(prefill.take());
         let (frame, last) = to_frame(id, item);
         let sent = tokio::select! {
             _ = token.cancelled() => false,
@@ -330,6 +376,7 @@ async fn run_request(
     }
     // Generation stops here (the engine stream is dropped) whatever ended the loop.
     drop(stream);
+    drop(prefill);
     active.lock().remove(&id);
     // A permit is stored if the connection is not waiting now: it re-checks at its next wait.
     finished.notify_one();

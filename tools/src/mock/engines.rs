@@ -124,6 +124,14 @@ impl Worker {
         }
     }
 
+    /// The prompt tokens the cache lacks now (leading hits only, nothing touched).
+    fn uncached_tokens(&self, token_ids: &[u32]) -> u64 {
+        let hashes = block_hashes(token_ids, self.config.block_size);
+        let hits = self.cache.lock().leading_hits(&hashes);
+        let block = self.config.block_size.max(1) as usize;
+        token_ids.len().saturating_sub(hits * block) as u64
+    }
+
     /// Look the prompt up in the cache (holding its blocks from now on) and return what the
     /// prefill found and how long computing the rest takes.
     fn prefill(&self, token_ids: &[u32]) -> (PrefillInfo, Duration) {
@@ -213,6 +221,12 @@ impl prefill_router::transport::KvEventSource for MockPrefill {
 }
 
 impl Engine for MockPrefill {
+    /// The prompt tokens its cache lacks now (what the KV dispatcher books for it), so the
+    /// worker's load reports and the frontends' bookings count the same unit.
+    fn prefill_work(&self, request: &GenerateRequest) -> u64 {
+        self.worker.uncached_tokens(&request.token_ids)
+    }
+
     fn generate(&self, request: GenerateRequest) -> EngineStream {
         let (info, cost) = self.worker.prefill(&request.token_ids);
         self.worker.stats.requests.fetch_add(1, Ordering::Relaxed);

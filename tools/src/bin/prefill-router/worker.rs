@@ -64,6 +64,9 @@ options:
   --no-kv-events         a prefill worker does not publish its KV cache events (by default
                          it does, to the routers in KV mode, which then score it by what its
                          cache really holds: see docs/kv_events.md)
+  --no-load-reports      do not publish load reports (by default the worker tells each KV-mode
+                         router the prefill work the other routers hold here: see
+                         docs/scale-out.md); its routers then count their own bookings only
   --tls-cert FILE        serve the request plane over TLS with this certificate chain (PEM,
                          leaf first; frontends dial the worker's IP address, so the leaf
                          needs that IP as a SAN unless they pass --tls-server-name)
@@ -107,6 +110,7 @@ pub struct WorkerOptions {
     etcd_root: String,
     print_requests: bool,
     kv_events: bool,
+    load_reports: bool,
     session_affinity_ttl_secs: Option<u64>,
     tls: TlsFlags,
 }
@@ -135,6 +139,7 @@ impl WorkerOptions {
             etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
             print_requests: false,
             kv_events: true,
+            load_reports: true,
             session_affinity_ttl_secs: None,
             tls: TlsFlags::default(),
         };
@@ -171,6 +176,7 @@ impl WorkerOptions {
                 "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
                 "--print-requests" => options.print_requests = true,
                 "--no-kv-events" => options.kv_events = false,
+                "--no-load-reports" => options.load_reports = false,
                 "--session-affinity-ttl-secs" => {
                     options.session_affinity_ttl_secs = Some(flags.parsed(flag)?)
                 }
@@ -282,6 +288,7 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
     // Read before registering: a bad certificate file fails the start, not every request.
     let server_config = ServerConfig {
         tls: options.tls.server().map_err(|e| format!("TLS: {e}"))?,
+        load_reports: options.load_reports,
         ..ServerConfig::default()
     };
     let discovery = options
@@ -365,6 +372,10 @@ struct Watched {
 }
 
 impl Engine for Watched {
+    fn prefill_work(&self, request: &GenerateRequest) -> u64 {
+        self.inner.prefill_work(request)
+    }
+
     fn generate(&self, request: GenerateRequest) -> EngineStream {
         if let Some(started) = &self.started {
             let total = started.fetch_add(1, Ordering::Relaxed) + 1;
@@ -427,6 +438,27 @@ mod tests {
 
     fn args(line: &str) -> Vec<String> {
         line.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn a_worker_publishes_load_reports_unless_told_not_to() {
+        let base = "--role prefill --discovery file:///tmp/x --namespace ns";
+        let on = WorkerOptions::parse(&args(base));
+        assert!(matches!(
+            on,
+            Ok(WorkerOptions {
+                load_reports: true,
+                ..
+            })
+        ));
+        let off = WorkerOptions::parse(&args(&format!("{base} --no-load-reports")));
+        assert!(matches!(
+            off,
+            Ok(WorkerOptions {
+                load_reports: false,
+                ..
+            })
+        ));
     }
 
     #[test]
