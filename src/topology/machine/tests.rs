@@ -422,3 +422,41 @@ fn a_forgotten_group_seen_again_never_reuses_a_generation() {
     w.up("prefill", 1, 32);
     assert_eq!(w.target().unwrap().id, gen("prefill", 2));
 }
+
+#[test]
+fn a_generation_is_shown_as_its_endpoint_at_its_number() {
+    // Logs and the watcher's errors name generations this way.
+    let id = gen("prefill", 3);
+    assert_eq!(id.to_string(), format!("{}@3", ep("prefill")));
+}
+
+#[test]
+fn dormant_sets_are_forgotten_oldest_first_whatever_their_names() {
+    let mut w = World::default();
+    // The oldest dormant set sorts last by name: only its age can pick it.
+    w.up("zz-prefill", 1, 16);
+    w.down("zz-prefill", 1);
+    for i in 0..MAX_DORMANT_SETS as u64 {
+        let component = format!("prefill-{i}");
+        w.up(&component, 100 + i, 16);
+        w.down(&component, 100 + i);
+    }
+    assert_eq!(w.m.generations(&ep("zz-prefill")), None, "the oldest went");
+    assert!(w.m.generations(&ep("prefill-0")).is_some());
+}
+
+#[test]
+fn a_reselection_takes_the_earliest_arrival_not_the_lowest_id() {
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    w.up("prefill", 7, 16);
+    w.up("prefill", 5, 32); // second arrival
+    w.up("prefill", 3, 64); // third arrival, lowest id
+    w.down("prefill", 7);
+    let target = w.target().unwrap();
+    assert_eq!(
+        (target.id.generation, target.card.kv_cache_block_size),
+        (2, 32)
+    );
+    assert_eq!(w.admitted(), BTreeSet::from([5]));
+}
