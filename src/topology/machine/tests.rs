@@ -460,3 +460,17 @@ fn a_reselection_takes_the_earliest_arrival_not_the_lowest_id() {
     );
     assert_eq!(w.admitted(), BTreeSet::from([5]));
 }
+
+#[test]
+fn the_status_accessors_report_the_sets_and_what_was_published() {
+    // The watcher's status and metrics read these; the rules above only read the target.
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    w.up("prefill", 2, 16);
+    w.up("prefill", 3, 16);
+    w.up("prefill", 4, 32); // another card: not admitted
+    assert_eq!(w.m.prefill_sets(), vec![ep("prefill")]);
+    let (generation, admitted) = w.m.admitted(&ep("prefill")).unwrap();
+    assert_eq!((generation, admitted), (1, &BTreeSet::from([2, 3])));
+    assert_eq!(w.m.admitted(&ep("decode")), None);
+}
