@@ -23,7 +23,6 @@ use super::feed;
 use super::oracle::Violation;
 use super::report::SimReport;
 use super::world::World;
-use prefill_router::router::FallbackPolicy;
 use state::{Run, Topo};
 
 /// Run one simulation to the end on its own paused, single-threaded tokio runtime.
