@@ -473,4 +473,13 @@ fn the_status_accessors_report_the_sets_and_what_was_published() {
     let (generation, admitted) = w.m.admitted(&ep("prefill")).unwrap();
     assert_eq!((generation, admitted), (1, &BTreeSet::from([2, 3])));
     assert_eq!(w.m.admitted(&ep("decode")), None);
+    assert_eq!(w.m.dormant_count(), 0);
+    for id in [2, 3, 4] {
+        w.down("prefill", id);
+    }
+    assert_eq!(
+        w.m.dormant_count(),
+        1,
+        "the emptied set is remembered, dormant"
+    );
 }
