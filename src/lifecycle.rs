@@ -39,8 +39,15 @@
 use std::fmt;
 use std::time::Duration;
 
-mod actions;
-pub use actions::{Actions, ActionsIntoIter};
+use crate::batch::{Batch, IntoIter};
+
+/// The actions produced by one input, in the order the driver must carry them out: the shared
+/// inline [`Batch`], since the machine is a plain value type and its hot path must not
+/// allocate.
+pub type Actions<T> = Batch<Action<T>>;
+
+/// Owning iterator over an [`Actions`] batch.
+pub type ActionsIntoIter<T> = IntoIter<Action<T>>;
 
 /// The hop's routability, derived from the machine's state (never stored separately).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

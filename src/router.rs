@@ -37,7 +37,7 @@ pub use handle::{PrefillRouter, MAX_REROUTES};
 pub use status::{RouterCounters, RouterStatus};
 
 #[cfg(test)]
-pub(crate) use mutant::{ProbeHook, RouterMutant};
+pub(crate) use mutant::{PauseBeforeDispatch, RouterMutant};
 
 #[cfg(test)]
 mod tests;

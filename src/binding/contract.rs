@@ -252,6 +252,12 @@ impl PrefillPick {
     pub fn into_held(self) -> Option<Box<dyn std::any::Any + Send>> {
         self.held
     }
+
+    /// The held part as the binding's own type `T` (`None` if the pick holds nothing or
+    /// something else: a pick another binding made).
+    pub fn into_held_as<T: std::any::Any>(self) -> Option<Box<T>> {
+        self.held.and_then(|h| h.downcast::<T>().ok())
+    }
 }
 
 impl std::fmt::Debug for PrefillPick {

@@ -351,10 +351,7 @@ impl Binding for PrefillBinding {
         pick: PrefillPick,
         request: GenerateRequest,
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
-        let Some(held) = pick
-            .into_held()
-            .and_then(|h| h.downcast::<BindingPick>().ok())
-        else {
+        let Some(held) = pick.into_held_as::<BindingPick>() else {
             return self.prefill(request);
         };
         async move {

@@ -6,13 +6,15 @@ use std::sync::Arc;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::HopRouter;
-use crate::binding::WorkerSetTargetId;
+use crate::binding::{DefaultBindingFactory, WorkerSetTargetId};
 use crate::decode::FollowingDecode;
 use crate::discovery::{EndpointId, StoreStatus};
 use crate::lifecycle::Lifecycle;
-use crate::router::{AfterWait, FallbackPolicy};
+use crate::router::{AfterWait, FallbackPolicy, PrefillRouter};
 use crate::topology::TopologySnapshot;
+
+/// The hop's router (`hop::HopRouter`, named here so that this file needs nothing of hop.rs).
+type HopRouter = PrefillRouter<DefaultBindingFactory>;
 
 /// Why a request arriving now would not be served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -82,13 +82,13 @@ impl<F: BindingFactory> PrefillRouter<F> {
         Self::build(factory, config, RouterSeam::on(Some(mutant), None))
     }
 
-    /// A router awaiting `hook` between each conditional probe and its dispatch, running
+    /// A router awaiting `hook` between each conditional estimate and its dispatch, running
     /// `mutant` if any.
     #[cfg(test)]
-    pub(crate) fn with_probe_hook(
+    pub(crate) fn with_pause_before_dispatch(
         factory: F,
         config: PrefillRouterConfig,
-        hook: super::ProbeHook,
+        hook: super::PauseBeforeDispatch,
         mutant: Option<super::RouterMutant>,
     ) -> Self {
         Self::build(factory, config, RouterSeam::on(mutant, Some(hook)))
@@ -251,7 +251,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
                     tracing::trace!(router = %self.shared.config.name, %skip, "prefill skipped: decode runs the whole request");
                     return Ok(decode.decode(request, None).await?);
                 }
-                self.shared.seam.after_probe().await;
+                self.shared.seam.before_dispatch().await;
                 Some(pick)
             }
         };

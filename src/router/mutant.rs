@@ -1,5 +1,5 @@
 //! The prefill router's deliberate mutants of its request path, the test hook between a
-//! conditional probe and its dispatch, and the seam where they act (see `crate::hooks`).
+//! conditional estimate and its dispatch, and the seam where they act (see `crate::hooks`).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -18,21 +18,21 @@ pub(crate) enum RouterMutant {
     /// race test must catch it.
     #[cfg_attr(not(test), allow(dead_code))]
     LaggingRoute,
-    /// A probed request's dispatch loads the route again instead of using the probed binding
-    /// (upstream's W10); the retarget-between-probe-and-dispatch test must catch it.
+    /// An estimated request's dispatch loads the route again instead of using the binding that estimated it
+    /// (upstream's W10); the retarget-between-estimate-and-dispatch test must catch it.
     ReloadForDispatch,
 }
 
-/// What a test runs between a request's conditional probe and its dispatch.
-pub(crate) type ProbeHook = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+/// What a test runs between a request's conditional estimate and its dispatch.
+pub(crate) type PauseBeforeDispatch = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
 
-/// The router's seam: the request path as is unless a mutant or the probe hook is armed.
+/// The router's seam: the request path as is unless a mutant or the pause before dispatch is armed.
 /// Zero-sized in normal builds.
 pub(crate) struct RouterSeam<B> {
     mutant: Seam<RouterMutant>,
     /// The `LaggingRoute` mutant's copy of the route.
     lagging: Seam<Mutex<Route<B>>>,
-    after_probe: Seam<ProbeHook>,
+    before_dispatch: Seam<PauseBeforeDispatch>,
 }
 
 const _: () = assert!(ARMABLE || std::mem::size_of::<RouterSeam<[u8; 64]>>() == 0);
@@ -43,16 +43,16 @@ impl<B> Default for RouterSeam<B> {
         RouterSeam {
             mutant: Seam::off(),
             lagging: Seam::off(),
-            after_probe: Seam::off(),
+            before_dispatch: Seam::off(),
         }
     }
 }
 
 impl<B> RouterSeam<B> {
     /// The seam running `mutant` (if any) and awaiting `hook` (if any) between each
-    /// conditional probe and its dispatch.
+    /// conditional estimate and its dispatch.
     #[cfg(test)]
-    pub(crate) fn on(mutant: Option<RouterMutant>, hook: Option<ProbeHook>) -> Self {
+    pub(crate) fn on(mutant: Option<RouterMutant>, hook: Option<PauseBeforeDispatch>) -> Self {
         let lagging = Route::Bypass(BypassReason::NotYetTargeted);
         RouterSeam {
             mutant: mutant.map_or(Seam::off(), Seam::on),
@@ -60,7 +60,7 @@ impl<B> RouterSeam<B> {
                 Some(RouterMutant::LaggingRoute) => Seam::on(Mutex::new(lagging)),
                 _ => Seam::off(),
             },
-            after_probe: hook.map_or(Seam::off(), Seam::on),
+            before_dispatch: hook.map_or(Seam::off(), Seam::on),
         }
     }
 
@@ -86,26 +86,26 @@ impl<B> RouterSeam<B> {
         }
     }
 
-    /// Between the conditional probe and the dispatch: nothing happens (or the test's hook).
+    /// Between the conditional estimate and the dispatch: nothing happens (or the test's hook).
     #[inline(always)]
-    pub(crate) fn after_probe(&self) -> OptionFuture<BoxFuture<'static, ()>> {
-        self.after_probe.armed().map(|hook| hook()).into()
+    pub(crate) fn before_dispatch(&self) -> OptionFuture<BoxFuture<'static, ()>> {
+        self.before_dispatch.armed().map(|hook| hook()).into()
     }
 
-    /// The binding a probed request dispatches on: the one it probed (`ReloadForDispatch`:
-    /// whatever the route says now).
+    /// The binding an estimated request dispatches on: the one that estimated it
+    /// (`ReloadForDispatch`: whatever the route says now).
     #[inline(always)]
     pub(crate) fn dispatch_binding(
         &self,
-        probed: Arc<B>,
+        estimated: Arc<B>,
         reload: impl FnOnce() -> Route<B>,
     ) -> Arc<B> {
         if !self.mutant.is(RouterMutant::ReloadForDispatch) {
-            return probed;
+            return estimated;
         }
         match reload() {
             Route::Prefill(now) => now,
-            Route::Bypass(_) => probed,
+            Route::Bypass(_) => estimated,
         }
     }
 }

@@ -47,8 +47,8 @@ pub(crate) struct Shared<F: BindingFactory> {
     /// Every task the router spawns (driver, builds).
     pub(crate) tracker: TaskTracker,
     pub(crate) shut_down: AtomicBool,
-    /// Where the router's mutants (and the probe hook) act on the request path; zero-sized in
-    /// normal builds.
+    /// Where the router's mutants (and the test pause before dispatch) act on the request
+    /// path; zero-sized in normal builds.
     pub(crate) seam: super::mutant::RouterSeam<F::Binding>,
 }
 

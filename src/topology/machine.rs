@@ -369,10 +369,10 @@ impl Machine {
         (Some(admission), retired)
     }
 
-    /// Forget the oldest dormant prefill sets beyond [`MAX_DORMANT_SETS`] (at most one per
-    /// event: an event makes at most one set dormant); returns their generations.
+    /// Forget the oldest dormant prefill set when there are more than [`MAX_DORMANT_SETS`] (one
+    /// is enough: an event makes at most one set dormant); returns its generation.
     fn evict_dormant(&mut self) -> Option<GenerationId> {
-        let mut dormant: Vec<(u64, EndpointId)> = self
+        let dormant: Vec<(u64, EndpointId)> = self
             .sets
             .iter()
             .filter_map(|(e, s)| s.dormant_since.map(|t| (t, e.clone())))
@@ -380,20 +380,19 @@ impl Machine {
         if dormant.len() <= MAX_DORMANT_SETS {
             return None;
         }
-        dormant.sort();
-        let excess = dormant.len() - MAX_DORMANT_SETS;
-        debug_assert_eq!(excess, 1, "one event makes at most one set dormant");
-        let mut forgotten = None;
-        for (_, endpoint) in dormant.into_iter().take(excess) {
-            if let Some(set) = self.sets.remove(&endpoint) {
-                self.generation_floor = self.generation_floor.max(set.generations);
-                forgotten = set.selection.map(|sel| GenerationId {
-                    endpoint,
-                    generation: sel.generation,
-                });
-            }
-        }
-        forgotten
+        debug_assert_eq!(
+            dormant.len(),
+            MAX_DORMANT_SETS + 1,
+            "one event makes at most one set dormant"
+        );
+        // One over the bound: the oldest goes.
+        let (_, endpoint) = dormant.into_iter().min()?;
+        let set = self.sets.remove(&endpoint)?;
+        self.generation_floor = self.generation_floor.max(set.generations);
+        set.selection.map(|sel| GenerationId {
+            endpoint,
+            generation: sel.generation,
+        })
     }
 
     /// Prefill sets with at least one admitted instance (live, card-compatible).

@@ -3,11 +3,15 @@
 use std::time::Duration;
 
 use crate::branches::{Branch, BranchSet};
+use crate::health_fuzz::{
+    run_health_script, run_health_script_with, HealthScript, HealthStep, IdPick as HealthPick,
+};
 use crate::machine_fuzz::{
     run_script, Checks, IdPick, MachineScript, PolicySeed, Step, TargetPick,
 };
-use crate::mutants::{Mutant, Mutation};
+use crate::mutants::{HealthMutant, HealthMutation, Mutant, Mutation};
 use crate::reference::{documented_delay, MachineView};
+use prefill_router::health::FailureClass;
 use prefill_router::lifecycle::{BuildId, Machine, RetryPolicy};
 
 #[test]
@@ -127,6 +131,65 @@ fn a_short_story_catches_every_mutant_with_each_check_alone() {
                 &mut BranchSet::default(),
             );
             assert!(result.is_err(), "{mutation:?} passes with {checks:?}");
+        }
+    }
+}
+
+fn class_index(class: FailureClass) -> u8 {
+    FailureClass::ALL.iter().position(|c| *c == class).unwrap() as u8
+}
+
+/// Each kept health mutant breaks one rule the ledger states, on a script the real machine
+/// passes: the ledger can fail, and fails for each bug it is meant to see.
+#[test]
+fn the_ledger_catches_every_health_mutant() {
+    use HealthPick::*;
+    use HealthStep::*;
+    let refused = class_index(FailureClass::ConnectionRefused);
+    let script = |steps: Vec<HealthStep>| HealthScript {
+        initial_ms: 100,
+        max_ms: 150,
+        seed: 7,
+        steps,
+    };
+    for mutation in HealthMutation::ALL {
+        let (steps, rule) = match mutation {
+            HealthMutation::OverloadOpens => (
+                vec![Add(0), Fail(0, class_index(FailureClass::Overloaded))],
+                "without a counting failure",
+            ),
+            HealthMutation::StaleProbeCloses => (
+                vec![
+                    Add(0),
+                    Fail(0, refused),
+                    Fire(0, Current),
+                    Answer(0, Current, false),
+                    Fire(0, Current),
+                    Answer(0, Older(1), true),
+                ],
+                "without a successful current probe",
+            ),
+            HealthMutation::Uncapped => (
+                vec![
+                    Add(0),
+                    Fail(0, refused),
+                    Fire(0, Current),
+                    Answer(0, Current, false),
+                ],
+                "above the cap",
+            ),
+        };
+        let script = script(steps);
+        run_health_script(&script).unwrap_or_else(|e| panic!("real machine, {mutation:?}: {e}"));
+        let caught = run_health_script_with(&script, |policy, seed| {
+            HealthMutant::new(mutation, policy, seed)
+        });
+        match caught {
+            Err(e) => assert!(
+                e.contains(rule),
+                "{mutation:?} caught for another reason: {e}"
+            ),
+            Ok(()) => panic!("{mutation:?} passed the ledger"),
         }
     }
 }

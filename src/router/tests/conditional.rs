@@ -1,5 +1,5 @@
 //! Conditional disaggregation on the router: off means every request prefills; a skip goes
-//! to decode whole and is counted by reason; probe and dispatch use one binding and one pick
+//! to decode whole and is counted by reason; estimate and dispatch use one binding and one pick
 //! even when a retarget lands between them.
 
 use std::sync::atomic::Ordering;
@@ -11,7 +11,8 @@ use tokio::sync::Notify;
 use super::fakes::{target, FactoryLog, FakeDecode, ScriptFactory};
 use crate::request::GenerateRequest;
 use crate::router::{
-    ConditionalPolicy, ConditionalSkip, PrefillRouter, PrefillRouterConfig, ProbeHook, RouterMutant,
+    ConditionalPolicy, ConditionalSkip, PauseBeforeDispatch, PrefillRouter, PrefillRouterConfig,
+    RouterMutant,
 };
 
 fn with_policy(policy: Option<ConditionalPolicy>) -> PrefillRouterConfig {
@@ -48,13 +49,16 @@ async fn serve_two(
 }
 
 #[tokio::test]
-async fn policy_off_prefills_every_request_and_never_probes() {
+async fn policy_off_prefills_every_request_and_never_estimates() {
     // Even with a saturated pool and a 3-token prompt: off is off.
     let (log, decode, router) = serve_two(None, u64::MAX).await;
     let counters = router.status().counters;
     assert_eq!(counters.prefilled, 2);
     assert!(counters.conditional_skips.values().all(|&n| n == 0));
-    assert!(log.picks.lock().is_empty(), "no probe with the policy off");
+    assert!(
+        log.picks.lock().is_empty(),
+        "no estimate with the policy off"
+    );
     assert!(decode.calls.lock().iter().all(|(_, p)| p.is_some()));
 }
 
@@ -86,20 +90,20 @@ async fn a_saturated_pool_sends_long_prompts_to_decode_as_conditional_busy() {
     assert!(log.prefills.lock().is_empty());
 }
 
-/// One request probes on generation 1; the hook retargets to generation 2 and waits until
+/// One request is estimated on generation 1; the hook retargets to generation 2 and waits until
 /// generation 2 is published before letting the dispatch go. Returns the picks' log.
-async fn retarget_between_probe_and_dispatch(
+async fn retarget_between_estimate_and_dispatch(
     reload_mutant: bool,
 ) -> Vec<(Option<crate::binding::WorkerSetTargetId>, u64)> {
     let (factory, log) = ScriptFactory::instant();
-    let probed = Arc::new(Notify::new());
+    let estimated = Arc::new(Notify::new());
     let go = Arc::new(Notify::new());
-    let hook: ProbeHook = {
-        let (probed, go) = (Arc::clone(&probed), Arc::clone(&go));
+    let hook: PauseBeforeDispatch = {
+        let (estimated, go) = (Arc::clone(&estimated), Arc::clone(&go));
         Arc::new(move || {
-            let (probed, go) = (Arc::clone(&probed), Arc::clone(&go));
+            let (estimated, go) = (Arc::clone(&estimated), Arc::clone(&go));
             Box::pin(async move {
-                probed.notify_one();
+                estimated.notify_one();
                 go.notified().await;
             })
         })
@@ -108,7 +112,7 @@ async fn retarget_between_probe_and_dispatch(
         min_uncached_tokens: Some(1),
         max_pool_tokens_per_worker: None,
     };
-    let router = Arc::new(PrefillRouter::with_probe_hook(
+    let router = Arc::new(PrefillRouter::with_pause_before_dispatch(
         factory,
         with_policy(Some(policy)),
         hook,
@@ -126,7 +130,7 @@ async fn retarget_between_probe_and_dispatch(
                 .map(|_| ())
         })
     };
-    probed.notified().await;
+    estimated.notified().await;
     router.set_target(Some(target(2)));
     tokio::time::timeout(Duration::from_secs(5), async {
         while router
@@ -149,18 +153,18 @@ async fn retarget_between_probe_and_dispatch(
 }
 
 #[tokio::test]
-async fn a_retarget_between_probe_and_dispatch_cannot_split_decision_and_dispatch() {
-    let picks = retarget_between_probe_and_dispatch(false).await;
+async fn a_retarget_between_estimate_and_dispatch_cannot_split_decision_and_dispatch() {
+    let picks = retarget_between_estimate_and_dispatch(false).await;
     assert_eq!(picks.len(), 1);
     let (origin, on) = &picks[0];
     assert_eq!(origin.as_ref().map(|o| o.generation), Some(*on));
-    assert_eq!(*on, 1, "dispatched on the probed binding");
+    assert_eq!(*on, 1, "dispatched on the binding that estimated it");
 }
 
 #[tokio::test]
-async fn the_probe_dispatch_check_catches_a_dispatch_that_reloads_the_binding() {
+async fn the_estimate_dispatch_check_catches_a_dispatch_that_reloads_the_binding() {
     // Upstream's W10 shape: decided on generation 1's pick, sent on generation 2.
-    let picks = retarget_between_probe_and_dispatch(true).await;
+    let picks = retarget_between_estimate_and_dispatch(true).await;
     assert_eq!(picks.len(), 1);
     let (origin, on) = &picks[0];
     assert_ne!(origin.as_ref().map(|o| o.generation), Some(*on));

@@ -123,10 +123,7 @@ impl Binding for FakeBinding {
         pick: PrefillPick,
         request: GenerateRequest,
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
-        let origin = pick
-            .into_held()
-            .and_then(|h| h.downcast::<PickedOn>().ok())
-            .map(|p| p.0.clone());
+        let origin = pick.into_held_as::<PickedOn>().map(|p| p.0.clone());
         self.log.picks.lock().push((origin, self.target.clone()));
         self.prefill(request)
     }

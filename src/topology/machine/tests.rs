@@ -422,3 +422,65 @@ fn a_forgotten_group_seen_again_never_reuses_a_generation() {
     w.up("prefill", 1, 32);
     assert_eq!(w.target().unwrap().id, gen("prefill", 2));
 }
+
+#[test]
+fn a_generation_is_shown_as_its_endpoint_at_its_number() {
+    // Logs and the watcher's errors name generations this way.
+    let id = gen("prefill", 3);
+    assert_eq!(id.to_string(), format!("{}@3", ep("prefill")));
+}
+
+#[test]
+fn dormant_sets_are_forgotten_oldest_first_whatever_their_names() {
+    let mut w = World::default();
+    // The oldest dormant set sorts last by name: only its age can pick it.
+    w.up("prefill-zz", 1, 16);
+    w.down("prefill-zz", 1);
+    assert!(w.m.generations(&ep("prefill-zz")).is_some(), "remembered, dormant");
+    for i in 0..MAX_DORMANT_SETS as u64 {
+        let component = format!("prefill-{i}");
+        w.up(&component, 100 + i, 16);
+        w.down(&component, 100 + i);
+    }
+    assert_eq!(w.m.generations(&ep("prefill-zz")), None, "the oldest went");
+    assert!(w.m.generations(&ep("prefill-0")).is_some());
+}
+
+#[test]
+fn a_reselection_takes_the_earliest_arrival_not_the_lowest_id() {
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    w.up("prefill", 7, 16);
+    w.up("prefill", 5, 32); // second arrival
+    w.up("prefill", 3, 64); // third arrival, lowest id
+    w.down("prefill", 7);
+    let target = w.target().unwrap();
+    assert_eq!(
+        (target.id.generation, target.card.kv_cache_block_size),
+        (2, 32)
+    );
+    assert_eq!(w.admitted(), BTreeSet::from([5]));
+}
+
+#[test]
+fn the_status_accessors_report_the_sets_and_what_was_published() {
+    // The watcher's status and metrics read these; the rules above only read the target.
+    let mut w = World::default();
+    w.up("decode", 9, 16);
+    w.up("prefill", 2, 16);
+    w.up("prefill", 3, 16);
+    w.up("prefill", 4, 32); // another card: not admitted
+    assert_eq!(w.m.prefill_sets(), vec![ep("prefill")]);
+    let (generation, admitted) = w.m.admitted(&ep("prefill")).unwrap();
+    assert_eq!((generation, admitted), (1, &BTreeSet::from([2, 3])));
+    assert_eq!(w.m.admitted(&ep("decode")), None);
+    assert_eq!(w.m.dormant_count(), 0);
+    for id in [2, 3, 4] {
+        w.down("prefill", id);
+    }
+    assert_eq!(
+        w.m.dormant_count(),
+        1,
+        "the emptied set is remembered, dormant"
+    );
+}

@@ -401,10 +401,7 @@ impl Binding for ReplayBinding {
         pick: PrefillPick,
         request: GenerateRequest,
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
-        let Some(held) = pick
-            .into_held()
-            .and_then(|h| h.downcast::<ReplayHeld>().ok())
-        else {
+        let Some(held) = pick.into_held_as::<ReplayHeld>() else {
             return failed("a pick this binding did not make".to_owned());
         };
         let mut held = *held;

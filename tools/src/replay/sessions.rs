@@ -66,7 +66,6 @@ pub(crate) fn session_key(record: &TraceRecord) -> String {
 mod tests {
     use super::*;
     use crate::replay::trace::BLOCK_TOKENS;
-    use crate::replay::{run, Policy, ReplayConfig};
 
     fn record(ids: &[u64]) -> TraceRecord {
         TraceRecord {
@@ -88,21 +87,5 @@ mod tests {
             record(&[9]),          // C
         ];
         assert_eq!(sessions(&trace), vec![vec![0, 2, 3, 4], vec![1], vec![5]]);
-    }
-
-    #[test]
-    fn a_closed_loop_replay_serves_every_turn_in_order_without_loss() {
-        let trace = crate::replay::Workload::parse("multi-tenant:rate=8,requests=400,seed=4")
-            .unwrap()
-            .generate();
-        let mut config = ReplayConfig::new(Policy::Kv);
-        config.closed_loop = Some(ClosedLoop {
-            users: 8,
-            think: Duration::from_millis(500),
-        });
-        let report = run(&config, &trace).unwrap();
-        assert_eq!((report.requests, report.lost, report.shed), (400, 0, 0));
-        // Eight users one turn at a time: the run takes longer than the open loop's arrivals.
-        assert!(report.virtual_s > 10.0, "{report}");
     }
 }

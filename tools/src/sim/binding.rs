@@ -353,7 +353,7 @@ impl Binding for SimBinding {
         pick: PrefillPick,
         request: GenerateRequest,
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
-        let held = pick.into_held().and_then(|h| h.downcast::<SimPick>().ok());
+        let held = pick.into_held_as::<SimPick>();
         let origin = held.as_ref().map_or(u64::MAX, |h| h.origin);
         conditional::dispatched(&self.world, request_id(&request), origin, self.serial());
         let prefill = self.prefill(request);

@@ -12,8 +12,6 @@
 //! - `conditional_skips_miscounted`: the router's skip counters, by reason, equal the skips
 //!   decode saw (and are 0 with the policy off).
 
-use std::collections::{BTreeMap, BTreeSet};
-
 use super::oracle::Violation;
 use super::world::World;
 use prefill_router::binding::PrefillEstimate;
@@ -25,21 +23,6 @@ pub const POLICY: ConditionalPolicy = ConditionalPolicy {
     min_uncached_tokens: Some(24),
     max_pool_tokens_per_worker: Some(120),
 };
-
-/// What the world knows of the run's conditional decisions.
-#[derive(Debug, Default)]
-pub(crate) struct Ledger {
-    /// The policy the router runs (`None`: off).
-    pub(crate) policy: Option<ConditionalPolicy>,
-    /// Requests picked and not yet dispatched or decoded: the binding serial and the truth.
-    open: BTreeMap<u64, (u64, PrefillEstimate)>,
-    /// Requests decode received as skips.
-    skipped: BTreeSet<u64>,
-    /// Requests prefilled on a pick.
-    dispatched: BTreeSet<u64>,
-    /// Skips seen at decode, by the reason the truthful probe gives.
-    pub(crate) seen: BTreeMap<ConditionalSkip, u64>,
-}
 
 fn broken(world: &World, request: u64, property: &'static str, detail: String) {
     world.violate(Violation::ConditionalBroken {

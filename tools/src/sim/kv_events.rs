@@ -19,21 +19,16 @@
 //! The mutant `kv-ignores-removals` publishes batches without their removals: evicted blocks
 //! stay credited with no batch lost or late.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::config::Mutant;
-use super::link::SimLink;
 use super::oracle::Violation;
-use super::world::World;
+use super::world::{KvSubscriber, World};
 use crate::mock::BlockCache;
 use prefill_router::discovery::InstanceId;
 use prefill_router::kv_events::{EventBatch, KvEvent};
-use prefill_router::push::Dispatcher;
-
-/// A binding's dispatcher (sending through the in-memory link).
-type SimDispatcher = Dispatcher<SimLink>;
+use prefill_router::push::{Dispatcher, WorkerLink};
 
 /// Blocks each simulated worker's cache holds: small, so evictions (removals) are frequent.
 pub const CACHE_BLOCKS: usize = 8;
@@ -47,35 +42,13 @@ pub const DELAY_MAX_MS: u64 = 30;
 /// The key of the batch-fate draws.
 const STREAM_KV: u64 = 6;
 
-/// Why a worker's index entries may lag its cache for now.
-#[derive(Debug, Default, Clone, Copy)]
-struct Lag {
-    /// Batches delayed and not yet delivered.
-    delayed: u32,
-    /// A batch was lost or arrived late, and no batch has been delivered on time since: an
-    /// index may hold a gap it has not seen yet, or have started afresh from the late batch
-    /// (a binding built meanwhile), crediting blocks a newer batch removed.
-    unsettled: bool,
-}
-
-/// The simulated caches, the dispatchers they publish to, and the lag windows.
-#[derive(Debug, Default)]
-pub(crate) struct Ledger {
-    /// Whether the run has KV events.
-    pub(crate) on: bool,
-    caches: BTreeMap<InstanceId, BlockCache>,
-    subscribers: Vec<Weak<SimDispatcher>>,
-    lag: BTreeMap<InstanceId, Lag>,
-    /// Batches published so far (numbers the fate draws).
-    published: u64,
-}
-
 /// A new binding's dispatcher receives the workers' batches from now on (no snapshot: its
 /// index starts empty, as after a rebuild in production).
-pub(crate) fn subscribe(world: &World, dispatcher: &Arc<SimDispatcher>) {
+pub(crate) fn subscribe<L: WorkerLink>(world: &World, dispatcher: &Arc<Dispatcher<L>>) {
+    let dispatcher: Arc<dyn KvSubscriber> = Arc::clone(dispatcher) as _;
     world.with(|s| {
         s.kv.subscribers.retain(|d| d.strong_count() > 0);
-        s.kv.subscribers.push(Arc::downgrade(dispatcher));
+        s.kv.subscribers.push(Arc::downgrade(&dispatcher));
     });
 }
 
@@ -145,11 +118,11 @@ pub(crate) fn prefilled(world: &Arc<World>, worker: InstanceId, hashes: &[u64]) 
 
 /// Apply `batch` to every live subscriber, then close the lag window it ends.
 fn deliver(world: &World, worker: InstanceId, batch: &EventBatch, late: bool) {
-    let subscribers: Vec<Arc<SimDispatcher>> =
+    let subscribers: Vec<Arc<dyn KvSubscriber>> =
         world.with(|s| s.kv.subscribers.iter().filter_map(Weak::upgrade).collect());
     // Outside the world's lock: the dispatcher takes its own.
     for d in &subscribers {
-        d.apply_kv_events(worker, batch);
+        d.apply(worker, batch);
     }
     world.with(|s| {
         let lag = s.kv.lag.entry(worker).or_default();
@@ -166,10 +139,10 @@ fn deliver(world: &World, worker: InstanceId, batch: &EventBatch, late: bool) {
 }
 
 /// Oracle at a KV pick: `credited` leading blocks of `hashes` for `worker`, by `dispatcher`.
-pub(crate) fn picked(
+pub(crate) fn picked<L: WorkerLink>(
     world: &World,
     request: u64,
-    dispatcher: &SimDispatcher,
+    dispatcher: &Dispatcher<L>,
     worker: InstanceId,
     hashes: &[u64],
     credited: Option<usize>,

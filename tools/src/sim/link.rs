@@ -27,7 +27,7 @@ use super::config::{timing, Mutant};
 use super::kv_events;
 use super::oracle::Violation;
 use super::sessions;
-use super::world::World;
+use super::world::{AffinityMirror, World};
 use prefill_router::binding::WorkerSetTargetId;
 use prefill_router::discovery::InstanceId;
 use prefill_router::health::FailureClass;
@@ -78,7 +78,7 @@ pub(crate) struct SimLink {
     /// weak, since the dispatcher owns the link.
     pub(crate) dispatcher: Weak<Dispatcher<SimLink>>,
     /// The dispatcher's affinity table (runs with sessions).
-    pub(crate) affinity: Option<sessions::Table>,
+    pub(crate) affinity: Option<AffinityMirror>,
     pub(crate) tried: Tried,
 }
 

@@ -9,26 +9,21 @@
 mod request;
 mod scenario;
 mod setup;
+mod state;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::binding::SimDecode;
-use super::config::{timing, SimConfig, TargetSource};
+use super::config::{timing, SimConfig};
 use super::controller::Controller;
 use super::feed;
 use super::oracle::Violation;
-use super::pool::Pool;
 use super::report::SimReport;
-use super::rng::SimRng;
 use super::world::World;
-use prefill_router::router::FallbackPolicy;
-use prefill_router::topology::TopologyWatcher;
-use setup::Router;
+use state::{Run, Topo};
 
 /// Run one simulation to the end on its own paused, single-threaded tokio runtime.
 ///
@@ -52,31 +47,6 @@ pub fn simulate(config: &SimConfig) -> std::io::Result<SimReport> {
     ));
     let runtime = builder.build()?;
     Ok(runtime.block_on(run(config.clone())))
-}
-
-/// What moves the topology in this run.
-enum Topo {
-    Controller(Arc<Controller>),
-    Watcher {
-        pool: Arc<Pool>,
-        watcher: TopologyWatcher,
-    },
-}
-
-/// One run in progress.
-struct Run {
-    world: Arc<World>,
-    router: Arc<Router>,
-    decode: Arc<SimDecode>,
-    /// The seeded controller; it moves the topology unless `topo` is a watcher.
-    controller: Arc<Controller>,
-    topo: Topo,
-    source: TargetSource,
-    fallback: FallbackPolicy,
-    scenario: SimRng,
-    wait_budget: Duration,
-    next_request: u64,
-    requests: Vec<JoinHandle<()>>,
 }
 
 async fn run(config: SimConfig) -> SimReport {

@@ -24,21 +24,15 @@
 //!
 //! The dispatch-outside-admission oracle of every run still judges every pick.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use std::sync::Arc;
-
 use super::config::Mutant;
 use super::oracle::Violation;
-use super::world::World;
+use super::world::{AffinityMirror, World};
 use prefill_router::discovery::InstanceId;
-use prefill_router::push::{
-    rendezvous_first, session_key, AffinityOutcome, AffinityStats, AffinityTable,
-    DEFAULT_AFFINITY_CAPACITY,
-};
+use prefill_router::push::{rendezvous_first, session_key, AffinityOutcome};
 
 /// The simulated session TTL: a few request bursts long, so entries both live and expire
 /// within a run.
@@ -47,68 +41,19 @@ pub const TTL: Duration = Duration::from_millis(150);
 /// How many distinct sessions the requests draw from.
 pub(crate) const SESSIONS: u64 = 6;
 
-/// The mirror of the bindings' affinity tables.
-#[derive(Debug, Default)]
-pub(crate) struct Ledger {
-    /// Whether the run gives requests sessions.
-    pub(crate) on: bool,
-    /// `(binding serial, session)` → the worker its table remembers and when it last used it.
-    remembered: BTreeMap<(u64, String), (InstanceId, Instant)>,
-    /// The `AffinityInheritedByRebuild` mutant's table, shared by every binding.
-    shared: Option<Table>,
-}
-
-/// A binding dispatcher's affinity table, and its counters as of its latest pick: what one
-/// pick counted is the difference (the table's counters move only in picks, and the link
-/// reads them in the same poll as each pick, so no other pick comes between).
-#[derive(Clone, Debug)]
-pub(crate) struct Table {
-    pub(crate) table: Arc<AffinityTable>,
-    seen: Arc<parking_lot::Mutex<AffinityStats>>,
-}
-
-impl Table {
-    /// The outcomes counted since the previous call (on any binding sharing the table).
-    pub(crate) fn counted_since_last_pick(&self) -> Vec<AffinityOutcome> {
-        let now = self.table.counts().snapshot();
-        let before = std::mem::replace(&mut *self.seen.lock(), now);
-        outcome_between(before, now)
-    }
-}
-
 /// The affinity table of a new binding's dispatcher: a fresh one (`None` when the run has no
 /// sessions), or under the `AffinityInheritedByRebuild` mutant the first binding's.
-pub(crate) fn table_for_binding(world: &World, mutant: Option<Mutant>) -> Option<Table> {
+pub(crate) fn table_for_binding(world: &World, mutant: Option<Mutant>) -> Option<AffinityMirror> {
     world.with(|s| {
         if !s.sessions.on {
             return None;
         }
-        let fresh = || Table {
-            table: Arc::new(AffinityTable::new(
-                TTL,
-                DEFAULT_AFFINITY_CAPACITY,
-                Arc::default(),
-            )),
-            seen: Arc::default(),
-        };
+        let fresh = || AffinityMirror::fresh(TTL);
         if mutant == Some(Mutant::AffinityInheritedByRebuild) {
             return Some(s.sessions.shared.get_or_insert_with(fresh).clone());
         }
         Some(fresh())
     })
-}
-
-/// The affinity outcome of one pick, from the binding's counters before and after it.
-fn outcome_between(before: AffinityStats, after: AffinityStats) -> Vec<AffinityOutcome> {
-    let mut outcomes = Vec::new();
-    for (outcome, b, a) in [
-        (AffinityOutcome::Hit, before.hits, after.hits),
-        (AffinityOutcome::Miss, before.misses, after.misses),
-        (AffinityOutcome::Repick, before.repicks, after.repicks),
-    ] {
-        outcomes.extend(std::iter::repeat_n(outcome, a.saturating_sub(b) as usize));
-    }
-    outcomes
 }
 
 fn broken(world: &World, request: u64, property: &'static str, detail: String) {

@@ -14,6 +14,12 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+mod ledgers;
+
+pub(crate) use ledgers::{
+    AffinityMirror, ConditionalLedger, KvLedger, KvSubscriber, SessionLedger,
+};
+
 use super::config::Mutant;
 use super::oracle::Violation;
 use super::report::SimStats;
@@ -99,11 +105,11 @@ pub(crate) struct WorldState {
     /// Requests that called `prefill` (by id), for the outcome statistics.
     pub(crate) prefilled: std::collections::BTreeSet<u64>,
     /// Conditional disaggregation's probes and skips.
-    pub(crate) conditional: super::conditional::Ledger,
+    pub(crate) conditional: ConditionalLedger,
     /// Session affinity's mirror of the bindings' tables.
-    pub(crate) sessions: super::sessions::Ledger,
+    pub(crate) sessions: SessionLedger,
     /// KV events: the workers' caches, the subscribed dispatchers, the lag windows.
-    pub(crate) kv: super::kv_events::Ledger,
+    pub(crate) kv: KvLedger,
     pub(crate) stats: SimStats,
     pub(crate) violations: Vec<Violation>,
     digest: u64,

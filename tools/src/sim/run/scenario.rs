@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::super::config::timing;
 use super::super::feed;
 use super::super::oracle::Violation;
-use super::{Run, Topo};
+use super::state::{Run, Topo};
 use prefill_router::binding::WorkerSetTargetId;
 use prefill_router::lifecycle::Lifecycle;
 

@@ -12,14 +12,11 @@ use super::super::pool::{self, Pool};
 use super::super::rng::SimRng;
 use super::super::sink::CheckedSink;
 use super::super::world::World;
-use super::{Run, Topo};
+use super::state::{Router, Run, Topo};
 use prefill_router::discovery::{Discovery, MemoryConfig, MemoryDiscovery};
 use prefill_router::lifecycle::RetryPolicy;
 use prefill_router::router::{AfterWait, FallbackPolicy, PrefillRouter, PrefillRouterConfig};
 use prefill_router::topology::TopologyWatcher;
-
-/// The router under test.
-pub(super) type Router = PrefillRouter<SimFactory>;
 
 impl Run {
     /// Draw the run's shape from the seed and build its world and router.

@@ -369,8 +369,14 @@ async fn story_and_compare(stage: &mut Stage, shape: &TrafficShape) -> Result<Ve
     result
 }
 
-/// Traffic on `shape.sessions` conversations until the returned flag is set.
-fn start_traffic(stage: &Stage, shape: &TrafficShape, seed: u64) -> (Arc<AtomicBool>, JoinSet<()>) {
+/// Traffic on `shape.sessions` conversations, each `turns` long (`None`: until the returned
+/// flag is set).
+fn start_traffic(
+    stage: &Stage,
+    shape: &TrafficShape,
+    seed: u64,
+    turns: Option<usize>,
+) -> (Arc<AtomicBool>, JoinSet<()>) {
     let stop = Arc::new(AtomicBool::new(false));
     let mut users = JoinSet::new();
     for session in 0..shape.sessions {
@@ -379,7 +385,7 @@ fn start_traffic(stage: &Stage, shape: &TrafficShape, seed: u64) -> (Arc<AtomicB
             Arc::clone(&stage.tally),
             shape.clone(),
             seed + session as u64,
-            None,
+            turns,
             Arc::clone(&stop),
         ));
     }
@@ -396,7 +402,7 @@ async fn story(stage: &mut Stage, shape: &TrafficShape) -> Result<Vec<traffic::S
         })
         .await?;
     stage.say("decode worker up, no prefill pool: requests bypass to decode");
-    let (stop, mut users) = start_traffic(stage, shape, 1);
+    let (stop, mut users) = start_traffic(stage, shape, 1, None);
     stage.hold().await;
 
     stage.say("prefill pool appears: generation 1 (KV, block size 16), workers 1 2 3");
@@ -491,18 +497,7 @@ async fn compare(
         shape.sessions, stage.pace.compare_turns
     ));
     stage.tally.take_samples();
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut users = JoinSet::new();
-    for session in 0..shape.sessions {
-        users.spawn(converse(
-            Arc::clone(&stage.frontend),
-            Arc::clone(&stage.tally),
-            shape.clone(),
-            1000 + session as u64,
-            Some(stage.pace.compare_turns),
-            Arc::clone(&stop),
-        ));
-    }
+    let (_, mut users) = start_traffic(stage, shape, 1000, Some(stage.pace.compare_turns));
     while users.join_next().await.is_some() {}
     let samples = stage.tally.take_samples();
     for &id in &ids {
