@@ -222,6 +222,32 @@ impl KvFeed {
         KvEventCounts::bump(counter, 1);
     }
 
+    /// Apply `report` of `worker` delivered without a connection (an in-process link, as the
+    /// replay's): the worker's one report stream, newest wins, no generation to check.
+    pub(super) fn load_report_direct(
+        &self,
+        worker: InstanceId,
+        report: LoadReport,
+    ) -> load_report::Applied {
+        let units = self.booking_units(report.others);
+        let mut current = self.current.lock();
+        let entry = current.entry(worker).or_insert(Current {
+            generation: 0,
+            reported: ReportedLoad::new(),
+        });
+        let applied = entry.reported.apply(report);
+        if applied == load_report::Applied::Newer {
+            self.set_reported(worker, units);
+        }
+        drop(current);
+        let counter = match applied {
+            load_report::Applied::Newer => &self.counts.reports_applied,
+            load_report::Applied::Stale => &self.counts.reports_stale,
+        };
+        KvEventCounts::bump(counter, 1);
+        applied
+    }
+
     /// Set `worker`'s reported others on the board (0: its report stream ended or restarts);
     /// a lower load wakes the requests waiting for room.
     fn set_reported(&self, worker: InstanceId, units: u64) {

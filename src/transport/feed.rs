@@ -26,10 +26,10 @@ use tokio::time::Instant;
 use super::events::{decode_kv_payload, KvEventSink, KvStreamError, KV_SINK_BATCHES};
 use super::wire::{self, Frame};
 use super::writer::Writer;
-use crate::load_report::LoadReport;
 use crate::kv_events::{
     EventBatch, SnapshotAssembler, SnapshotError, DEFAULT_MAX_BLOCKS_PER_WORKER,
 };
+use crate::load_report::LoadReport;
 
 /// The least time between two snapshot requests on one connection.
 pub const KV_SNAPSHOT_RETRY: Duration = Duration::from_secs(1);

@@ -72,3 +72,56 @@ fn with_kv_events_the_hit_rate_holds_as_frontends_multiply() {
         "kv: 1 frontend {blind_one}, 4 frontends {blind_four}"
     );
 }
+
+/// The workers' load reports let every frontend see the others' work: on a shared prompt,
+/// four frontends placing requests independently keep the tail of one frontend; without the
+/// reports each frontend sees only its own bookings and they pile onto the same workers.
+#[test]
+fn with_load_reports_four_frontends_keep_the_tail_of_one() {
+    let trace = shared_prefix(3_000);
+    let p99 = |frontends, load_reports| {
+        let config = ReplayConfig {
+            frontends,
+            load_reports,
+            ..ReplayConfig::new(Policy::KvEvents)
+        };
+        let report = run(&config, &trace).expect("runtime");
+        assert_eq!(report.lost, 0, "{report}");
+        report.ttft_ms.p99
+    };
+    let one = p99(1, true);
+    let four = p99(4, true);
+    let blind = p99(4, false);
+    assert!(
+        four <= one * 1.10,
+        "1 frontend p99 {one} ms, 4 with reports {four} ms"
+    );
+    assert!(
+        blind > four,
+        "4 frontends: with reports {four} ms, without {blind} ms"
+    );
+}
+
+/// Late reports still count: delayed by 50 ms they keep four frontends' queueing below what
+/// the same frontends queue without reports (the rule takes absolute values, newest wins, so a
+/// late report is only a slightly older view).
+#[test]
+fn late_load_reports_still_cut_the_queueing_of_blind_frontends() {
+    let trace = shared_prefix(2_000);
+    let run_with = |load_reports, delay_ms| {
+        let config = ReplayConfig {
+            frontends: 4,
+            load_reports,
+            report_delay: Duration::from_millis(delay_ms),
+            ..ReplayConfig::new(Policy::KvEvents)
+        };
+        run(&config, &trace).expect("runtime")
+    };
+    let late = run_with(true, 50);
+    let blind = run_with(false, 0);
+    assert_eq!((late.lost, blind.lost), (0, 0));
+    assert!(
+        late.queue_ms.p99 < blind.queue_ms.p99 && late.ttft_ms.p99 <= blind.ttft_ms.p99,
+        "reports 50 ms late {late}\nno reports {blind}"
+    );
+}

@@ -4,6 +4,7 @@
 use super::{Dispatcher, WorkerLink};
 use crate::discovery::InstanceId;
 use crate::kv_events::{Applied, EventBatch};
+use crate::load_report::LoadReport;
 use crate::push::kv::KvSelector;
 use crate::push::view::InstanceStatus;
 
@@ -15,6 +16,18 @@ impl<L: WorkerLink> Dispatcher<L> {
     /// starts it afresh).
     pub fn apply_kv_events(&self, worker: InstanceId, batch: &EventBatch) -> Option<Applied> {
         self.kv_feed.as_ref()?.apply(worker, batch)
+    }
+
+    /// Apply a load report of `worker` that reached this dispatcher without a connection (an
+    /// in-process link; connections apply their own reports): its others' work then counts in
+    /// the worker's load ([`crate::load_report`]). `None` when not in KV mode (no load board
+    /// to order).
+    pub fn apply_load_report(
+        &self,
+        worker: InstanceId,
+        report: LoadReport,
+    ) -> Option<crate::load_report::Applied> {
+        Some(self.kv_feed.as_ref()?.load_report_direct(worker, report))
     }
 
     /// Drop what the KV index knows of `worker` (its event stream reconnected or was lost):

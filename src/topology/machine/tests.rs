@@ -436,7 +436,10 @@ fn dormant_sets_are_forgotten_oldest_first_whatever_their_names() {
     // The oldest dormant set sorts last by name: only its age can pick it.
     w.up("prefill-zz", 1, 16);
     w.down("prefill-zz", 1);
-    assert!(w.m.generations(&ep("prefill-zz")).is_some(), "remembered, dormant");
+    assert!(
+        w.m.generations(&ep("prefill-zz")).is_some(),
+        "remembered, dormant"
+    );
     for i in 0..MAX_DORMANT_SETS as u64 {
         let component = format!("prefill-{i}");
         w.up(&component, 100 + i, 16);

@@ -121,6 +121,12 @@ pub struct ReplayConfig {
     pub frontends: usize,
     /// How requests are spread over the frontends.
     pub spread: Spread,
+    /// Whether the workers send load reports (their work minus the receiving frontend's own,
+    /// `prefill_router::load_report`) to every frontend (default on, as `prefill-router
+    /// worker`); off, each frontend counts only its own bookings.
+    pub load_reports: bool,
+    /// How long a load report takes to reach the frontends.
+    pub report_delay: Duration,
 }
 
 impl ReplayConfig {
@@ -144,6 +150,8 @@ impl ReplayConfig {
             closed_loop: None,
             frontends: 1,
             spread: Spread::RoundRobin,
+            load_reports: true,
+            report_delay: Duration::ZERO,
         }
     }
 }

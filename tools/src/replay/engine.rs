@@ -65,6 +65,7 @@ impl BindingFactory for ReplayFactory {
         self.shared.builds.fetch_add(1, Ordering::Relaxed);
         future::ready(ReplayBinding::new(
             Arc::clone(&self.shared),
+            self.frontend,
             &target,
             &cancel,
         ))
@@ -91,6 +92,7 @@ pub(crate) struct ReplayBinding {
 impl ReplayBinding {
     fn new(
         shared: Arc<Shared>,
+        frontend: u64,
         target: &WorkerSetTarget,
         cancel: &CancellationToken,
     ) -> Result<Self, BuildError> {
@@ -130,6 +132,7 @@ impl ReplayBinding {
         let push = Arc::new_cyclic(|dispatcher| {
             let link = ReplayLink {
                 shared: Arc::clone(&shared),
+                frontend,
                 dispatcher: dispatcher.clone(),
                 judged: Mutex::default(),
             };
@@ -137,6 +140,13 @@ impl ReplayBinding {
                 // A fresh table per binding, as the default factory builds it.
                 .with_session_affinity(shared.affinity_ttl, Arc::clone(&shared.affinity))
         });
+        if shared.load_reports && shared.policy.chained() {
+            // Its connection to every worker, as the workers' ledgers count it.
+            shared
+                .reporters
+                .lock()
+                .push((frontend, Arc::downgrade(&push)));
+        }
         if shared.policy == Policy::KvEvents {
             // A new binding learns the caches from the workers' next events on.
             shared.subscribers.lock().push(Arc::downgrade(&push));

@@ -28,6 +28,7 @@ use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::mock::BlockCache;
 use prefill_router::discovery::InstanceId;
 use prefill_router::kv_events::EventBatch;
+use prefill_router::load_report::LoadLedger;
 use prefill_router::push::AffinityCounts;
 use prefill_router::push::{Dispatch, Dispatcher, WorkerLink};
 use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
@@ -61,6 +62,8 @@ pub(crate) struct Worker {
     pub(super) pending_prefill_tokens: AtomicU64,
     /// Uncached prompt tokens computed here: the prefill work.
     pub(crate) prefill_tokens: AtomicU64,
+    /// The prefill work of each frontend's requests here, for the load reports.
+    ledger: Mutex<LoadLedger>,
 }
 
 /// A prefill's share of its worker's occupancy, given back when the prefill ends or is
@@ -97,6 +100,7 @@ impl Worker {
             booked: AtomicU64::new(0),
             pending_prefill_tokens: AtomicU64::new(0),
             prefill_tokens: AtomicU64::new(0),
+            ledger: Mutex::new(LoadLedger::new()),
         }
     }
 
@@ -155,6 +159,9 @@ pub(crate) type ReplayStream =
 /// One binding's in-memory link to the replay's workers.
 pub(crate) struct ReplayLink {
     pub(crate) shared: Arc<Shared>,
+    /// The frontend whose binding sends through this link (its connection in the workers'
+    /// load ledgers).
+    pub(crate) frontend: u64,
     /// The dispatcher sending through this link (its KV index, for the stale-credit oracle);
     /// weak, since the dispatcher owns the link.
     pub(crate) dispatcher: Weak<Dispatcher<ReplayLink>>,
@@ -203,9 +210,30 @@ impl ReplayLink {
         if shared.policy == Policy::KvEvents && !self.judged.lock().remove(&index) {
             self.check_credit(index, id, dispatch.expected_overlap_blocks);
         }
+        let held = shared.load_reports.then(|| {
+            // The worker's own measure of the work: the prompt past its cached prefix.
+            let hits = worker.cache.lock().leading_hits(&shared.keys[index]) as u64;
+            let tokens = u64::from(shared.trace[index].input_length)
+                .saturating_sub(hits * u64::from(BLOCK_TOKENS));
+            // A retry of the same request on the same worker is refused and counts once.
+            let _ = worker
+                .ledger
+                .lock()
+                .start(self.frontend, index as u64, tokens);
+            shared.report_load(id, &worker);
+            HeldWork {
+                shared: Arc::clone(&shared),
+                worker: Arc::clone(&worker),
+                id,
+                frontend: self.frontend,
+                request: index as u64,
+            }
+        });
         let prefill = async move {
             let record = &shared.trace[index];
             let served = worker.serve(id, record, &shared.keys[index], &shared).await;
+            // The prefill is done: its work leaves the worker's reports.
+            drop(held);
             if let Some(slot) = shared.served.lock().get_mut(index) {
                 *slot = Some(served);
             }
@@ -263,6 +291,26 @@ impl ReplayLink {
     }
 }
 
+/// A request's prefill work in its worker's load ledger, finished (and reported) when dropped:
+/// when the prefill completes or its stream is dropped.
+struct HeldWork {
+    shared: Arc<Shared>,
+    worker: Arc<Worker>,
+    id: InstanceId,
+    frontend: u64,
+    request: u64,
+}
+
+impl Drop for HeldWork {
+    fn drop(&mut self) {
+        self.worker
+            .ledger
+            .lock()
+            .finish(self.frontend, self.request);
+        self.shared.report_load(self.id, &self.worker);
+    }
+}
+
 /// The discovery address of worker `id` (never dialled: the link delivers in-process).
 pub(crate) fn address(id: InstanceId) -> SocketAddr {
     SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, 40_000 + (id % 20_000) as u16))
@@ -306,6 +354,13 @@ pub(crate) struct Shared {
     pub(crate) overload_wait: Duration,
     /// Affinity outcomes over every binding.
     pub(crate) affinity: Arc<AffinityCounts>,
+    /// Whether workers send load reports to the frontends' dispatchers.
+    pub(crate) load_reports: bool,
+    /// How long a load report takes to reach a dispatcher.
+    pub(crate) report_delay: Duration,
+    /// The dispatchers that receive load reports, each with its frontend (its connection id in
+    /// the workers' ledgers).
+    pub(crate) reporters: Mutex<Vec<(u64, Weak<Dispatcher<ReplayLink>>)>>,
 }
 
 impl Shared {
@@ -349,6 +404,46 @@ impl Shared {
             deliver();
         } else {
             let delay = self.event_delay;
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                deliver();
+            });
+        }
+    }
+
+    /// Send worker `id`'s load report to every reporting dispatcher whose view of it changed
+    /// (each is told the work of the other frontends only), after the configured delay.
+    fn report_load(&self, id: InstanceId, worker: &Worker) {
+        let reporters: Vec<(u64, Arc<Dispatcher<ReplayLink>>)> = {
+            let mut reporters = self.reporters.lock();
+            reporters.retain(|(_, d)| d.strong_count() > 0);
+            reporters
+                .iter()
+                .filter_map(|(f, d)| Some((*f, d.upgrade()?)))
+                .collect()
+        };
+        let reports: Vec<_> = {
+            let mut ledger = worker.ledger.lock();
+            reporters
+                .into_iter()
+                .filter_map(|(frontend, dispatcher)| {
+                    ledger.open(frontend);
+                    Some((dispatcher, ledger.report_for(frontend)?))
+                })
+                .collect()
+        };
+        if reports.is_empty() {
+            return;
+        }
+        let deliver = move || {
+            for (dispatcher, report) in &reports {
+                dispatcher.apply_load_report(id, *report);
+            }
+        };
+        if self.report_delay.is_zero() {
+            deliver();
+        } else {
+            let delay = self.report_delay;
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
                 deliver();

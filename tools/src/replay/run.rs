@@ -96,6 +96,9 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         affinity_ttl: config.session_affinity,
         overload_wait: config.overload_wait,
         affinity: Arc::default(),
+        load_reports: config.load_reports,
+        report_delay: config.report_delay,
+        reporters: Mutex::new(Vec::new()),
     });
     shared.add_workers(ids.iter().copied());
     let card = ModelCard {

@@ -15,6 +15,7 @@ usage: prefill-router replay (--trace FILE | --workload SPEC) [--workers N] [--p
                              [--event-loss-every K] [--event-delay-ms D]
                              [--conditional SPECS] [--affinity SPECS]
                              [--frontends LIST] [--spread round-robin|session]
+                             [--no-load-reports] [--report-delay-ms D]
 
 Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
 hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and dispatchers
@@ -59,6 +60,9 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
                      bookings and affinity table, as separate processes
   --spread S         how the balancer in front spreads requests over the frontends:
                      round-robin (default) or session (every turn of a conversation to one)
+  --no-load-reports  workers send no load reports: each frontend counts only its own
+                     bookings (default: reports on; they matter with several frontends)
+  --report-delay-ms D  load reports reach the frontends D ms late (default 0)
 (from the workspace root: cargo run --release -- replay ...)";
 
 /// Parsed options.
@@ -88,6 +92,10 @@ pub struct ReplayOptions {
     frontends: Vec<usize>,
     /// How requests are spread over the frontends.
     spread: prefill_router_tools::replay::Spread,
+    /// Whether workers send load reports.
+    load_reports: bool,
+    /// Load report delivery delay in milliseconds.
+    report_delay_ms: u64,
 }
 
 /// One `--affinity` spec: `off` or a TTL in seconds (> 0, finite).
@@ -152,6 +160,8 @@ impl ReplayOptions {
             closed_loop: None,
             frontends: vec![1],
             spread: prefill_router_tools::replay::Spread::RoundRobin,
+            load_reports: true,
+            report_delay_ms: 0,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -211,6 +221,8 @@ impl ReplayOptions {
                         .map(parse_affinity)
                         .collect::<Result<_, _>>()?;
                 }
+                "--no-load-reports" => options.load_reports = false,
+                "--report-delay-ms" => options.report_delay_ms = flags.parsed(flag)?,
                 "--frontends" => {
                     let spec = flags.value(flag)?;
                     options.frontends = spec
@@ -304,6 +316,8 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
         let config = ReplayConfig {
             frontends,
             spread: options.spread,
+            load_reports: options.load_reports,
+            report_delay: std::time::Duration::from_millis(options.report_delay_ms),
             conditional,
             session_affinity,
             workers: options.workers,
