@@ -5,3 +5,4 @@ mod kv_feed;
 mod link;
 mod retry;
 mod select_on;
+mod warm;
