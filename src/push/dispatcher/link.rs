@@ -16,9 +16,11 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use futures_core::Stream;
+use futures_util::future::{BoxFuture, FutureExt, Shared};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_util::sync::DropGuard;
@@ -91,6 +93,8 @@ struct Pool {
     client: ClientConfig,
     view: RoutableView,
     connections: Mutex<HashMap<InstanceId, Connection>>,
+    /// The connect in flight per instance, and the address it dials.
+    dialling: Mutex<HashMap<InstanceId, (SocketAddr, Dial)>>,
     /// Where the connections' KV events go (KV mode only).
     kv_feed: Option<Arc<KvFeed>>,
 }
@@ -115,6 +119,7 @@ impl TcpLink {
             client,
             view: view.clone(),
             connections: Mutex::new(HashMap::new()),
+            dialling: Mutex::new(HashMap::new()),
             kv_feed,
         });
         // Only KV events make a connection worth having before a request: it brings the
@@ -144,24 +149,83 @@ fn live(conns: &HashMap<InstanceId, Connection>, instance: &Instance) -> Option<
         .cloned()
 }
 
+/// A connect in flight, shared by every caller that wants the same instance meanwhile; it
+/// resolves to the pooled connection.
+type Dial = Shared<BoxFuture<'static, Result<Connection, TransportError>>>;
+
 impl Pool {
-    /// The open connection to `instance`, or a new one.
-    async fn connection(&self, instance: &Instance) -> Result<Connection, TransportError> {
-        let id = instance.instance_id;
+    /// The open connection to `instance`, or a new one. Callers that find no connection while
+    /// one is being opened to the same address (a request racing the eager connect, or
+    /// concurrent first requests) await that one: one dial per instance at a time.
+    async fn connection(
+        self: &Arc<Self>,
+        instance: &Instance,
+    ) -> Result<Connection, TransportError> {
         if let Some(c) = live(&self.connections.lock(), instance) {
             return Ok(c);
         }
-        let client = self.client.clone();
-        let (fresh, generation) = match &self.kv_feed {
-            // KV mode: the connection carries the worker's KV events too.
-            Some(feed) => {
-                let (sink, generation) = feed.sink(id);
-                let conn =
-                    Connection::connect_with_kv_events(instance.address, client, sink).await?;
-                (conn, Some(generation))
+        let dial = {
+            let mut dialling = self.dialling.lock();
+            match dialling.get(&instance.instance_id) {
+                Some((address, dial)) if *address == instance.address => dial.clone(),
+                _ => {
+                    // Bounded by the discovered set: dials of departed instances go.
+                    dialling.retain(|k, _| self.view.is_discovered(*k));
+                    let dial = self.dial(instance.clone());
+                    dialling.insert(instance.instance_id, (instance.address, dial.clone()));
+                    dial
+                }
             }
-            None => (Connection::connect(instance.address, client).await?, None),
         };
+        dial.await
+    }
+
+    /// Open and pool a connection to `instance` (subscribed to its KV events in KV mode), on
+    /// a task of its own: it runs to its end (the connect timeout bounds it) whoever still
+    /// waits, and clears its `dialling` entry itself, so no caller ever gets a stale outcome.
+    fn dial(self: &Arc<Self>, instance: Instance) -> Dial {
+        let pool = Arc::downgrade(self);
+        let client = self.client.clone();
+        // KV mode: the connection carries the worker's KV events too.
+        let sink = self
+            .kv_feed
+            .as_ref()
+            .map(|feed| feed.sink(instance.instance_id));
+        let task = tokio::spawn(async move {
+            let fresh = match sink {
+                Some((sink, generation)) => {
+                    Connection::connect_with_kv_events(instance.address, client, sink)
+                        .await
+                        .map(|c| (c, Some(generation)))
+                }
+                None => Connection::connect(instance.address, client)
+                    .await
+                    .map(|c| (c, None)),
+            };
+            // The link is gone: nobody to pool it for (the connection closes on drop).
+            let pool = pool.upgrade().ok_or_else(|| TransportError::Disconnected {
+                reason: "the dispatcher was dropped while connecting".into(),
+            })?;
+            pool.dialling.lock().remove(&instance.instance_id);
+            let (fresh, generation) = fresh?;
+            Ok(pool.adopt(&instance, fresh, generation))
+        });
+        // A join error: the runtime is shutting down (the task does not panic).
+        async move {
+            task.await.unwrap_or_else(|_| {
+                Err(TransportError::Disconnected {
+                    reason: "the connect task was stopped".into(),
+                })
+            })
+        }
+        .boxed()
+        .shared()
+    }
+
+    /// Pool `fresh` as `instance`'s connection, unless a usable one is pooled already; the
+    /// pooled one.
+    fn adopt(&self, instance: &Instance, fresh: Connection, generation: Option<u64>) -> Connection {
+        let id = instance.instance_id;
         let mut conns = self.connections.lock();
         // Drop connections of instances that left discovery, so the pool stays bounded by the
         // discovered set.
@@ -169,7 +233,7 @@ impl Pool {
         // Another caller connected concurrently: share theirs, ours closes on drop (and its
         // event stream, never adopted, changes nothing).
         if let Some(c) = live(&conns, instance) {
-            return Ok(c);
+            return c;
         }
         conns.insert(id, fresh.clone());
         self.view
@@ -181,7 +245,7 @@ impl Pool {
             // Adopted first, so the snapshot is applied rather than refused as stale.
             fresh.request_kv_snapshot();
         }
-        Ok(fresh)
+        fresh
     }
 }
 
@@ -190,7 +254,7 @@ impl Warm for Pool {
         live(&self.connections.lock(), instance).is_some()
     }
 
-    async fn connect(&self, instance: &Instance) -> Result<(), TransportError> {
+    async fn connect(self: &Arc<Self>, instance: &Instance) -> Result<(), TransportError> {
         self.connection(instance).await.map(drop)
     }
 }

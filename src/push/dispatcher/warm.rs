@@ -22,7 +22,7 @@ pub(super) trait Warm: Send + Sync + 'static {
 
     /// Open and adopt a connection to `instance`, exactly as a request's send would.
     fn connect(
-        &self,
+        self: &Arc<Self>,
         instance: &Instance,
     ) -> impl Future<Output = Result<(), TransportError>> + Send;
 }
@@ -90,7 +90,7 @@ async fn watch<W: Warm>(pool: Weak<W>, view: RoutableView, cancel: CancellationT
             }
         }
         // The view hands out the same `Arc` until the set changes: wait for another one.
-        view.wait_for(|now| !std::ptr::eq(now, &*set)).await;
+        view.wait_for(|now| !std::ptr::addr_eq(now, &*set)).await;
     }
 }
 
