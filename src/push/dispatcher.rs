@@ -2,7 +2,7 @@
 //! is in the submodules: the pick (`pick.rs`, with session affinity in `sessions.rs` and the
 //! booked work and the wait for room in `booking.rs`), the send and its retries (`send.rs`)
 //! through a [`WorkerLink`] (`link.rs`) into a [`RoutedStream`] (`routed.rs`), and the
-//! workers' KV events (`kv_events.rs`).
+//! workers' KV events (`kv_events.rs`, with the eager connects that bring them in `warm.rs`).
 
 mod booking;
 mod kv_events;
@@ -11,6 +11,7 @@ mod pick;
 mod routed;
 mod send;
 mod sessions;
+mod warm;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -208,7 +209,8 @@ impl Dispatcher<TcpLink> {
     #[cfg(test)]
     pub(crate) fn with_mutant(mut self, mutant: DispatchMutant) -> Self {
         self.mutant = Seam::on(mutant);
-        // The KV feed runs it too: a new feed, handed to the link.
+        // The KV feed runs it too: a new feed, and a new link carrying it (the old link's
+        // connections and eager connects end with it).
         let loads = Arc::clone(&self.loads);
         self.kv_feed = self.kv.as_ref().map(|kv| {
             Arc::new(KvFeed::new(
@@ -218,7 +220,11 @@ impl Dispatcher<TcpLink> {
                 feed_board(&loads),
             ))
         });
-        self.link.set_kv_feed(self.kv_feed.clone());
+        self.link = TcpLink::new(
+            self.config.client.clone(),
+            self.view.clone(),
+            self.kv_feed.clone(),
+        );
         self
     }
 }

@@ -7,3 +7,4 @@ mod reported;
 mod retry;
 mod select_on;
 mod sessions;
+mod warm;

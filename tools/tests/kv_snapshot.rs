@@ -156,30 +156,42 @@ async fn a_frontend_started_after_traffic_scores_like_a_long_running_one() {
     })
     .await;
 
-    // A frontend starts now. Its first request to each worker opens the connection, which
-    // subscribes and asks for a snapshot.
+    // A frontend starts now. It connects to both workers as they enter its view (they are in
+    // it already), which subscribes and asks for their snapshots: no request is sent first.
     let new = kv_dispatcher(&d);
-    let warm = [(1, prompt(8, 2)), (2, prompt(9, 2))];
-    for (worker, tokens) in &warm {
-        prefill_on(&new, *worker, tokens.clone()).await;
-    }
     let counts = Arc::clone(new.kv_event_counts().expect("KV mode"));
     eventually("both workers' snapshots applied", || {
         counts.snapshots_applied() >= 2
     })
     .await;
-    for (worker, tokens) in served.iter().chain(&warm) {
-        eventually(
-            "the new frontend picks as the long-running one does",
-            || {
-                pick(&new, tokens) == pick(&old, tokens)
-                    && pick(&new, tokens) == (*worker, tokens.len() / BLOCK as usize)
-            },
-        )
-        .await;
+    // Its very first request is routed as the long-running frontend would route it: the same
+    // worker, credited with the same overlap.
+    let (worker, tokens) = &served[1];
+    let expected = pick(&old, tokens);
+    assert_eq!(expected, (*worker, tokens.len() / BLOCK as usize));
+    let mut first =
+        tokio::time::timeout(WAIT, new.generate(GenerateRequest::new(tokens.clone(), 1)))
+            .await
+            .expect("in time")
+            .expect("routed");
+    assert_eq!(
+        (first.instance_id(), first.expected_overlap_blocks()),
+        (expected.0, Some(expected.1))
+    );
+    let r = tokio::time::timeout(WAIT, first.next())
+        .await
+        .expect("in time")
+        .expect("item")
+        .expect("ok");
+    assert_eq!(r.prefill.expect("info").worker, *worker);
+    drop(first);
+    // And so are the others.
+    for (worker, tokens) in &served {
+        assert_eq!(pick(&new, tokens), pick(&old, tokens));
+        assert_eq!(pick(&new, tokens), (*worker, tokens.len() / BLOCK as usize));
     }
     assert_eq!(counts.snapshots_failed(), 0);
-    assert!(counts.snapshots_requested() >= 2);
+    assert_eq!(counts.snapshots_requested(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -236,8 +248,8 @@ async fn a_cache_larger_than_one_chunk_reassembles_across_frames() {
     })
     .await;
 
+    // No request needed: the new frontend connects to the worker, and asks, on its own.
     let new = kv_dispatcher(&d);
-    prefill_on(&new, 3, prompt(2, 1)).await;
     let counts = Arc::clone(new.kv_event_counts().expect("KV mode"));
     eventually("the three-chunk snapshot applied", || {
         counts.snapshots_applied() == 1

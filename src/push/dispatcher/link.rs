@@ -16,12 +16,16 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use futures_core::Stream;
+use futures_util::future::{BoxFuture, FutureExt, Shared};
 use parking_lot::Mutex;
 use tokio::time::Instant;
+use tokio_util::sync::DropGuard;
 
+use super::warm::{self, Warm};
 use super::Dispatcher;
 use crate::discovery::{Instance, InstanceId};
 use crate::push::affinity::AffinityOutcome;
@@ -75,11 +79,22 @@ pub struct Dispatch<'a> {
 
 /// The production link: one multiplexed request-plane [`Connection`] per instance, opened on
 /// first use and replaced when it closed or the instance moved. In KV mode each connection
-/// also carries its worker's KV cache events into the dispatcher's index.
+/// also carries its worker's KV cache events into the dispatcher's index, and every worker is
+/// connected as soon as it enters the routable view (`warm.rs`), so its snapshot is in before
+/// the first pick.
 pub struct TcpLink {
+    pool: Arc<Pool>,
+    /// Stops the eager connects when the link (its dispatcher) drops (KV mode only).
+    _warm: Option<DropGuard>,
+}
+
+/// The connections, shared with the eager connects (which hold it weakly).
+struct Pool {
     client: ClientConfig,
     view: RoutableView,
     connections: Mutex<HashMap<InstanceId, Connection>>,
+    /// The connect in flight per instance, and the address it dials.
+    dialling: Mutex<HashMap<InstanceId, (SocketAddr, Dial)>>,
     /// Where the connections' KV events go (KV mode only).
     kv_feed: Option<Arc<KvFeed>>,
 }
@@ -87,7 +102,8 @@ pub struct TcpLink {
 impl std::fmt::Debug for TcpLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpLink")
-            .field("connections", &self.connections.lock().len())
+            .field("connections", &self.pool.connections.lock().len())
+            .field("eager", &self._warm.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -98,68 +114,148 @@ impl TcpLink {
         view: RoutableView,
         kv_feed: Option<Arc<KvFeed>>,
     ) -> Self {
-        TcpLink {
+        let eager = kv_feed.is_some();
+        let pool = Arc::new(Pool {
             client,
-            view,
+            view: view.clone(),
             connections: Mutex::new(HashMap::new()),
+            dialling: Mutex::new(HashMap::new()),
             kv_feed,
+        });
+        // Only KV events make a connection worth having before a request: it brings the
+        // worker's cache state. Without them there is nothing to warm, so connections stay
+        // lazy (and an idle pool is never dialled).
+        let warm = if eager {
+            warm::spawn(&pool, view)
+        } else {
+            None
+        };
+        TcpLink { pool, _warm: warm }
+    }
+
+    /// Whether `instance` has a pooled connection that takes new requests.
+    pub fn is_connected(&self, instance: &Instance) -> bool {
+        self.pool.is_connected(instance)
+    }
+}
+
+/// The pooled connection to `instance` if it takes new requests.
+fn live(conns: &HashMap<InstanceId, Connection>, instance: &Instance) -> Option<Connection> {
+    conns
+        .get(&instance.instance_id)
+        // A draining connection takes nothing new: a fresh one is served until its own drain
+        // notice (see docs/transport.md, "Draining").
+        .filter(|c| !c.is_closed() && !c.is_draining() && c.peer_addr() == instance.address)
+        .cloned()
+}
+
+/// A connect in flight, shared by every caller that wants the same instance meanwhile; it
+/// resolves to the pooled connection.
+type Dial = Shared<BoxFuture<'static, Result<Connection, TransportError>>>;
+
+impl Pool {
+    /// The open connection to `instance`, or a new one. Callers that find no connection while
+    /// one is being opened to the same address (a request racing the eager connect, or
+    /// concurrent first requests) await that one: one dial per instance at a time.
+    async fn connection(
+        self: &Arc<Self>,
+        instance: &Instance,
+    ) -> Result<Connection, TransportError> {
+        if let Some(c) = live(&self.connections.lock(), instance) {
+            return Ok(c);
         }
-    }
-
-    /// Send KV events of new connections to `feed` from now on (the tests' mutant feeds).
-    #[cfg(test)]
-    pub(super) fn set_kv_feed(&mut self, feed: Option<Arc<KvFeed>>) {
-        self.kv_feed = feed;
-    }
-
-    /// The open connection to `instance`, or a new one.
-    async fn connection(&self, instance: &Instance) -> Result<Connection, TransportError> {
-        let id = instance.instance_id;
-        {
-            let conns = self.connections.lock();
-            if let Some(c) = conns.get(&id) {
-                // A draining connection takes nothing new: a fresh one is served until its
-                // own drain notice (see docs/transport.md, "Draining").
-                if !c.is_closed() && !c.is_draining() && c.peer_addr() == instance.address {
-                    return Ok(c.clone());
+        let dial = {
+            let mut dialling = self.dialling.lock();
+            match dialling.get(&instance.instance_id) {
+                Some((address, dial)) if *address == instance.address => dial.clone(),
+                _ => {
+                    // Bounded by the discovered set: dials of departed instances go.
+                    dialling.retain(|k, _| self.view.is_discovered(*k));
+                    let dial = self.dial(instance.clone());
+                    dialling.insert(instance.instance_id, (instance.address, dial.clone()));
+                    dial
                 }
             }
-        }
-        let client = self.client.clone();
-        let (fresh, generation) = match &self.kv_feed {
-            // KV mode: the connection carries the worker's KV events too.
-            Some(feed) => {
-                let (sink, generation) = feed.sink(id);
-                let conn =
-                    Connection::connect_with_kv_events(instance.address, client, sink).await?;
-                (conn, Some(generation))
-            }
-            None => (Connection::connect(instance.address, client).await?, None),
         };
+        dial.await
+    }
+
+    /// Open and pool a connection to `instance` (subscribed to its KV events in KV mode), on
+    /// a task of its own: it runs to its end (the connect timeout bounds it) whoever still
+    /// waits, and clears its `dialling` entry itself, so no caller ever gets a stale outcome.
+    fn dial(self: &Arc<Self>, instance: Instance) -> Dial {
+        let pool = Arc::downgrade(self);
+        let client = self.client.clone();
+        // KV mode: the connection carries the worker's KV events too.
+        let sink = self
+            .kv_feed
+            .as_ref()
+            .map(|feed| feed.sink(instance.instance_id));
+        let task = tokio::spawn(async move {
+            let fresh = match sink {
+                Some((sink, generation)) => {
+                    Connection::connect_with_kv_events(instance.address, client, sink)
+                        .await
+                        .map(|c| (c, Some(generation)))
+                }
+                None => Connection::connect(instance.address, client)
+                    .await
+                    .map(|c| (c, None)),
+            };
+            // The link is gone: nobody to pool it for (the connection closes on drop).
+            let pool = pool.upgrade().ok_or_else(|| TransportError::Disconnected {
+                reason: "the dispatcher was dropped while connecting".into(),
+            })?;
+            pool.dialling.lock().remove(&instance.instance_id);
+            let (fresh, generation) = fresh?;
+            Ok(pool.adopt(&instance, fresh, generation))
+        });
+        // A join error: the runtime is shutting down (the task does not panic).
+        async move {
+            task.await.unwrap_or_else(|_| {
+                Err(TransportError::Disconnected {
+                    reason: "the connect task was stopped".into(),
+                })
+            })
+        }
+        .boxed()
+        .shared()
+    }
+
+    /// Pool `fresh` as `instance`'s connection, unless a usable one is pooled already; the
+    /// pooled one.
+    fn adopt(&self, instance: &Instance, fresh: Connection, generation: Option<u64>) -> Connection {
+        let id = instance.instance_id;
         let mut conns = self.connections.lock();
         // Drop connections of instances that left discovery, so the pool stays bounded by the
         // discovered set.
         conns.retain(|k, c| !c.is_closed() && self.view.is_discovered(*k));
-        match conns.get(&id) {
-            // Another caller connected concurrently: share theirs, ours closes on drop (and its
-            // event stream, never adopted, changes nothing).
-            Some(c) if !c.is_closed() && !c.is_draining() && c.peer_addr() == instance.address => {
-                Ok(c.clone())
-            }
-            _ => {
-                conns.insert(id, fresh.clone());
-                self.view
-                    .mark_draining_on(id, instance.address, fresh.drain_notice());
-                // A new connection starts the worker's index entries afresh: events between
-                // the old stream's end and this one's start may be lost.
-                if let (Some(feed), Some(generation)) = (&self.kv_feed, generation) {
-                    feed.adopt(id, generation);
-                    // Adopted first, so the snapshot is applied rather than refused as stale.
-                    fresh.request_kv_snapshot();
-                }
-                Ok(fresh)
-            }
+        // Another caller connected concurrently: share theirs, ours closes on drop (and its
+        // event stream, never adopted, changes nothing).
+        if let Some(c) = live(&conns, instance) {
+            return c;
         }
+        conns.insert(id, fresh.clone());
+        self.view
+            .mark_draining_on(id, instance.address, fresh.drain_notice());
+        // A new connection starts the worker's index entries afresh: events between the old
+        // stream's end and this one's start may be lost.
+        if let (Some(feed), Some(generation)) = (&self.kv_feed, generation) {
+            feed.adopt(id, generation);
+            // Adopted first, so the snapshot is applied rather than refused as stale.
+            fresh.request_kv_snapshot();
+        }
+        fresh
+    }
+}
+
+impl Warm for Pool {
+    fn is_connected(&self, instance: &Instance) -> bool {
+        live(&self.connections.lock(), instance).is_some()
+    }
+
+    async fn connect(self: &Arc<Self>, instance: &Instance) -> Result<(), TransportError> {
+        self.connection(instance).await.map(drop)
     }
 }
 
@@ -172,12 +268,12 @@ impl WorkerLink for TcpLink {
         request: GenerateRequest,
         deadline: Option<Instant>,
     ) -> Result<ResponseStream, TransportError> {
-        let conn = self.connection(dispatch.instance).await?;
+        let conn = self.pool.connection(dispatch.instance).await?;
         conn.generate(request, deadline).await
     }
 
     fn forget(&self, instance: InstanceId) {
-        self.connections.lock().remove(&instance);
+        self.pool.connections.lock().remove(&instance);
     }
 }
 

@@ -11,8 +11,30 @@ use crate::advert::KvRouterConfig;
 use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
 use crate::push::load_board::BoardMutant;
 use crate::push::select::CostMutant;
-use crate::push::{Dispatcher, HeldPick, LoadBoard, PushConfig, PushError, PushMode, RoutableView};
-use crate::request::GenerateRequest;
+use crate::push::{
+    Dispatch, HeldPick, LoadBoard, PushConfig, PushError, PushMode, RoutableView, WorkerLink,
+};
+use crate::request::{GenerateRequest, GenerateResponse};
+use crate::transport::TransportError;
+
+/// A link that reaches nobody. These tests only pick and hold: the workers' addresses are
+/// fake, and a TCP link in KV mode would dial them eagerly and open their breakers.
+struct Unreached;
+
+impl WorkerLink for Unreached {
+    type Stream = futures_util::stream::Empty<Result<GenerateResponse, TransportError>>;
+
+    async fn open(
+        &self,
+        _dispatch: Dispatch<'_>,
+        _request: GenerateRequest,
+        _deadline: Option<tokio::time::Instant>,
+    ) -> Result<Self::Stream, TransportError> {
+        Err(TransportError::Timeout)
+    }
+}
+
+type Dispatcher = crate::push::Dispatcher<Unreached>;
 
 fn instance(id: InstanceId) -> Instance {
     Instance {
@@ -45,7 +67,7 @@ fn kv_dispatcher(workers: &[InstanceId], kv: KvRouterConfig, config: PushConfig)
         block_size: 4,
         config: kv,
     };
-    Dispatcher::new(view, mode, config)
+    Dispatcher::with_link(view, mode, config, Unreached)
 }
 
 /// A prompt of `blocks` blocks of 4 tokens; chains `c < 3` share their first two blocks.
