@@ -352,6 +352,18 @@ mod tests {
     }
 
     #[test]
+    fn the_ledger_lists_exactly_its_open_connections() {
+        let mut ledger = LoadLedger::new();
+        ledger.open(3);
+        ledger.start(5, 1, 2).unwrap();
+        let mut open: Vec<u64> = ledger.connections().collect();
+        open.sort_unstable();
+        assert_eq!(open, vec![3, 5]);
+        ledger.close(3);
+        assert_eq!(ledger.connections().collect::<Vec<_>>(), vec![5]);
+    }
+
+    #[test]
     fn a_duplicate_request_id_is_refused_and_counts_once() {
         let mut ledger = LoadLedger::new();
         ledger.start(1, 4, 7).unwrap();
