@@ -28,6 +28,30 @@ pub use wire::{
 /// The splitmix64 finaliser: a cheap, well-mixed 64-bit hash step.
 pub(crate) use crate::rng::finalize as mix;
 
+/// Chained hashes of the full `block_size`-token blocks of `token_ids`: hash *i* covers tokens
+/// `0 .. (i + 1) * block_size`, so equal hashes mean equal prefixes (up to collisions). A
+/// trailing partial block is not hashed (workers cache whole blocks only). `block_size` 0 yields
+/// no blocks.
+pub fn block_hashes(token_ids: &[u32], block_size: u32) -> Vec<u64> {
+    let Ok(size) = usize::try_from(block_size) else {
+        return Vec::new();
+    };
+    if size == 0 {
+        return Vec::new();
+    }
+    let mut hashes = Vec::with_capacity(token_ids.len() / size);
+    let mut parent = crate::rng::GAMMA;
+    for block in token_ids.chunks_exact(size) {
+        let mut h = parent;
+        for &t in block {
+            h = mix(h ^ u64::from(t));
+        }
+        hashes.push(h);
+        parent = h;
+    }
+    hashes
+}
+
 /// Hasher for keys that are `u64`s: one splitmix step instead of SipHash. Keys here are
 /// block hashes and instance ids chosen by our own code, workers or discovery, not by request
 /// senders (block hashes are derived from token ids, but through the keyed-by-nothing chain; a

@@ -1,7 +1,7 @@
 //! The embedder's one import: `use prefill_router::prelude::*;` (feature `runtime`).
 //!
 //! It brings the one-call path into scope: start a [`PrefillHop`] on a discovery store, send it
-//! [`GenerateRequest`]s and read each [`DecodeStream`] (the [`StreamExt`] trait is imported
+//! [`GenerateRequest`]s and read each [`DecodeStream`] (the [`StreamExt`](futures_util::StreamExt) trait is imported
 //! anonymously, for `.next()`), with the configuration and error types that path names. The
 //! lower layers stay in their modules for frontends that need another arrangement.
 //!

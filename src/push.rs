@@ -21,6 +21,7 @@ pub mod heat;
 mod kv;
 mod kv_feed;
 mod load_board;
+mod mutant;
 pub mod select;
 #[cfg(test)]
 mod tests;
@@ -30,7 +31,6 @@ pub use affinity::{
     rendezvous_first, rendezvous_order, rendezvous_weight, session_key, AffinityCounts,
     AffinityOutcome, AffinityStats, AffinityTable, DEFAULT_AFFINITY_CAPACITY,
 };
-pub(crate) use dispatcher::DispatchMutant;
 pub use dispatcher::{
     Dispatch, Dispatcher, HeldPick, OverloadCounts, OverloadStats, PushConfig, PushMode,
     RoutedStream, TcpLink, WorkerLink,
@@ -40,5 +40,7 @@ pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 pub use kv::{block_hashes, KvSelector, DEEP_HOLDERS_LIMIT};
 pub use kv_feed::KvEventCounts;
 pub use load_board::{LoadBoard, Walk, RECENT_WORK_HALF_LIFE};
+#[cfg(test)]
+pub(crate) use mutant::DispatchMutant;
 
 pub use view::{InstanceStatus, RoutableView};

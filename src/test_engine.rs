@@ -9,8 +9,8 @@ use futures_util::stream;
 use parking_lot::Mutex;
 
 use crate::discovery::InstanceId;
+use crate::kv_events::block_hashes;
 use crate::kv_events::{EventBatch, EventPublisher};
-use crate::push::block_hashes;
 use crate::request::{FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 use crate::transport::{Engine, EngineStream, KvEventSource};
 

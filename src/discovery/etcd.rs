@@ -26,7 +26,7 @@
 //!   anything; an application message, not a ping) and takes two unanswered asks as a broken
 //!   stream; a lease renewal has a deadline.
 
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,7 +35,6 @@ use tokio::time::Instant;
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 use tokio::sync::oneshot;
 
-use super::api::Lease;
 use super::known::RawEvent;
 use super::reach::Reachability;
 use super::record::encode_record;
@@ -43,8 +42,13 @@ use super::store::{Backend, Gap, Leased, Listing};
 use super::{DiscoveryError, Instance};
 use crate::advert::ModelCard;
 
+mod config;
 mod lease;
+mod members;
+
+pub use config::EtcdConfig;
 use lease::{keep_alive, EtcdLease, Owned};
+use members::{bounded, etcd_err, Members};
 
 /// The least time between two HTTP/2 pings on a connection to etcd, which pings only while a
 /// stream (a watch, a lease keep-alive) is open. etcd's `--grpc-keepalive-min-time` (default
@@ -55,113 +59,6 @@ pub const HTTP2_PING_INTERVAL: Duration = Duration::from_secs(10);
 /// (at most: a shorter [`EtcdConfig::request_timeout`] shortens it). Two unanswered asks in a
 /// row break the stream, and it is reopened on the next member. Needs etcd 3.4 or later.
 pub const WATCH_PROBE_INTERVAL: Duration = Duration::from_secs(2);
-
-/// How to reach etcd, where the records live, and lease timing.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EtcdConfig {
-    /// Client URLs, e.g. `http://127.0.0.1:2379`.
-    pub endpoints: Vec<String>,
-    /// Key prefix of every record (isolates deployments sharing one etcd).
-    pub root: String,
-    /// Lease TTL (whole seconds, at least 1; etcd may raise short TTLs).
-    pub ttl: Duration,
-    /// How often a registration renews its lease.
-    pub keepalive_interval: Duration,
-    /// Bound on connecting and on each unary request.
-    pub request_timeout: Duration,
-    /// Pause before retrying after etcd failed or went away.
-    pub retry_interval: Duration,
-}
-
-impl EtcdConfig {
-    /// Defaults: root `prefill-router/v1/instances/`, 10 s TTL (Dynamo's), keep-alive every
-    /// third of it, 5 s request timeout, 250 ms retry pause.
-    pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
-        let ttl = Duration::from_secs(10);
-        EtcdConfig {
-            endpoints: endpoints.into_iter().map(Into::into).collect(),
-            root: "prefill-router/v1/instances/".to_owned(),
-            ttl,
-            keepalive_interval: ttl / 3,
-            request_timeout: Duration::from_secs(5),
-            retry_interval: Duration::from_millis(250),
-        }
-    }
-
-    /// The same with another TTL; keep-alive every third of it.
-    pub fn with_ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
-        self.keepalive_interval = ttl / 3;
-        self
-    }
-
-    /// The same under another key root.
-    pub fn with_root(mut self, root: impl Into<String>) -> Self {
-        self.root = root.into();
-        self
-    }
-
-    fn ttl_secs(&self) -> i64 {
-        i64::try_from(self.ttl.as_secs_f64().ceil() as u64)
-            .unwrap_or(i64::MAX)
-            .max(1)
-    }
-}
-
-/// One client per member and the pin: the member every call goes to until one fails.
-struct Members {
-    clients: Vec<Client>,
-    pinned: AtomicUsize,
-}
-
-impl Members {
-    /// The pinned member: its index (to report a failure with) and its client.
-    fn pick(&self) -> (usize, Client) {
-        let i = self.pinned.load(Ordering::Acquire) % self.clients.len();
-        (i, self.clients[i].clone())
-    }
-
-    /// A call to member `i` failed: move the pin on, unless another caller already did.
-    fn failed(&self, i: usize) {
-        let n = self.clients.len();
-        if n > 1
-            && self
-                .pinned
-                .compare_exchange(i, (i + 1) % n, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-        {
-            tracing::debug!(
-                from = i,
-                to = (i + 1) % n,
-                "etcd call failed; trying the next member"
-            );
-        }
-    }
-
-    /// Run `call` on the pinned member under `limit`; on failure move the pin on and try
-    /// the next, each member once at most (every call here is safe to repeat: a repeated
-    /// lease grant only leaves a lease to expire). The last error if all fail.
-    async fn call<T, F, Fut>(&self, limit: Duration, call: F) -> Result<T, DiscoveryError>
-    where
-        F: Fn(Client) -> Fut,
-        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
-    {
-        let mut attempts = self.clients.len();
-        loop {
-            let (i, client) = self.pick();
-            match bounded(limit, call(client)).await {
-                Ok(value) => return Ok(value),
-                Err(error) => {
-                    self.failed(i);
-                    attempts -= 1;
-                    if attempts == 0 {
-                        return Err(error);
-                    }
-                }
-            }
-        }
-    }
-}
 
 /// Discovery on etcd. Clones share the members' client connections.
 #[derive(Clone)]
@@ -176,23 +73,6 @@ impl std::fmt::Debug for EtcdDiscovery {
         f.debug_struct("EtcdDiscovery")
             .field("config", &self.config)
             .finish_non_exhaustive()
-    }
-}
-
-fn etcd_err(error: etcd_client::Error) -> DiscoveryError {
-    DiscoveryError::Etcd(error.to_string())
-}
-
-/// Run an etcd request under the configured timeout.
-async fn bounded<T>(
-    limit: Duration,
-    request: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, DiscoveryError> {
-    match tokio::time::timeout(limit, request).await {
-        Ok(result) => result.map_err(etcd_err),
-        Err(_) => Err(DiscoveryError::Etcd(format!(
-            "request timed out after {limit:?}"
-        ))),
     }
 }
 

@@ -136,7 +136,7 @@ impl ApiKeys {
     }
 
     /// Whether `presented` is one of the keys, in constant time: every accepted key is
-    /// compared in full, whatever matched (see [`ct_eq`] for what the time still depends on).
+    /// compared in full, whatever matched (see `ct_eq` in this file for what the time still depends on).
     pub fn accepts(&self, presented: &[u8]) -> bool {
         let mut found = 0u8;
         for key in self.keys.iter() {

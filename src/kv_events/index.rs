@@ -2,7 +2,7 @@
 //!
 //! **Shape: a hash-chain map**, block hash → the sorted workers holding it, plus each worker's
 //! set of held blocks. Block hashes are chained (hash *i* covers the whole prefix up to block
-//! *i*, see [`crate::push::block_hashes`]), so "the worker holds the request's block *i*"
+//! *i*, see [`crate::kv_events::block_hashes`]), so "the worker holds the request's block *i*"
 //! already means "holds that prefix": a prefix tree would store the same facts with pointer
 //! chasing and parent bookkeeping, and a flat map answers a request of B blocks by walking its
 //! B hashes and intersecting holder sets. The `parent` of a Stored event is therefore not

@@ -8,9 +8,11 @@ mod booking;
 mod kv_events;
 mod link;
 mod pick;
+mod picked;
 mod routed;
 mod send;
 mod sessions;
+mod wait;
 mod warm;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -23,6 +25,7 @@ use super::affinity::{AffinityCounts, AffinityStats, AffinityTable};
 use super::error::RetryCounts;
 use super::kv::KvSelector;
 use super::kv_feed::{KvEventCounts, KvFeed};
+use super::mutant::DispatchMutant;
 use super::view::RoutableView;
 use crate::advert::{KvRouterConfig, PrefillConfig, SelectionMode};
 use crate::discovery::InstanceId;
@@ -32,7 +35,6 @@ use crate::transport::ClientConfig;
 use booking::Bookings;
 pub use booking::{OverloadCounts, OverloadStats};
 pub use link::{Dispatch, TcpLink, WorkerLink};
-use pick::{Candidates, Pick};
 pub use routed::{HeldPick, RoutedStream};
 
 /// How the dispatcher picks an instance.
@@ -105,6 +107,8 @@ pub struct PushConfig {
     pub overload_wait: Duration,
     /// Most requests waiting for room at once; one more fails with [`PushError::Overloaded`]
     /// at once (default 1,024).
+    ///
+    /// [`PushError::Overloaded`]: super::PushError::Overloaded
     pub overload_queue: usize,
 }
 
@@ -122,23 +126,6 @@ impl Default for PushConfig {
             overload_queue: 1024,
         }
     }
-}
-
-/// A deliberate mutant of the dispatcher (see `crate::hooks` and `Dispatcher::with_mutant`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum DispatchMutant {
-    /// A retry may pick the worker that just failed (the retry tests must catch it).
-    ReuseFailed,
-    /// Session affinity sends a session to its remembered worker whether or not it is still
-    /// routable (outside admission, breaker open); the affinity checks must catch it.
-    AffinityIgnoresRoutable,
-    /// Session affinity keeps a session on its live entry's worker while that worker is
-    /// routable, even when it is no longer first in the session's rendezvous order (the old
-    /// per-frontend stickiness); the rendezvous checks must catch it.
-    AffinityKeepsLiveEntry,
-    /// A reconnect or a closed connection keeps the worker's KV index entries (the KV feed
-    /// tests must catch it).
-    KeepKvOnReconnect,
 }
 
 /// The board a KV feed sets reported loads on, and how it wakes the requests waiting for room.
@@ -351,6 +338,11 @@ impl<L: WorkerLink> Dispatcher<L> {
     /// What the workers' KV event streams delivered (`None` when not in KV mode).
     pub fn kv_event_counts(&self) -> Option<&Arc<KvEventCounts>> {
         self.kv_feed.as_ref().map(|feed| feed.counts())
+    }
+
+    /// The link this dispatcher sends through.
+    pub fn link(&self) -> &L {
+        &self.link
     }
 
     /// The view this dispatcher picks from.

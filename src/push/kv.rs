@@ -20,31 +20,8 @@ use crate::kv_events::{Applied, EventBatch, KvIndex, KvSnapshot, MixState};
 /// system prompt routed everywhere would otherwise grow one entry without bound.
 const MAX_WORKERS_PER_BLOCK: usize = 8;
 
+pub use crate::kv_events::block_hashes;
 pub(crate) use crate::kv_events::mix;
-
-/// Chained hashes of the full `block_size`-token blocks of `token_ids`: hash *i* covers tokens
-/// `0 .. (i + 1) * block_size`, so equal hashes mean equal prefixes (up to collisions). A
-/// trailing partial block is not hashed (workers cache whole blocks only). `block_size` 0 yields
-/// no blocks.
-pub fn block_hashes(token_ids: &[u32], block_size: u32) -> Vec<u64> {
-    let Ok(size) = usize::try_from(block_size) else {
-        return Vec::new();
-    };
-    if size == 0 {
-        return Vec::new();
-    }
-    let mut hashes = Vec::with_capacity(token_ids.len() / size);
-    let mut parent = crate::rng::GAMMA;
-    for block in token_ids.chunks_exact(size) {
-        let mut h = parent;
-        for &t in block {
-            h = mix(h ^ u64::from(t));
-        }
-        hashes.push(h);
-        parent = h;
-    }
-    hashes
-}
 
 /// The salt that breaks ties between equal costs: per call, so that equal workers (idle ones
 /// at a low rate, with a prefix all of them hold) share the stream instead of one of them

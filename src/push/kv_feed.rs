@@ -24,8 +24,8 @@ use parking_lot::Mutex;
 
 use super::kv::KvSelector;
 use super::load_board::LoadBoard;
+use super::mutant::DispatchMutant;
 use super::view::{InstanceStatus, RoutableView};
-use super::DispatchMutant;
 use crate::discovery::InstanceId;
 use crate::hooks::Seam;
 use crate::kv_events::{Applied, EventBatch, KvSnapshot, SnapshotError};

@@ -162,8 +162,8 @@ struct WorkerSet {
     dormant_since: Option<u64>,
 }
 
-/// Worker sets of one namespace, first-wins admission, and the target rule. See the
-/// [module docs](self) for the driving contract.
+/// Worker sets of one namespace, first-wins admission, and the target rule. The driving
+/// contract is in the module docs of `src/topology/machine.rs`.
 #[derive(Debug, Default)]
 pub struct Machine {
     sets: BTreeMap<EndpointId, WorkerSet>,

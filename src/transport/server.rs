@@ -2,78 +2,24 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::engine::Engine;
 use super::events::{Hub, KvEventSource};
 use super::reports::Reports;
-use super::wire::DEFAULT_MAX_FRAME_LEN;
 
+mod config;
 mod conn;
+mod open;
 
+pub use config::ServerConfig;
 use conn::{establish, serve_connection};
-
-/// Worker-side limits.
-#[derive(Clone, Debug)]
-pub struct ServerConfig {
-    /// Largest frame accepted or sent, in bytes (payload, without the 4-byte prefix).
-    pub max_frame_len: usize,
-    /// Requests in flight per connection; beyond it a request is refused with
-    /// [`RemoteError::Overloaded`].
-    pub max_in_flight: usize,
-    /// Open connections; beyond it new connections are closed at once.
-    pub max_connections: usize,
-    /// With [`serve_with_kv_events`]: how long the worker waits after a request start before
-    /// it takes the KV events, so that requests starting meanwhile share one batch (default
-    /// [`KV_COALESCE`](super::KV_COALESCE), 1 ms; zero: a batch per request start, lowest
-    /// latency, highest cost per request).
-    pub kv_coalesce: Duration,
-    /// Publish load reports ([`Frame::LoadReport`]) to the connections that ask for them
-    /// ([`Frame::LoadSubscribe`]; default true). Off, the worker keeps no ledger and ignores
-    /// the subscription: its frontends count their own bookings only.
-    ///
-    /// [`Frame::LoadReport`]: super::Frame::LoadReport
-    /// [`Frame::LoadSubscribe`]: super::Frame::LoadSubscribe
-    pub load_reports: bool,
-    /// Least time between two load reports on one connection (default
-    /// [`LOAD_REPORT_INTERVAL`](super::LOAD_REPORT_INTERVAL), 2 ms): the changes meanwhile
-    /// are sent as one report.
-    pub load_report_interval: Duration,
-    /// How often an unchanged load report is sent again (default
-    /// [`LOAD_REPORT_REFRESH`](super::LOAD_REPORT_REFRESH), 1 s), so that a report the
-    /// frontend lost or refused is healed within it.
-    pub load_report_refresh: Duration,
-    /// TLS for every connection (`None`, the default: plain TCP). The handshake runs on the
-    /// connection's own task, bounded by [`ServerTls::handshake_timeout`], so a client that
-    /// stalls in it delays no one else; a connection that fails it is closed before any frame
-    /// is read, logged, and counted ([`ServerHandle::tls_handshake_failures`]).
-    ///
-    /// [`ServerTls::handshake_timeout`]: super::ServerTls::handshake_timeout
-    #[cfg(feature = "tls")]
-    pub tls: Option<super::tls::ServerTls>,
-}
-
-impl Default for ServerConfig {
-    fn default() -> Self {
-        ServerConfig {
-            max_frame_len: DEFAULT_MAX_FRAME_LEN,
-            max_in_flight: 1024,
-            max_connections: 4096,
-            kv_coalesce: super::events::KV_COALESCE,
-            load_reports: true,
-            load_report_interval: super::reports::LOAD_REPORT_INTERVAL,
-            load_report_refresh: super::reports::LOAD_REPORT_REFRESH,
-            #[cfg(feature = "tls")]
-            tls: None,
-        }
-    }
-}
+use open::{OpenConnection, OpenCount};
 
 /// A running worker listener. Dropping it (or [`shutdown`](ServerHandle::shutdown)) stops
 /// accepting and closes every connection at once, without finishing streams: to clients it
@@ -104,16 +50,6 @@ impl DrainReport {
     }
 }
 
-/// The open connections, and a wake-up for a drain waiting for them to close.
-#[derive(Debug, Default)]
-struct OpenCount {
-    count: AtomicUsize,
-    closed: Notify,
-    /// Connections closed because their TLS handshake failed or timed out.
-    #[cfg(feature = "tls")]
-    handshake_failures: std::sync::atomic::AtomicU64,
-}
-
 impl ServerHandle {
     /// The address the listener is bound to.
     pub fn local_addr(&self) -> SocketAddr {
@@ -133,8 +69,8 @@ impl ServerHandle {
         self.connections.handshake_failures.load(Ordering::Relaxed)
     }
 
-    /// Stop gracefully: tell every connection the worker is draining ([`Frame::Draining`]),
-    /// serve the requests its client sent before acknowledging ([`Frame::DrainAck`]) to their
+    /// Stop gracefully: tell every connection the worker is draining (`Frame::Draining`),
+    /// serve the requests its client sent before acknowledging (`Frame::DrainAck`) to their
     /// end, and close each connection once acknowledged and idle. Connections accepted
     /// meanwhile are told at once (a client that had not yet heard of the stop is served, not
     /// refused). When every connection has closed, or `timeout` passed (the rest are then
@@ -206,7 +142,7 @@ pub fn serve(
 }
 
 /// [`serve`], and publish the KV cache event batches `events` yields to every connection that
-/// subscribes ([`Frame::KvSubscribe`], sent by
+/// subscribes (`Frame::KvSubscribe`, sent by
 /// [`Connection::connect_with_kv_events`](super::Connection::connect_with_kv_events)).
 /// Connections that do not subscribe see the request plane exactly as from [`serve`].
 pub fn serve_with_kv_events(
@@ -298,15 +234,5 @@ async fn accept_loop(
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
-    }
-}
-
-/// Counts an open connection until dropped (also when its task panics).
-struct OpenConnection(Arc<OpenCount>);
-
-impl Drop for OpenConnection {
-    fn drop(&mut self) {
-        self.0.count.fetch_sub(1, Ordering::AcqRel);
-        self.0.closed.notify_waiters();
     }
 }

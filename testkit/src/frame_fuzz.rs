@@ -1,6 +1,6 @@
 //! Fuzz target `frame_decode`: arbitrary bytes, and encodings of well-formed frames cut,
 //! flipped or extended, through the request plane's payload decoder
-//! [`decode_frame`](prefill_router::transport::decode_frame).
+//! [`decode_frame`].
 //!
 //! Checked on every input: no panic; an error is the typed `FrameError::Malformed`; a decoded
 //! frame re-encodes to a payload that decodes to the same frame; a well-formed frame's encoding

@@ -1,5 +1,5 @@
 //! Fuzz target `health_inputs`: a sequence of inputs through the worker-health
-//! [`Machine`](prefill_router::health::Machine), checked after every step against a ledger of
+//! [`Machine`], checked after every step against a ledger of
 //! what the world was told and ordered.
 //!
 //! Like `machine_inputs`, a [`HealthStep`] picks its timer or probe id relative to the state

@@ -1,7 +1,7 @@
 //! Fuzz target `kv_events`: arbitrary bytes, and encodings of well-formed KV event batches cut,
 //! flipped or extended, through the pure decoder
-//! [`decode_events`](prefill_router::kv_events::decode_events), then into a
-//! [`KvIndex`](prefill_router::kv_events::KvIndex).
+//! [`decode_events`], then into a
+//! [`KvIndex`].
 //!
 //! Checked on every input: no panic; a decoded batch is within the wire bounds and re-encodes
 //! to a payload that decodes to the same batch; a well-formed batch's encoding decodes to

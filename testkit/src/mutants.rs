@@ -2,7 +2,7 @@
 //! that shows the checks (and the corpus) can fail.
 //!
 //! - [`Mutant`]: wraps the real [`Machine`] and corrupts what a driver observes in one way
-//!   (judged by [`run_script`](crate::machine_fuzz::run_script));
+//!   (judged by [`run_script`]);
 //! - [`CARD_MUTANTS`]: broken card resolvers (judged by
 //!   [`check_cards_with`](crate::card_fuzz::check_cards_with)).
 

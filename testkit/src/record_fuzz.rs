@@ -1,6 +1,6 @@
 //! Fuzz target `discovery_record`: arbitrary bytes, under arbitrary or matching keys, read as a
 //! discovery record (the JSON document the file store and etcd keep per instance) through
-//! [`decode_record`](prefill_router::discovery::decode_record).
+//! [`decode_record`].
 //!
 //! Checked on every input: no panic; a failure is a typed `RecordError` (`Malformed`, or
 //! `KeyMismatch` naming the key it was found under and a different expected key), so the

@@ -1,5 +1,5 @@
 //! Fuzz target `topology_events`: a sequence of discovery events through the topology
-//! [`Machine`](prefill_router::topology::Machine), each batch carried out in order by a driver
+//! [`Machine`], each batch carried out in order by a driver
 //! of plain values that checks it as it goes, and the state checked after every event.
 //!
 //! The checks: the target the driver holds admits at least one instance at every point of a

@@ -1,7 +1,18 @@
 //! A registration's lease: kept alive through etcd outages, restored with a new lease when
 //! it was lost, revoked (or abandoned) at the end.
 
-use super::*;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use etcd_client::PutOptions;
+
+use super::config::EtcdConfig;
+use super::members::Members;
+use crate::discovery::api::Lease;
+use crate::discovery::DiscoveryError;
 
 /// What the keep-alive task needs to restore a record after its lease was lost.
 pub(super) struct Owned {

@@ -4,31 +4,26 @@
 //! that chose it (no selection-to-booking race); the [`Booking`] releases them when dropped:
 //! when the prefill's stream ends, fails or is cancelled, when a retry moves the request
 //! elsewhere, or when a held selection is dropped. Requests that find every worker over the
-//! busy threshold wait here, earliest deadline first, and each release wakes the first waiter.
+//! busy threshold queue here, earliest deadline first, and each release wakes the first waiter
+//! (the wait itself is in `wait.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{Dispatcher, Pick, WorkerLink};
 use crate::discovery::InstanceId;
-use crate::push::{LoadBoard, PushError};
-use crate::request::GenerateRequest;
-
-/// How often a waiting request re-checks for room even without a release (a worker may join).
-const OVERLOAD_RECHECK: Duration = Duration::from_millis(100);
+use crate::push::LoadBoard;
 
 /// Overload counters of one dispatcher.
 #[derive(Debug, Default)]
 pub struct OverloadCounts {
     /// Requests that found every routable worker over the busy threshold and queued.
     pub queued: AtomicU64,
-    /// Requests that failed with [`PushError::Overloaded`] (queue full, or waited too long).
+    /// Requests that failed with [`PushError::Overloaded`](crate::push::PushError::Overloaded) (queue full, or waited too long).
     pub shed: AtomicU64,
 }
 
@@ -41,7 +36,7 @@ pub struct OverloadStats {
     pub waiting: u64,
     /// Requests that queued because every routable worker was busy (shared count).
     pub queued: u64,
-    /// Requests shed with [`PushError::Overloaded`] (shared count).
+    /// Requests shed with [`PushError::Overloaded`](crate::push::PushError::Overloaded) (shared count).
     pub shed: u64,
 }
 
@@ -148,53 +143,5 @@ impl Drop for Booking {
     fn drop(&mut self) {
         self.bookings.board.lock().release(self.id, self.amount);
         self.bookings.wake_one();
-    }
-}
-
-impl<L: WorkerLink> Dispatcher<L> {
-    /// A pick as [`select_with_overlap`](Self::select_with_overlap), waiting for room while
-    /// every routable worker is over the busy threshold (earliest deadline first, up to
-    /// [`PushConfig::overload_wait`] and never past `deadline`), then failing with
-    /// [`PushError::Overloaded`].
-    pub(super) async fn select_or_wait(
-        &self,
-        request: &GenerateRequest,
-        excluded: &[InstanceId],
-        deadline: Option<Instant>,
-    ) -> Result<Pick, PushError> {
-        let first = match self.select_with_overlap(request, excluded) {
-            Err(PushError::Overloaded { .. }) => Instant::now(),
-            other => return other,
-        };
-        let mut until = first + self.config.overload_wait;
-        if let Some(d) = deadline {
-            until = until.min(d);
-        }
-        self.overload.queued.fetch_add(1, Ordering::Relaxed);
-        loop {
-            let now = Instant::now();
-            let Some((seq, woken)) = (now < until)
-                .then(|| self.loads.enqueue(until, self.config.overload_queue))
-                .flatten()
-            else {
-                return Err(self.shed(first));
-            };
-            let _ = tokio::time::timeout_at(until.min(now + OVERLOAD_RECHECK), woken).await;
-            self.loads.dequeue(until, seq);
-            match self.select_with_overlap(request, excluded) {
-                Err(PushError::Overloaded { .. }) => {}
-                other => return other,
-            }
-        }
-    }
-
-    /// Count a request shed after waiting since `since`, and its error.
-    fn shed(&self, since: Instant) -> PushError {
-        self.overload.shed.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(waited = ?since.elapsed(), "request shed: every routable worker is busy");
-        PushError::Overloaded {
-            threshold: self.busy_threshold().unwrap_or(0),
-            waited: since.elapsed(),
-        }
     }
 }

@@ -8,7 +8,7 @@
 //! the simulator supplies an in-memory link to simulated workers, so it exercises this same
 //! select → book → send → retry → release loop instead of a copy of it.
 //!
-//! Cost: static dispatch. [`Dispatcher`] is generic over its link, with [`TcpLink`] as the
+//! Cost: static dispatch. [`Dispatcher`](super::Dispatcher) is generic over its link, with [`TcpLink`] as the
 //! default type parameter, so `Dispatcher` still names the production dispatcher and its send
 //! compiles to a direct call into the connection pool: no vtable, and no boxed future or
 //! stream per request (an `Arc<dyn WorkerLink>` would need one box per request for the
@@ -26,7 +26,6 @@ use tokio::time::Instant;
 use tokio_util::sync::DropGuard;
 
 use super::warm::{self, Warm};
-use super::Dispatcher;
 use crate::discovery::{Instance, InstanceId};
 use crate::push::affinity::AffinityOutcome;
 use crate::push::kv_feed::KvFeed;
@@ -34,7 +33,7 @@ use crate::push::RoutableView;
 use crate::request::{GenerateRequest, GenerateResponse};
 use crate::transport::{ClientConfig, Connection, ResponseStream, TransportError};
 
-/// How a [`Dispatcher`] reaches a worker: open one request's response stream on one instance.
+/// How a [`Dispatcher`](super::Dispatcher) reaches a worker: open one request's response stream on one instance.
 ///
 /// Implementations carry, they do not decide: they must not retry, pick another instance or
 /// report to the view's breakers (the dispatcher does all three, from the error's
@@ -274,12 +273,5 @@ impl WorkerLink for TcpLink {
 
     fn forget(&self, instance: InstanceId) {
         self.pool.connections.lock().remove(&instance);
-    }
-}
-
-impl<L: WorkerLink> Dispatcher<L> {
-    /// The link this dispatcher sends through.
-    pub fn link(&self) -> &L {
-        &self.link
     }
 }

@@ -8,33 +8,15 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::booking::Booking;
+use super::picked::{Candidates, Pick};
 use super::{Dispatcher, HeldPick, PushMode, WorkerLink};
 use crate::discovery::{Instance, InstanceId};
-use crate::push::affinity::AffinityOutcome;
+use crate::kv_events::{block_hashes, mix};
 use crate::push::error::PushError;
-use crate::push::kv::{block_hashes, mix};
 use crate::push::select::Choice;
 use crate::push::view::InstanceStatus;
 use crate::push::{KvSelector, LoadBoard};
 use crate::request::GenerateRequest;
-
-/// What a pick chooses from: the view's shared routable set, that set minus the excluded
-/// workers, and the excluded workers.
-pub(super) type Candidates<'a> = (
-    &'a Arc<[Arc<Instance>]>,
-    &'a [Arc<Instance>],
-    &'a [InstanceId],
-);
-
-/// One pick: the instance, the KV overlap expected there, how affinity decided it.
-pub(super) struct Pick {
-    pub(super) instance: Arc<Instance>,
-    pub(super) overlap: Option<usize>,
-    pub(super) affinity: Option<AffinityOutcome>,
-    /// The work booked on the instance by this pick (KV mode), released when dropped.
-    pub(super) booking: Option<Booking>,
-}
 
 impl<L: WorkerLink> Dispatcher<L> {
     fn random(&self) -> u64 {

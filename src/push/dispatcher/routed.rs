@@ -8,7 +8,8 @@ use std::task::{Context, Poll};
 use futures_core::Stream;
 
 use super::booking::Booking;
-use super::{Dispatcher, Pick, WorkerLink};
+use super::picked::Pick;
+use super::{Dispatcher, WorkerLink};
 use crate::discovery::{Instance, InstanceId};
 use crate::health::FailureClass;
 use crate::push::affinity::AffinityOutcome;

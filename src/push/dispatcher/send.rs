@@ -3,7 +3,7 @@
 
 use tokio::time::Instant;
 
-use super::pick::Pick;
+use super::picked::Pick;
 use super::routed::classify;
 use super::{Dispatch, DispatchMutant, Dispatcher, PushMode, RoutedStream, WorkerLink};
 use crate::discovery::InstanceId;

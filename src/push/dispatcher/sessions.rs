@@ -8,12 +8,13 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::booking::Booking;
-use super::{Candidates, DispatchMutant, Dispatcher, Pick, PushMode, WorkerLink};
+use super::picked::{Candidates, Pick};
+use super::{DispatchMutant, Dispatcher, PushMode, WorkerLink};
 use crate::discovery::{Instance, InstanceId};
+use crate::kv_events::block_hashes;
 use crate::push::affinity::{
     first_index, rendezvous_order, session_key, AffinityOutcome, AffinityTable,
 };
-use crate::push::kv::block_hashes;
 use crate::push::select::is_busy;
 use crate::push::{LoadBoard, PushError};
 use crate::request::GenerateRequest;

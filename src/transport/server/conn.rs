@@ -22,7 +22,8 @@ use super::super::reports::{PrefillWork, Reports};
 use super::super::stream::{self, ReadHalf, WriteHalf};
 use super::super::wire::{self, Frame};
 use super::super::writer::Writer;
-use super::{OpenCount, ServerConfig};
+use super::config::ServerConfig;
+use super::open::OpenCount;
 use crate::request::{GenerateRequest, GenerateResponse};
 
 /// Start the engine; a panicking engine fails this request, not the connection.

@@ -1,0 +1,19 @@
+//! The dispatcher's deliberate mutants, in a file of their own: the dispatcher and its KV feed
+//! both arm them, and neither should depend on the other for it.
+
+/// A deliberate mutant of the dispatcher (see `crate::hooks` and `Dispatcher::with_mutant`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DispatchMutant {
+    /// A retry may pick the worker that just failed (the retry tests must catch it).
+    ReuseFailed,
+    /// Session affinity sends a session to its remembered worker whether or not it is still
+    /// routable (outside admission, breaker open); the affinity checks must catch it.
+    AffinityIgnoresRoutable,
+    /// Session affinity keeps a session on its live entry's worker while that worker is
+    /// routable, even when it is no longer first in the session's rendezvous order (the old
+    /// per-frontend stickiness); the rendezvous checks must catch it.
+    AffinityKeepsLiveEntry,
+    /// A reconnect or a closed connection keeps the worker's KV index entries (the KV feed
+    /// tests must catch it).
+    KeepKvOnReconnect,
+}

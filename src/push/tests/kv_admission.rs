@@ -1,0 +1,72 @@
+//! The dispatcher's KV index follows admission: a worker that leaves it loses its indexed
+//! entries and its events are ignored until it is back.
+
+use std::collections::BTreeSet;
+
+use crate::advert::KvRouterConfig;
+use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
+use crate::kv_events::{Applied, EventBatch, EventPublisher, KvEvent};
+use crate::push::{block_hashes, Dispatcher, PushConfig, PushMode, RoutableView};
+use crate::request::GenerateRequest;
+
+fn stored(seq: u64, blocks: &[u64]) -> EventBatch {
+    EventBatch {
+        epoch: 1,
+        seq,
+        events: vec![KvEvent::Stored {
+            parent: None,
+            blocks: blocks.to_vec(),
+        }],
+    }
+}
+
+fn instance(id: InstanceId) -> Instance {
+    Instance {
+        endpoint: EndpointId::new("t", "prefill", "generate"),
+        instance_id: id,
+        address: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+    }
+}
+
+#[tokio::test]
+async fn a_worker_leaving_admission_drops_its_indexed_entries() {
+    let (admit, admitted) = tokio::sync::watch::channel(BTreeSet::from([1, 2]));
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let view = RoutableView::spawn(futures_util::stream::pending(), Some(admitted), cancel);
+    view.apply(InstanceEvent::Added(instance(1)));
+    view.apply(InstanceEvent::Added(instance(2)));
+    let mode = PushMode::Kv {
+        block_size: 4,
+        config: KvRouterConfig::default(),
+    };
+    let dispatcher = Dispatcher::new(view, mode, PushConfig::default());
+    let tokens: Vec<u32> = (0..12).collect();
+    let hashes = block_hashes(&tokens, 4);
+    let mut publisher = EventPublisher::new(1);
+    let mut parent = None;
+    for &h in &hashes {
+        publisher.stored(parent, h);
+        parent = Some(h);
+    }
+    for batch in publisher.take_batches() {
+        assert_eq!(
+            dispatcher.apply_kv_events(2, &batch),
+            Some(Applied::Started)
+        );
+    }
+    let request = GenerateRequest::new(tokens, 1);
+    assert_eq!(dispatcher.select(&request).unwrap().instance_id, 2);
+    // Worker 2 leaves admission: the next selection prunes it, and its later events are
+    // ignored while it is out.
+    admit.send_replace(BTreeSet::from([1]));
+    assert_eq!(dispatcher.select(&request).unwrap().instance_id, 1);
+    assert!(!dispatcher.kv_indexed(2));
+    assert_eq!(dispatcher.apply_kv_events(2, &stored(1, &hashes)), None);
+    assert!(!dispatcher.kv_indexed(2));
+    // Back in admission, it starts afresh from its next batch.
+    admit.send_replace(BTreeSet::from([1, 2]));
+    assert_eq!(
+        dispatcher.apply_kv_events(2, &stored(2, &hashes)),
+        Some(Applied::Started)
+    );
+}
