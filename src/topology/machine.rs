@@ -479,4 +479,6 @@ impl Machine {
 }
 
 #[cfg(test)]
+mod checker;
+#[cfg(test)]
 mod tests;

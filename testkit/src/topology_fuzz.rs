@@ -2,14 +2,7 @@
 //! [`Machine`], each batch carried out in order by a driver
 //! of plain values that checks it as it goes, and the state checked after every event.
 //!
-//! The checks: the target the driver holds admits at least one instance at every point of a
-//! batch (grows before `SetTarget`, shrinks after); `grows` is true exactly for supersets; a
-//! `SetTarget` changes the target; a generation is fresh when first named (strictly above every
-//! earlier one of its set, forgotten sets included) and never named after its `Retire` or
-//! `Forget`; after the event the held target is the machine's, admits exactly the live
-//! instances carrying its card, and exists exactly when one prefill set admits someone and one
-//! decode set is live; dormant sets stay within `MAX_DORMANT_SETS` and the driver keeps no
-//! more admission sets than the machine remembers sets.
+//! The checks are listed in the checker's docs (`src/topology/machine/checker.rs`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -158,126 +151,11 @@ impl TopologySubject for ShrinksFirst {
     }
 }
 
-/// The driver of plain values and what it checks.
-#[derive(Default)]
-struct Ledger {
-    admissions: BTreeMap<GenerationId, BTreeSet<InstanceId>>,
-    target: Option<TargetSpec>,
-    dead: BTreeSet<GenerationId>,
-    highest: BTreeMap<EndpointId, u64>,
-    live: BTreeMap<(EndpointId, InstanceId), ModelCard>,
-}
-
-impl Ledger {
-    fn name(&mut self, id: &GenerationId) -> Result<(), String> {
-        if self.dead.contains(id) {
-            return Err(format!("{id} named after it was retired or forgotten"));
-        }
-        if !self.admissions.contains_key(id) {
-            let highest = self.highest.entry(id.endpoint.clone()).or_default();
-            if id.generation <= *highest {
-                return Err(format!("{id} reuses a generation (highest {highest})"));
-            }
-            *highest = id.generation;
-            self.admissions.insert(id.clone(), BTreeSet::new());
-        }
-        Ok(())
-    }
-
-    fn carry_out(&mut self, actions: &[Action]) -> Result<(), String> {
-        for (n, action) in actions.iter().enumerate() {
-            match action {
-                Action::Admission { id, set, grows } => {
-                    self.name(id)?;
-                    let before = &self.admissions[id];
-                    if *grows != set.is_superset(before) || set == before {
-                        return Err(format!("{action:?}: after {before:?}"));
-                    }
-                    self.admissions.insert(id.clone(), set.clone());
-                }
-                Action::SetTarget(spec) => {
-                    if spec.as_ref().map(|t| &t.id) == self.target.as_ref().map(|t| &t.id) {
-                        return Err(format!("{action:?}: the target did not change"));
-                    }
-                    if let Some(t) = spec {
-                        self.name(&t.id)?;
-                    }
-                    self.target = spec.clone();
-                }
-                Action::Retire(id) | Action::Forget(id) => {
-                    if self.admissions.remove(id).is_none() {
-                        return Err(format!("{action:?}: not a live generation"));
-                    }
-                    if self.target.as_ref().is_some_and(|t| t.id == *id) {
-                        return Err(format!("{action:?}: the held target's generation"));
-                    }
-                    self.dead.insert(id.clone());
-                }
-            }
-            if let Some(t) = &self.target {
-                if self.admissions.get(&t.id).is_none_or(BTreeSet::is_empty) {
-                    return Err(format!(
-                        "after action {n} of {actions:?}: the target {} admits no instance",
-                        t.id
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn check_state<S: TopologySubject>(&self, m: &S) -> Result<(), String> {
-        if self.target.as_ref() != m.target() {
-            return Err(format!(
-                "holds {:?}, machine says {:?}",
-                self.target,
-                m.target()
-            ));
-        }
-        if let Some(t) = &self.target {
-            let want: BTreeSet<InstanceId> = self
-                .live
-                .iter()
-                .filter(|((e, _), c)| *e == t.id.endpoint && **c == *t.card)
-                .map(|((_, id), _)| *id)
-                .collect();
-            if self.admissions[&t.id] != want {
-                return Err(format!(
-                    "{} admits {:?}, live with its card {want:?}",
-                    t.id, self.admissions[&t.id]
-                ));
-            }
-        }
-        let prefill = self
-            .admissions
-            .iter()
-            .filter(|(_, set)| !set.is_empty())
-            .count();
-        let decode: BTreeSet<&EndpointId> = self
-            .live
-            .keys()
-            .map(|(e, _)| e)
-            .filter(|e| worker_kind(e) == Some(WorkerKind::Decode))
-            .collect();
-        if self.target.is_some() != (prefill == 1 && decode.len() == 1) {
-            return Err(format!(
-                "target {:?} with {prefill} admitting prefill sets, decode sets {decode:?}",
-                self.target
-            ));
-        }
-        if m.dormant_count() > MAX_DORMANT_SETS {
-            return Err(format!("{} dormant sets", m.dormant_count()));
-        }
-        if self.admissions.len() > m.set_count() {
-            return Err(format!(
-                "{} admission sets for {} sets",
-                self.admissions.len(),
-                m.set_count()
-            ));
-        }
-        Ok(())
-    }
-}
+/// The checking driver: the very file the machine's unit tests use (see its docs), compiled
+/// here against this crate's copy of the library.
+#[path = "../../src/topology/machine/checker.rs"]
+mod checker;
+use checker::{Ledger, Observed};
 
 /// Runs a script through the real machine; `Err` names the first broken check.
 pub fn run_topology_script(script: &TopologyScript) -> Result<(), String> {
@@ -292,21 +170,17 @@ pub fn run_topology_script_with<S: TopologySubject>(
     let mut ledger = Ledger::default();
     for (n, step) in script.steps.iter().enumerate() {
         let event = event_of(*step);
-        match &event {
-            NamespaceEvent::Upserted(i, c) if worker_kind(&i.endpoint).is_some() => {
-                ledger
-                    .live
-                    .insert((i.endpoint.clone(), i.instance_id), c.clone());
-            }
-            NamespaceEvent::Upserted(..) => {}
-            NamespaceEvent::Removed(e, id) => {
-                ledger.live.remove(&(e.clone(), *id));
-            }
-        }
+        ledger.observe(&event);
         let actions = m.handle(event);
         ledger
             .carry_out(&actions)
-            .and_then(|()| ledger.check_state(&m))
+            .and_then(|()| {
+                ledger.check_state(Observed {
+                    target: m.target(),
+                    set_count: m.set_count(),
+                    dormant_count: m.dormant_count(),
+                })
+            })
             .map_err(|e| format!("step {n} ({step:?}): {e}"))?;
     }
     Ok(())

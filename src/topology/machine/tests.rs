@@ -1,6 +1,8 @@
 //! The topology machine's rules, one test each, through a driver of plain values that checks
-//! every batch as it carries it out ([`World`]); the proptests drive the same world.
+//! every batch as it carries it out ([`World`], on the shared `checker.rs`); the proptests drive
+//! the same world.
 
+use super::checker::{Ledger, Observed};
 use super::*;
 use std::net::SocketAddr;
 
@@ -25,163 +27,33 @@ fn card(block: u32) -> ModelCard {
     }
 }
 
-/// A driver holding admission sets and the target as plain values. It carries out each batch
-/// in order and checks, as it goes, the invariants the watcher relies on; `apply` fails with
-/// the first one broken.
+/// The machine under test and the checking driver ([`Ledger`]) that carries out its batches;
+/// `apply` fails with the first rule broken.
 #[derive(Default)]
 pub(super) struct World {
     pub(super) m: Machine,
-    /// Admission sets of generations named and not retired or forgotten.
-    pub(super) admissions: BTreeMap<GenerationId, BTreeSet<InstanceId>>,
-    /// The target the driver holds.
-    pub(super) target: Option<TargetSpec>,
-    /// Generations retired or forgotten: never named again.
-    dead: BTreeSet<GenerationId>,
-    /// Highest generation named per set (remembered across evictions: never reused).
-    highest: BTreeMap<EndpointId, u64>,
-    /// Live instances as discovery reported them.
-    live: BTreeMap<(EndpointId, InstanceId), ModelCard>,
+    pub(super) ledger: Ledger,
 }
 
 impl World {
     pub(super) fn new(m: Machine) -> Self {
         World {
             m,
-            ..World::default()
+            ledger: Ledger::default(),
         }
-    }
-
-    fn name(&mut self, id: &GenerationId) -> Result<(), String> {
-        if self.dead.contains(id) {
-            return Err(format!("{id} named after it was retired or forgotten"));
-        }
-        if !self.admissions.contains_key(id) {
-            let highest = self.highest.entry(id.endpoint.clone()).or_default();
-            if id.generation <= *highest {
-                return Err(format!("{id} reuses a generation (highest {highest})"));
-            }
-            *highest = id.generation;
-            self.admissions.insert(id.clone(), BTreeSet::new());
-        }
-        Ok(())
     }
 
     /// Feed one event, carry out its batch and check it.
     pub(super) fn apply(&mut self, event: NamespaceEvent) -> Result<Vec<Action>, String> {
-        match &event {
-            NamespaceEvent::Upserted(i, c) => {
-                if worker_kind(&i.endpoint).is_some() {
-                    self.live
-                        .insert((i.endpoint.clone(), i.instance_id), c.clone());
-                }
-            }
-            NamespaceEvent::Removed(e, id) => {
-                self.live.remove(&(e.clone(), *id));
-            }
-        }
+        self.ledger.observe(&event);
         let actions = self.m.handle(event).to_vec();
-        for (n, action) in actions.iter().enumerate() {
-            match action {
-                Action::Admission { id, set, grows } => {
-                    self.name(id)?;
-                    let before = &self.admissions[id];
-                    if *grows != set.is_superset(before) {
-                        return Err(format!("{action:?}: grows is wrong (was {before:?})"));
-                    }
-                    if set == before {
-                        return Err(format!("{action:?}: publishes no change"));
-                    }
-                    self.admissions.insert(id.clone(), set.clone());
-                }
-                Action::SetTarget(spec) => {
-                    if spec.as_ref().map(|t| &t.id) == self.target.as_ref().map(|t| &t.id) {
-                        return Err(format!("{action:?}: the target did not change"));
-                    }
-                    if let Some(t) = spec {
-                        self.name(&t.id)?;
-                    }
-                    self.target = spec.clone();
-                }
-                Action::Retire(id) | Action::Forget(id) => {
-                    if self.admissions.remove(id).is_none() {
-                        return Err(format!("{action:?}: not a live generation"));
-                    }
-                    if self.target.as_ref().is_some_and(|t| t.id == *id) {
-                        return Err(format!("{action:?}: the held target's generation"));
-                    }
-                    self.dead.insert(id.clone());
-                }
-            }
-            // The ordering rule: the target held admits someone at every point of a batch.
-            if let Some(t) = &self.target {
-                if self.admissions.get(&t.id).is_none_or(BTreeSet::is_empty) {
-                    return Err(format!(
-                        "after action {n} of {actions:?}: the target {} admits no instance",
-                        t.id
-                    ));
-                }
-            }
-        }
-        self.check_state()?;
+        self.ledger.carry_out(&actions)?;
+        self.ledger.check_state(Observed {
+            target: self.m.target(),
+            set_count: self.m.set_count(),
+            dormant_count: self.m.dormant_count(),
+        })?;
         Ok(actions)
-    }
-
-    /// Invariants between events.
-    fn check_state(&self) -> Result<(), String> {
-        if self.target.as_ref() != self.m.target() {
-            return Err(format!(
-                "holds {:?}, machine says {:?}",
-                self.target,
-                self.m.target()
-            ));
-        }
-        // Every instance admitted for the target carries its card, and every live one that
-        // carries it is admitted.
-        if let Some(t) = &self.target {
-            let want: BTreeSet<InstanceId> = self
-                .live
-                .iter()
-                .filter(|((e, _), c)| *e == t.id.endpoint && **c == *t.card)
-                .map(|((_, id), _)| *id)
-                .collect();
-            if self.admissions[&t.id] != want {
-                return Err(format!(
-                    "{} admits {:?}, live with its card {want:?}",
-                    t.id, self.admissions[&t.id]
-                ));
-            }
-        }
-        // A target exactly when one prefill set admits someone and one decode set is live.
-        let prefill: BTreeSet<&EndpointId> = self
-            .admissions
-            .iter()
-            .filter(|(_, set)| !set.is_empty())
-            .map(|(id, _)| &id.endpoint)
-            .collect();
-        let decode: BTreeSet<&EndpointId> = self
-            .live
-            .keys()
-            .map(|(e, _)| e)
-            .filter(|e| worker_kind(e) == Some(WorkerKind::Decode))
-            .collect();
-        if self.target.is_some() != (prefill.len() == 1 && decode.len() == 1) {
-            return Err(format!(
-                "target {:?} with prefill sets {prefill:?}, decode sets {decode:?}",
-                self.target
-            ));
-        }
-        // Bounded memory: dormant sets capped, one admission set per remembered prefill set.
-        if self.m.dormant_count() > MAX_DORMANT_SETS {
-            return Err(format!("{} dormant sets", self.m.dormant_count()));
-        }
-        if self.admissions.len() > self.m.set_count() {
-            return Err(format!(
-                "{} admission sets for {} sets",
-                self.admissions.len(),
-                self.m.set_count()
-            ));
-        }
-        Ok(())
     }
 
     fn up(&mut self, component: &str, id: InstanceId, block: u32) -> Vec<Action> {
@@ -195,11 +67,11 @@ impl World {
     }
 
     fn target(&self) -> Option<&TargetSpec> {
-        self.target.as_ref()
+        self.ledger.target.as_ref()
     }
 
     fn admitted(&self) -> BTreeSet<InstanceId> {
-        self.admissions[&self.target().unwrap().id].clone()
+        self.ledger.admissions[&self.target().unwrap().id].clone()
     }
 }
 
@@ -319,7 +191,7 @@ fn a_returning_pool_gets_its_generation_back() {
     let before = w.target().unwrap().id.clone();
     w.down("prefill", 1);
     assert!(w.target().is_none(), "pool vanished");
-    assert_eq!(w.admissions[&before], BTreeSet::new(), "kept, empty");
+    assert_eq!(w.ledger.admissions[&before], BTreeSet::new(), "kept, empty");
     let actions = w.up("prefill", 4, 64);
     assert_eq!(w.target().unwrap().id, before, "same id: the router reuses");
     assert_eq!(w.admitted(), BTreeSet::from([4]));
@@ -399,7 +271,11 @@ fn dormant_sets_stay_bounded() {
         );
     }
     assert_eq!(w.m.set_count(), MAX_DORMANT_SETS);
-    assert_eq!(w.admissions.len(), MAX_DORMANT_SETS, "the driver's too");
+    assert_eq!(
+        w.ledger.admissions.len(),
+        MAX_DORMANT_SETS,
+        "the driver's too"
+    );
     // The oldest went first.
     assert_eq!(w.m.generations(&ep("prefill-0")), None);
     assert!(w.m.generations(&ep("prefill-73")).is_some());
