@@ -275,7 +275,7 @@ impl ReplayOptions {
         }
         if options
             .join_at
-            .is_some_and(|t: f64| !(t.is_finite() && t >= 0.0 && t < 1e9))
+            .is_some_and(|t: f64| !(t.is_finite() && (0.0..1e9).contains(&t)))
         {
             return Err(CliError::Usage("--join-at is seconds >= 0".into()));
         }
