@@ -181,7 +181,7 @@ pub fn join_svg(title: &str, reports: &[ReplayReport]) -> String {
         .filter_map(|r| Some((r, r.join.as_ref()?)))
         .collect();
     let mut out = String::new();
-    let width = W * 1.5 + 2.0 * PAD;
+    let width = W * 2.0 + 2.0 * PAD;
     let height = H + 2.0 * PAD + 20.0 * joins.len() as f64 + 10.0;
     let _ = writeln!(
         out,
@@ -190,7 +190,7 @@ pub fn join_svg(title: &str, reports: &[ReplayReport]) -> String {
          fill=\"white\"/>\n<text x=\"{PAD}\" y=\"20\" font-size=\"14\">{}</text>",
         escape(title)
     );
-    let plot_w = W * 1.5;
+    let plot_w = W * 2.0;
     let _ = writeln!(
         out,
         "<rect x=\"{PAD}\" y=\"{PAD}\" width=\"{plot_w}\" height=\"{H}\" fill=\"none\" \
@@ -280,27 +280,18 @@ pub fn join_svg(title: &str, reports: &[ReplayReport]) -> String {
             .map_or("never within 1 point for good".to_owned(), |n| {
                 format!("within 1 point by request {n}")
             });
+        let first = j.windows.first();
         let ly = H + 2.0 * PAD + 20.0 * i as f64;
         let _ = writeln!(
             out,
             "<rect x=\"{PAD}\" y=\"{:.0}\" width=\"12\" height=\"12\" fill=\"{color}\"/><text \
-             x=\"{:.0}\" y=\"{ly:.0}\">{}: frontend {} joins at {:.0} s {}, {} requests; first 25: \
-             {:.1}% vs {:.1}%; {reached}</text>",
+             x=\"{:.0}\" y=\"{ly:.0}\">{}: first 25 requests {:.1}% (long-running {:.1}%); \
+             {reached}</text>",
             ly - 10.0,
             PAD + 18.0,
             escape(&r.label()),
-            j.frontend,
-            j.at_s,
-            if j.snapshot {
-                "with the KV snapshot"
-            } else {
-                "cold"
-            },
-            j.requests,
-            j.windows.first().map_or(0.0, |w| w.joined_hit_rate * 100.0),
-            j.windows
-                .first()
-                .map_or(0.0, |w| w.long_running_hit_rate * 100.0),
+            first.map_or(0.0, |w| w.joined_hit_rate * 100.0),
+            first.map_or(0.0, |w| w.long_running_hit_rate * 100.0),
         );
     }
     out.push_str("</svg>\n");
