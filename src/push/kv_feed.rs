@@ -298,8 +298,10 @@ impl KvFeed {
     }
 
     /// Replace `worker`'s entries with `snapshot`, if the worker is discovered and admitted
-    /// (otherwise its entries are dropped, as for a batch).
-    fn apply_snapshot(&self, worker: InstanceId, snapshot: &KvSnapshot) {
+    /// (otherwise its entries are dropped, as for a batch, and [`Applied::Overflowed`] is
+    /// returned). Connections call it for a reassembled snapshot; an in-process link calls it
+    /// through [`Dispatcher::apply_kv_snapshot`](super::Dispatcher::apply_kv_snapshot).
+    pub(super) fn apply_snapshot(&self, worker: InstanceId, snapshot: &KvSnapshot) -> Applied {
         let member = matches!(
             self.view.status(worker),
             InstanceStatus::Routable(_) | InstanceStatus::Unhealthy(_)
@@ -325,6 +327,7 @@ impl KvFeed {
             ?applied,
             "KV snapshot"
         );
+        applied
     }
 
     /// Drop what the index knows of `worker`.
@@ -426,7 +429,7 @@ impl KvEventSink for ConnectionSink {
 
     fn snapshot(&self, snapshot: KvSnapshot) {
         if self.feed.is_current(self.worker, self.generation) {
-            self.feed.apply_snapshot(self.worker, &snapshot);
+            let _ = self.feed.apply_snapshot(self.worker, &snapshot);
         } else {
             KvEventCounts::bump(&self.feed.counts.snapshots_failed, 1);
         }

@@ -34,12 +34,18 @@ mod svg;
 mod trace;
 mod workload;
 
-pub use config::{PoolEvent, ReplayConfig, Spread, EVENT_WINDOW, FLAP_DOWN, WAIT_FOR_HOP};
+pub use config::{
+    Join, JoinError, PoolEvent, ReplayConfig, ReplayError, Spread, EVENT_WINDOW, FLAP_DOWN,
+    WAIT_FOR_HOP,
+};
 pub use cost::CostModel;
 pub use policy::Policy;
-pub use report::{AffinityReport, EventReport, Percentiles, ReplayReport, Window};
+pub use report::{
+    AffinityReport, EventReport, JoinReport, JoinWindow, Percentiles, ReplayReport, Window,
+    MATCH_POINTS,
+};
 pub use run::run;
 pub use sessions::ClosedLoop;
-pub use svg::svg;
+pub use svg::{join_svg, svg};
 pub use trace::{ceiling, parse_trace, read_trace, TraceError, TraceRecord, BLOCK_TOKENS};
 pub use workload::{Workload, WorkloadError};

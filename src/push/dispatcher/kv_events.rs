@@ -3,7 +3,7 @@
 
 use super::{Dispatcher, WorkerLink};
 use crate::discovery::InstanceId;
-use crate::kv_events::{Applied, EventBatch};
+use crate::kv_events::{Applied, EventBatch, KvSnapshot};
 use crate::load_report::LoadReport;
 use crate::push::kv::KvSelector;
 use crate::push::view::InstanceStatus;
@@ -28,6 +28,20 @@ impl<L: WorkerLink> Dispatcher<L> {
         report: LoadReport,
     ) -> Option<crate::load_report::Applied> {
         Some(self.kv_feed.as_ref()?.load_report_direct(worker, report))
+    }
+
+    /// Replace what the KV index knows of `worker` with `snapshot` of its cache, delivered
+    /// without a connection (an in-process link, as the replay's late-joining frontend: the
+    /// TCP request plane asks for and applies its snapshots itself, `transport/feed.rs`). From
+    /// then on the worker is scored by its events: live batches with a larger `seq` than the
+    /// snapshot's apply after it, older ones are stale (the index's sequence rule). Counted in
+    /// [`kv_event_counts`](Self::kv_event_counts) as applied or failed snapshots. `None` when
+    /// not in KV mode; [`Applied::Stale`] (ignored) for a snapshot of an older epoch than the
+    /// index holds; [`Applied::Overflowed`] (entries dropped) when the worker is not
+    /// discovered and admitted, or the snapshot is past the index's block limit; else
+    /// [`Applied::Started`].
+    pub fn apply_kv_snapshot(&self, worker: InstanceId, snapshot: &KvSnapshot) -> Option<Applied> {
+        Some(self.kv_feed.as_ref()?.apply_snapshot(worker, snapshot))
     }
 
     /// Drop what the KV index knows of `worker` (its event stream reconnected or was lost):

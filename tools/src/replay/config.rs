@@ -6,6 +6,7 @@ use std::time::Duration;
 use super::cost::CostModel;
 use super::policy::Policy;
 use super::sessions::ClosedLoop;
+use super::trace::TraceRecord;
 use prefill_router::advert::KvRouterConfig;
 use prefill_router::router::ConditionalPolicy;
 
@@ -69,6 +70,70 @@ impl Spread {
     }
 }
 
+/// A frontend that comes up late (issue #29's warm start): the last of
+/// [`ReplayConfig::frontends`] starts with an empty KV index at trace time `at` and from then
+/// on gets its share of the requests (before it, the balancer spreads them over the others).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Join {
+    /// Trace time at which the frontend comes up.
+    pub at: Duration,
+    /// Whether it asks the workers for a KV snapshot as it joins (as the TCP request plane's
+    /// connections do): every worker's whole cache lands in its index before its first request,
+    /// then live events by the sequence rule. Without, it learns only from the live events
+    /// published from then on (`--join-cold`).
+    pub snapshot: bool,
+}
+
+/// Why a [`ReplayConfig`] with a [`Join`] cannot run.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum JoinError {
+    /// A late frontend needs a long-running one beside it.
+    #[error(
+        "a late-joining frontend needs at least 2 frontends (the last one joins), not {frontends}"
+    )]
+    NeedsTwoFrontends {
+        /// The configured frontend count.
+        frontends: usize,
+    },
+    /// The join comes at or after the last arrival: the frontend would get no request.
+    #[error(
+        "the join at {at_s} s is not before the trace's last arrival ({last_s} s): the joined \
+         frontend would get no request"
+    )]
+    AfterTrace {
+        /// The join time, in seconds.
+        at_s: f64,
+        /// The last request's arrival (of the replayed part of the trace), in seconds.
+        last_s: f64,
+    },
+    /// Only the `kv-events` policy has workers that publish their caches, hence a snapshot.
+    #[error(
+        "a join with a KV snapshot needs policy kv-events (under `{policy}` the workers publish \
+         no KV events); join cold instead"
+    )]
+    SnapshotNeedsKvEvents {
+        /// The configured policy's name.
+        policy: &'static str,
+    },
+    /// Closed-loop arrivals have no trace time to join at.
+    #[error("a late join needs the trace's arrival times, not closed-loop arrivals")]
+    ClosedLoop,
+    /// A pool event rebuilds every frontend's binding, which would blur the join.
+    #[error("a late join does not combine with a pool event")]
+    PoolEvent,
+}
+
+/// Why [`run`](super::run) returned no report.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// The configuration cannot replay the trace ([`ReplayConfig::check`]).
+    #[error(transparent)]
+    Join(#[from] JoinError),
+    /// The runtime could not be built (an OS resource failure).
+    #[error("cannot build the replay runtime: {0}")]
+    Runtime(#[from] std::io::Error),
+}
+
 /// How long a [`PoolEvent::Flap`] keeps the pool away. Requests arriving meanwhile wait for
 /// the hop (up to [`WAIT_FOR_HOP`]).
 pub const FLAP_DOWN: Duration = Duration::from_secs(1);
@@ -127,6 +192,8 @@ pub struct ReplayConfig {
     pub load_reports: bool,
     /// How long a load report takes to reach the frontends.
     pub report_delay: Duration,
+    /// The last frontend joins late (`None`, the default: every frontend runs from the start).
+    pub join: Option<Join>,
 }
 
 impl ReplayConfig {
@@ -152,6 +219,43 @@ impl ReplayConfig {
             spread: Spread::RoundRobin,
             load_reports: true,
             report_delay: Duration::ZERO,
+            join: None,
         }
+    }
+
+    /// Whether this configuration can replay `trace` (its first [`limit`](Self::limit)
+    /// requests): only a [`Join`] can make it fail.
+    ///
+    /// # Errors
+    /// The [`JoinError`] of a join that cannot be replayed as asked.
+    pub fn check(&self, trace: &[TraceRecord]) -> Result<(), JoinError> {
+        let Some(join) = self.join else {
+            return Ok(());
+        };
+        if self.frontends < 2 {
+            return Err(JoinError::NeedsTwoFrontends {
+                frontends: self.frontends,
+            });
+        }
+        if self.closed_loop.is_some() {
+            return Err(JoinError::ClosedLoop);
+        }
+        if self.event.is_some() {
+            return Err(JoinError::PoolEvent);
+        }
+        if join.snapshot && self.policy != Policy::KvEvents {
+            return Err(JoinError::SnapshotNeedsKvEvents {
+                policy: self.policy.name(),
+            });
+        }
+        let replayed = &trace[..self.limit.unwrap_or(usize::MAX).min(trace.len())];
+        let last = replayed.iter().map(|r| r.timestamp).max().unwrap_or(0);
+        if join.at >= Duration::from_millis(last) {
+            return Err(JoinError::AfterTrace {
+                at_s: join.at.as_secs_f64(),
+                last_s: Duration::from_millis(last).as_secs_f64(),
+            });
+        }
+        Ok(())
     }
 }

@@ -52,6 +52,9 @@ pub(crate) struct ReplayFactory {
     pub(crate) shared: Arc<Shared>,
     /// Which of the replay's frontends builds with it (its connection as the workers see it).
     pub(crate) frontend: u64,
+    /// Whether its bindings start from the workers' KV snapshots (a late-joining frontend's,
+    /// policy `kv-events`): every worker's cache in the index before the first pick.
+    pub(crate) snapshot: bool,
 }
 
 impl BindingFactory for ReplayFactory {
@@ -66,6 +69,7 @@ impl BindingFactory for ReplayFactory {
         future::ready(ReplayBinding::new(
             Arc::clone(&self.shared),
             self.frontend,
+            self.snapshot,
             &target,
             &cancel,
         ))
@@ -93,6 +97,7 @@ impl ReplayBinding {
     fn new(
         shared: Arc<Shared>,
         frontend: u64,
+        snapshot: bool,
         target: &WorkerSetTarget,
         cancel: &CancellationToken,
     ) -> Result<Self, BuildError> {
@@ -150,6 +155,20 @@ impl ReplayBinding {
         if shared.policy == Policy::KvEvents {
             // A new binding learns the caches from the workers' next events on.
             shared.subscribers.lock().push(Arc::downgrade(&push));
+            if snapshot {
+                // Each admitted worker's whole cache, as a connection's snapshot brings it:
+                // subscribed first and all in one poll, so no batch falls between the two
+                // (batches still in flight to the other frontends are covered by the
+                // snapshot's `seq`; later ones follow it by the sequence rule).
+                for &id in target.admitted.borrow().iter() {
+                    let copy = shared
+                        .worker(id)
+                        .and_then(|w| w.cache.lock().snapshot_copy());
+                    if let Some(copy) = copy {
+                        let _ = push.apply_kv_snapshot(id, &copy.into_snapshot());
+                    }
+                }
+            }
         }
         Ok(ReplayBinding {
             shared,

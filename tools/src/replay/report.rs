@@ -85,6 +85,53 @@ pub struct EventReport {
     pub after: Window,
 }
 
+/// How far a late-joining frontend's hit rate may stay below the long-running frontends' and
+/// still count as having reached it: 1 point.
+pub const MATCH_POINTS: f64 = 0.01;
+
+/// A window of a late-joining frontend's requests, by their number since it joined, next to
+/// the long-running frontends' requests over the same trace time.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct JoinWindow {
+    /// The window's first request since the join (1-based).
+    pub first: u64,
+    /// Its last request since the join (inclusive).
+    pub last: u64,
+    /// Trace time of the first request's arrival, in seconds.
+    pub from_s: f64,
+    /// Trace time of the last request's arrival, in seconds.
+    pub to_s: f64,
+    /// The joined frontend's prefix hit rate over the window's requests, 0..1.
+    pub joined_hit_rate: f64,
+    /// Requests the long-running frontends received from `from_s` to `to_s` (inclusive).
+    pub long_running_requests: u64,
+    /// Their prefix hit rate, 0..1.
+    pub long_running_hit_rate: f64,
+}
+
+/// A late-joining frontend (`--join-at`): its hit rate since the join against the
+/// long-running frontends'. Hit rates are [`ReplayReport::prefix_hit_rate`]'s: cached over
+/// prompt blocks of the requests prefilled (block-weighted, leading hits in the serving
+/// worker's cache).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct JoinReport {
+    /// The joined frontend (the last one, numbered from 0).
+    pub frontend: usize,
+    /// Trace time of the join, in seconds.
+    pub at_s: f64,
+    /// Whether it joined with the workers' KV snapshots (false: cold, live events only).
+    pub snapshot: bool,
+    /// Requests it received.
+    pub requests: u64,
+    /// Its requests in windows since the join: 1-25, 26-50, 51-100, then doubling (the last
+    /// window ends with its last request).
+    pub windows: Vec<JoinWindow>,
+    /// The joined frontend's requests until it is within [`MATCH_POINTS`] of the long-running
+    /// frontends: the last request of the first window from which every window's hit rate is
+    /// at least theirs minus 1 point. `None`: its last window is still further below.
+    pub requests_to_match: Option<u64>,
+}
+
 /// The result of one replay (one policy over one trace).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReplayReport {
@@ -144,6 +191,8 @@ pub struct ReplayReport {
     pub hit_rate_by_decile: Vec<f64>,
     /// Routing around the pool event, if the replay had one.
     pub event: Option<EventReport>,
+    /// The late-joining frontend, if the replay had one.
+    pub join: Option<JoinReport>,
     /// Bindings the router had built by the end (1 without events).
     pub bindings_built: u64,
     /// Selections (policy `kv-events`) where the index credited the picked worker with more
@@ -177,7 +226,18 @@ impl ReplayReport {
         } else {
             String::new()
         };
-        format!("{}{conditional}{affinity}{frontends}", self.policy)
+        let join = self
+            .join
+            .as_ref()
+            .map(|j| {
+                format!(
+                    ", last joins at {:.0} s {}",
+                    j.at_s,
+                    if j.snapshot { "with snapshot" } else { "cold" }
+                )
+            })
+            .unwrap_or_default();
+        format!("{}{conditional}{affinity}{frontends}{join}", self.policy)
     }
 }
 
@@ -230,6 +290,45 @@ impl fmt::Display for ReplayReport {
                 "\n            affinity ttl {:.0} s: {} hits, {} misses, {} re-picks, {} evictions",
                 a.ttl_s, a.hits, a.misses, a.repicks, a.evictions
             )?;
+        }
+        if let Some(j) = &self.join {
+            write!(
+                f,
+                "\n            frontend {} joined at {:.0} s ({}): {} requests; hit rate since the \
+                 join vs the long-running frontends over the same trace time:",
+                j.frontend,
+                j.at_s,
+                if j.snapshot { "KV snapshot" } else { "cold" },
+                j.requests
+            )?;
+            for w in &j.windows {
+                write!(
+                    f,
+                    "\n              requests {:>4}-{:<4} ({:>4.0}-{:>4.0} s): joined {:>6.2}%, \
+                     long-running {:>6.2}% ({} requests)",
+                    w.first,
+                    w.last,
+                    w.from_s,
+                    w.to_s,
+                    w.joined_hit_rate * 100.0,
+                    w.long_running_hit_rate * 100.0,
+                    w.long_running_requests
+                )?;
+            }
+            match j.requests_to_match {
+                Some(n) => write!(
+                    f,
+                    "\n              within {:.0} point of the long-running frontends by its request \
+                     {n} (and in every window after it)",
+                    MATCH_POINTS * 100.0
+                )?,
+                None => write!(
+                    f,
+                    "\n              never within {:.0} point of the long-running frontends for \
+                     good (its last window is further below)",
+                    MATCH_POINTS * 100.0
+                )?,
+            }
         }
         if let Some(e) = &self.event {
             write!(

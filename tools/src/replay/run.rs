@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::config::{PoolEvent, ReplayConfig, Spread, FLAP_DOWN, WAIT_FOR_HOP};
+use super::config::{PoolEvent, ReplayConfig, ReplayError, Spread, FLAP_DOWN, WAIT_FOR_HOP};
 use super::engine::{prefill_endpoint, ReplayDecode, ReplayFactory};
 use super::link::Shared;
 use super::policy::Policy;
@@ -31,8 +31,10 @@ use prefill_router::router::{AfterWait, FallbackPolicy, PrefillRouter, PrefillRo
 /// not be called from within a tokio runtime).
 ///
 /// # Errors
-/// Only if the runtime cannot be built (an OS resource failure).
-pub fn run(config: &ReplayConfig, trace: &[TraceRecord]) -> std::io::Result<ReplayReport> {
+/// [`ReplayError::Join`] for a late join the trace cannot have ([`ReplayConfig::check`]),
+/// [`ReplayError::Runtime`] if the runtime cannot be built (an OS resource failure).
+pub fn run(config: &ReplayConfig, trace: &[TraceRecord]) -> Result<ReplayReport, ReplayError> {
+    config.check(trace)?;
     let wall = std::time::Instant::now();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -121,10 +123,14 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     );
     // Independent frontends: each its own router, hence its own binding, dispatcher, KV
     // index, bookings and affinity table, over the one pool.
-    let routers: Vec<Arc<PrefillRouter<ReplayFactory>>> = (0..config.frontends.max(1))
+    let frontends = config.frontends.max(1);
+    let routers: Vec<Arc<PrefillRouter<ReplayFactory>>> = (0..frontends)
         .map(|frontend| frontend_router(config, &shared, frontend))
         .collect();
-    for router in &routers {
+    // A late joiner (the last frontend) gets its target, hence its binding, when it joins.
+    let joiner = config.join.map(|join| (join, frontends - 1));
+    let running = joiner.map_or(frontends, |(_, last)| last);
+    for router in &routers[..running] {
         router.set_target(Some(first.clone()));
         // Virtual time: the build finishes at once, the wait costs nothing real.
         let _ = router.wait_active(Duration::from_secs(60)).await;
@@ -137,9 +143,12 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         local: Arc::default(),
     });
     let ttft: Arc<Mutex<Vec<Option<Duration>>>> = Arc::new(Mutex::new(vec![None; records.len()]));
+    // The frontend each open-loop request went to.
+    let mut assigned = vec![0usize; records.len()];
     // Requests refused with the typed overload error.
     let shed: Arc<Mutex<Vec<bool>>> = Arc::new(Mutex::new(vec![false; records.len()]));
     let start = Instant::now();
+    let join_target = first.clone();
     let mut tasks = Vec::with_capacity(records.len());
     if let Some(event) = config.event {
         let routers = Arc::clone(&routers);
@@ -223,7 +232,25 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     } else {
         &records[..]
     };
+    // Frontends taking requests: all but a late joiner until it joins.
+    let mut live = running;
     for (index, record) in open_loop.iter().enumerate() {
+        if let Some((join, last)) = joiner.filter(|_| live < frontends) {
+            if Duration::from_millis(record.timestamp) >= join.at {
+                tokio::time::sleep_until(start + join.at).await;
+                if config.progress {
+                    eprintln!(
+                        "replay {}: frontend {last} joins at trace time {:.0} s ({}), request {index}",
+                        config.policy.name(),
+                        join.at.as_secs_f64(),
+                        if join.snapshot { "KV snapshot" } else { "cold" }
+                    );
+                }
+                routers[last].set_target(Some(join_target.clone()));
+                let _ = routers[last].wait_active(Duration::from_secs(60)).await;
+                live = frontends;
+            }
+        }
         tokio::time::sleep_until(start + Duration::from_millis(record.timestamp)).await;
         if config.progress && index > 0 && index % tenth == 0 {
             eprintln!(
@@ -235,7 +262,9 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
             );
         }
         let request = replay_request(record, index, config.policy, config.session_affinity);
-        let router = Arc::clone(&routers[frontend_of(config.spread, record, index, routers.len())]);
+        let frontend = frontend_of(config.spread, record, index, live);
+        assigned[index] = frontend;
+        let router = Arc::clone(&routers[frontend]);
         let (decode, outcome) = (Arc::clone(&decode), outcome.clone());
         tasks.push(tokio::spawn(async move {
             outcome.serve(&router, &decode, index, request).await;
@@ -254,7 +283,9 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     }
     let ttft = ttft.lock().clone();
     let shed = shed.lock().clone();
-    summarize(config, &records, &shared, &ttft, &shed, virtual_s)
+    summarize(
+        config, &records, &shared, &ttft, &shed, &assigned, virtual_s,
+    )
 }
 
 /// Frontend `frontend`'s router over `shared`'s pool.
@@ -272,6 +303,8 @@ fn frontend_router(
         ReplayFactory {
             shared: Arc::clone(shared),
             frontend: frontend as u64,
+            // Only a late joiner asks for snapshots: the others start with the caches.
+            snapshot: config.join.is_some_and(|j| j.snapshot) && frontend + 1 == config.frontends,
         },
         PrefillRouterConfig {
             // A request the hop cannot take waits a little (a flap), then is lost: it is

@@ -7,7 +7,10 @@ use std::time::Duration;
 use super::config::{PoolEvent, ReplayConfig, EVENT_WINDOW};
 use super::link::Served;
 use super::link::Shared;
-use super::report::{quantiles, AffinityReport, EventReport, Percentiles, ReplayReport, Window};
+use super::report::{
+    quantiles, AffinityReport, EventReport, JoinReport, JoinWindow, Percentiles, ReplayReport,
+    Window, MATCH_POINTS,
+};
 use super::trace::{ceiling, ratio, TraceRecord};
 use prefill_router::router::ConditionalPolicy;
 
@@ -32,12 +35,83 @@ fn tally<'a>(served: impl Iterator<Item = &'a Served>) -> (u64, u64) {
     })
 }
 
+/// The joined frontend's windows: requests 1-25, 26-50, 51-100, then doubling, the last
+/// ending with its last request.
+fn join_windows(requests: usize) -> Vec<(usize, usize)> {
+    let mut windows = Vec::new();
+    let (mut first, mut size) = (1, 25);
+    while first <= requests {
+        let last = (first + size - 1).min(requests);
+        windows.push((first, last));
+        first = last + 1;
+        if first > 50 {
+            size = first - 1;
+        }
+    }
+    windows
+}
+
+/// The late joiner's report: its requests (by `assigned`, the frontend of each request) in
+/// windows since the join, each next to the other frontends' requests over the same trace time.
+fn join_report(
+    config: &ReplayConfig,
+    records: &[TraceRecord],
+    served: &[Option<Served>],
+    assigned: &[usize],
+) -> Option<JoinReport> {
+    let join = config.join?;
+    let frontend = config.frontends.max(1) - 1;
+    let mine: Vec<usize> = (0..records.len())
+        .filter(|&i| assigned.get(i) == Some(&frontend))
+        .collect();
+    let secs = |i: usize| Duration::from_millis(records[i].timestamp).as_secs_f64();
+    let windows: Vec<JoinWindow> = join_windows(mine.len())
+        .into_iter()
+        .map(|(first, last)| {
+            let own = &mine[first - 1..last];
+            let (from, to) = (
+                records[own[0]].timestamp,
+                records[own[own.len() - 1]].timestamp,
+            );
+            let (b, h) = tally(own.iter().filter_map(|&i| served[i].as_ref()));
+            let others: Vec<usize> = (0..records.len())
+                .filter(|&i| {
+                    assigned.get(i).is_some_and(|&f| f != frontend)
+                        && (from..=to).contains(&records[i].timestamp)
+                })
+                .collect();
+            let (ob, oh) = tally(others.iter().filter_map(|&i| served[i].as_ref()));
+            JoinWindow {
+                first: first as u64,
+                last: last as u64,
+                from_s: secs(own[0]),
+                to_s: secs(own[own.len() - 1]),
+                joined_hit_rate: ratio(h, b),
+                long_running_requests: others.len() as u64,
+                long_running_hit_rate: ratio(oh, ob),
+            }
+        })
+        .collect();
+    // The first window from which none falls more than a point below.
+    let close = |w: &JoinWindow| w.joined_hit_rate >= w.long_running_hit_rate - MATCH_POINTS;
+    let settled = windows.iter().rposition(|w| !close(w)).map_or(0, |k| k + 1);
+    Some(JoinReport {
+        frontend,
+        at_s: join.at.as_secs_f64(),
+        snapshot: join.snapshot,
+        requests: mine.len() as u64,
+        requests_to_match: windows.get(settled).map(|w| w.last),
+        windows,
+    })
+}
+
 pub(crate) fn summarize(
     config: &ReplayConfig,
     records: &[TraceRecord],
     shared: &Shared,
     ttft: &[Option<Duration>],
     shed: &[bool],
+    assigned: &[usize],
     virtual_s: f64,
 ) -> ReplayReport {
     let served = shared.served.lock();
@@ -146,10 +220,34 @@ pub(crate) fn summarize(
         work_imbalance,
         hit_rate_by_decile: deciles,
         event,
+        join: join_report(config, records, &served, assigned),
         bindings_built: shared.builds.load(Ordering::Relaxed),
         stale_credit: shared.stale_credit.load(Ordering::Relaxed),
         virtual_s,
         wall_s: 0.0,
         requests_per_s: 0.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::join_windows;
+
+    #[test]
+    fn join_windows_are_25_25_50_then_doubling_and_end_with_the_last_request() {
+        assert_eq!(
+            join_windows(1_000),
+            vec![
+                (1, 25),
+                (26, 50),
+                (51, 100),
+                (101, 200),
+                (201, 400),
+                (401, 800),
+                (801, 1_000)
+            ]
+        );
+        assert_eq!(join_windows(30), vec![(1, 25), (26, 30)]);
+        assert!(join_windows(0).is_empty());
     }
 }

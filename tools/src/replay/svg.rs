@@ -170,3 +170,130 @@ fn escape(text: &str) -> String {
         .replace('<', "&lt;")
         .replace('>', "&gt;")
 }
+
+/// A picture of late joins (`--join-at`): per report, the joined frontend's hit rate per
+/// window of its requests since the join (solid steps, log request axis) and the long-running
+/// frontends' over the same trace time (dashed, same colour), titled `title`. Reports without
+/// a join are left out.
+pub fn join_svg(title: &str, reports: &[ReplayReport]) -> String {
+    let joins: Vec<(&ReplayReport, &super::report::JoinReport)> = reports
+        .iter()
+        .filter_map(|r| Some((r, r.join.as_ref()?)))
+        .collect();
+    let mut out = String::new();
+    let width = W * 2.0 + 2.0 * PAD;
+    let height = H + 2.0 * PAD + 20.0 * joins.len() as f64 + 10.0;
+    let _ = writeln!(
+        out,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width:.0}\" height=\"{height:.0}\" \
+         font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" \
+         fill=\"white\"/>\n<text x=\"{PAD}\" y=\"20\" font-size=\"14\">{}</text>",
+        escape(title)
+    );
+    let plot_w = W * 2.0;
+    let _ = writeln!(
+        out,
+        "<rect x=\"{PAD}\" y=\"{PAD}\" width=\"{plot_w}\" height=\"{H}\" fill=\"none\" \
+         stroke=\"#888\"/>\n<text x=\"{PAD}\" y=\"{:.0}\">Prefix hit rate per window of the \
+         joined frontend's requests (solid) and the long-running frontends' over the same \
+         trace time (dashed)</text>\n<text x=\"{:.0}\" y=\"{:.0}\" \
+         text-anchor=\"middle\">requests since the join (log scale)</text>\n<text x=\"{:.0}\" \
+         y=\"{:.0}\" transform=\"rotate(-90 {:.0} {:.0})\" text-anchor=\"middle\">hit \
+         rate</text>",
+        PAD - 8.0,
+        PAD + plot_w / 2.0,
+        PAD + H + 32.0,
+        PAD - 34.0,
+        PAD + H / 2.0,
+        PAD - 34.0,
+        PAD + H / 2.0
+    );
+    let most = joins
+        .iter()
+        .filter_map(|(_, j)| j.windows.last().map(|w| w.last + 1))
+        .max()
+        .unwrap_or(2)
+        .max(2);
+    #[allow(clippy::cast_precision_loss)] // request counts far below 2^52
+    let hi = (most as f64).log10();
+    #[allow(clippy::cast_precision_loss)]
+    let x = |n: u64| PAD + (n.max(1) as f64).log10() / hi * plot_w;
+    let top = joins
+        .iter()
+        .flat_map(|(_, j)| {
+            j.windows
+                .iter()
+                .flat_map(|w| [w.joined_hit_rate, w.long_running_hit_rate])
+        })
+        .fold(0.1_f64, f64::max)
+        .min(1.0)
+        * 1.1;
+    let y = |rate: f64| PAD + H - rate / top * H;
+    let mut tick = 1u64;
+    while tick < most {
+        let _ = writeln!(
+            out,
+            "<line x1=\"{0:.1}\" y1=\"{PAD}\" x2=\"{0:.1}\" y2=\"{1:.0}\" stroke=\"#ddd\"/><text \
+             x=\"{0:.1}\" y=\"{2:.0}\" text-anchor=\"middle\">{tick}</text>",
+            x(tick),
+            PAD + H,
+            PAD + H + 14.0
+        );
+        tick *= 10;
+    }
+    for k in 0..=4 {
+        let v = top * f64::from(k) / 4.0;
+        let _ = writeln!(
+            out,
+            "<line x1=\"{PAD}\" y1=\"{0:.1}\" x2=\"{1:.0}\" y2=\"{0:.1}\" stroke=\"#eee\"/><text \
+             x=\"{2:.0}\" y=\"{3:.1}\" text-anchor=\"end\">{4:.0}%</text>",
+            y(v),
+            PAD + plot_w,
+            PAD - 4.0,
+            y(v) + 4.0,
+            v * 100.0
+        );
+    }
+    for (i, (r, j)) in joins.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        // Steps: each window's rate from its first request to past its last.
+        let steps = |rate: &dyn Fn(&super::report::JoinWindow) -> f64| -> Vec<String> {
+            j.windows
+                .iter()
+                .flat_map(|w| {
+                    [
+                        format!("{:.1},{:.1}", x(w.first), y(rate(w))),
+                        format!("{:.1},{:.1}", x(w.last + 1), y(rate(w))),
+                    ]
+                })
+                .collect()
+        };
+        polyline(&mut out, &steps(&|w| w.joined_hit_rate), color, "");
+        polyline(
+            &mut out,
+            &steps(&|w| w.long_running_hit_rate),
+            color,
+            " stroke-dasharray=\"6 4\" stroke-opacity=\"0.6\"",
+        );
+        let reached = j
+            .requests_to_match
+            .map_or("never within 1 point for good".to_owned(), |n| {
+                format!("within 1 point by request {n}")
+            });
+        let first = j.windows.first();
+        let ly = H + 2.0 * PAD + 20.0 * i as f64;
+        let _ = writeln!(
+            out,
+            "<rect x=\"{PAD}\" y=\"{:.0}\" width=\"12\" height=\"12\" fill=\"{color}\"/><text \
+             x=\"{:.0}\" y=\"{ly:.0}\">{}: first 25 requests {:.1}% (long-running {:.1}%); \
+             {reached}</text>",
+            ly - 10.0,
+            PAD + 18.0,
+            escape(&r.label()),
+            first.map_or(0.0, |w| w.joined_hit_rate * 100.0),
+            first.map_or(0.0, |w| w.long_running_hit_rate * 100.0),
+        );
+    }
+    out.push_str("</svg>\n");
+    out
+}

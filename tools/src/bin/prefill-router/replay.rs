@@ -16,6 +16,7 @@ usage: prefill-router replay (--trace FILE | --workload SPEC) [--workers N] [--p
                              [--conditional SPECS] [--affinity SPECS]
                              [--frontends LIST] [--spread round-robin|session]
                              [--no-load-reports] [--report-delay-ms D]
+                             [--join-at T [--join-cold | --join-compare]]
 
 Replays a Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
 hash_ids of 512-token blocks) in virtual time through the real PrefillRouter and dispatchers
@@ -63,6 +64,13 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
   --no-load-reports  workers send no load reports: each frontend counts only its own
                      bookings (default: reports on; they matter with several frontends)
   --report-delay-ms D  load reports reach the frontends D ms late (default 0)
+  --join-at T        the last of the frontends (needs --frontends 2 or more) joins at trace
+                     second T with an empty KV index, asking every worker for its KV snapshot
+                     (kv-events only), and from then on gets its share of the requests; the
+                     report gives its hit rate per window of requests since the join next to
+                     the long-running frontends' (and --svg draws that instead)
+  --join-cold        the joiner asks for no snapshot: live KV events from the join on only
+  --join-compare     one run with the snapshot and one cold
 (from the workspace root: cargo run --release -- replay ...)";
 
 /// Parsed options.
@@ -96,6 +104,10 @@ pub struct ReplayOptions {
     load_reports: bool,
     /// Load report delivery delay in milliseconds.
     report_delay_ms: u64,
+    /// Trace second at which the last frontend joins.
+    join_at: Option<f64>,
+    /// The joins to run: with the snapshot (`true`) and/or cold.
+    join_snapshot: Vec<bool>,
 }
 
 /// One `--affinity` spec: `off` or a TTL in seconds (> 0, finite).
@@ -162,6 +174,8 @@ impl ReplayOptions {
             spread: prefill_router_tools::replay::Spread::RoundRobin,
             load_reports: true,
             report_delay_ms: 0,
+            join_at: None,
+            join_snapshot: vec![true],
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -222,6 +236,9 @@ impl ReplayOptions {
                         .collect::<Result<_, _>>()?;
                 }
                 "--no-load-reports" => options.load_reports = false,
+                "--join-at" => options.join_at = Some(flags.parsed(flag)?),
+                "--join-cold" => options.join_snapshot = vec![false],
+                "--join-compare" => options.join_snapshot = vec![true, false],
                 "--report-delay-ms" => options.report_delay_ms = flags.parsed(flag)?,
                 "--frontends" => {
                     let spec = flags.value(flag)?;
@@ -256,6 +273,17 @@ impl ReplayOptions {
         {
             return Err(CliError::Usage("event times are seconds >= 0".into()));
         }
+        if options
+            .join_at
+            .is_some_and(|t: f64| !(t.is_finite() && (0.0..1e9).contains(&t)))
+        {
+            return Err(CliError::Usage("--join-at is seconds >= 0".into()));
+        }
+        if options.join_at.is_none() && options.join_snapshot != [true] {
+            return Err(CliError::Usage(
+                "--join-cold and --join-compare need --join-at".into(),
+            ));
+        }
         if options.workers == 0 {
             return Err(CliError::Usage("--workers must be at least 1".into()));
         }
@@ -281,7 +309,9 @@ pub async fn run(options: ReplayOptions) -> ExitCode {
 }
 
 fn run_blocking(options: &ReplayOptions) -> ExitCode {
-    use prefill_router_tools::replay::{read_trace, run, svg, Policy, PoolEvent, ReplayConfig};
+    use prefill_router_tools::replay::{
+        join_svg, read_trace, run, svg, Join, Policy, PoolEvent, ReplayConfig, ReplayError,
+    };
 
     let generated = options
         .trace
@@ -311,9 +341,16 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
             .iter()
             .flat_map(move |&c| options.affinity.iter().map(move |&a| (p, c, a)))
             .flat_map(move |(p, c, a)| options.frontends.iter().map(move |&n| (p, c, a, n)))
+            .flat_map(move |(p, c, a, n)| {
+                options.join_snapshot.iter().map(move |&s| (p, c, a, n, s))
+            })
     });
-    for (policy, conditional, session_affinity, frontends) in runs {
+    for (policy, conditional, session_affinity, frontends, snapshot) in runs {
         let config = ReplayConfig {
+            join: options.join_at.map(|t| Join {
+                at: std::time::Duration::from_secs_f64(t),
+                snapshot,
+            }),
             frontends,
             spread: options.spread,
             load_reports: options.load_reports,
@@ -346,8 +383,12 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
                 println!("{report}");
                 reports.push(report);
             }
+            Err(error @ ReplayError::Join(_)) => {
+                eprintln!("error: {error}");
+                return ExitCode::from(2);
+            }
             Err(error) => {
-                eprintln!("error: cannot build the replay runtime: {error}");
+                eprintln!("error: {error}");
                 return ExitCode::FAILURE;
             }
         }
@@ -373,7 +414,12 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
                 .map_or(options.trace.clone(), |n| n.to_string_lossy().into_owned()),
             options.workers
         );
-        if let Err(error) = std::fs::write(path, svg(&title, &reports)) {
+        let picture = if options.join_at.is_some() {
+            join_svg(&title, &reports)
+        } else {
+            svg(&title, &reports)
+        };
+        if let Err(error) = std::fs::write(path, picture) {
             eprintln!("error: cannot write {path}: {error}");
             return ExitCode::FAILURE;
         }
@@ -409,6 +455,32 @@ mod tests {
                     parse(&["--trace", "t", "--affinity", bad]),
                     Err(CliError::Usage(_))
                 ),
+                "{bad:?} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn join_flags_parse_and_bad_ones_are_usage_errors() {
+        let Ok(options) = parse(&["--trace", "t", "--join-at", "2400", "--join-compare"]) else {
+            panic!("valid join flags refused");
+        };
+        assert_eq!(
+            (options.join_at, options.join_snapshot),
+            (Some(2400.0), vec![true, false])
+        );
+        let Ok(options) = parse(&["--trace", "t", "--join-at", "60", "--join-cold"]) else {
+            panic!("valid join flags refused");
+        };
+        assert_eq!(options.join_snapshot, vec![false]);
+        for bad in [
+            &["--trace", "t", "--join-at", "-1"][..],
+            &["--trace", "t", "--join-at", "nan"],
+            &["--trace", "t", "--join-at", "soon"],
+            &["--trace", "t", "--join-cold"],
+        ] {
+            assert!(
+                matches!(parse(bad), Err(CliError::Usage(_))),
                 "{bad:?} accepted"
             );
         }
