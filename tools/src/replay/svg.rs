@@ -275,17 +275,15 @@ pub fn join_svg(title: &str, reports: &[ReplayReport]) -> String {
             color,
             " stroke-dasharray=\"6 4\" stroke-opacity=\"0.6\"",
         );
-        let reached = j
-            .requests_to_match
-            .map_or("never within 1 point for good".to_owned(), |n| {
-                format!("within 1 point by request {n}")
-            });
+        let reached = j.requests_to_match.map_or(String::new(), |n| {
+            format!("; within 1 point by request {n}")
+        });
         let first = j.windows.first();
         let ly = H + 2.0 * PAD + 20.0 * i as f64;
         let _ = writeln!(
             out,
             "<rect x=\"{PAD}\" y=\"{:.0}\" width=\"12\" height=\"12\" fill=\"{color}\"/><text \
-             x=\"{:.0}\" y=\"{ly:.0}\">{}: first 25 requests {:.1}% (long-running {:.1}%); \
+             x=\"{:.0}\" y=\"{ly:.0}\">{}: first 25 requests {:.1}% (long-running {:.1}%)\
              {reached}</text>",
             ly - 10.0,
             PAD + 18.0,
