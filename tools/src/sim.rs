@@ -27,6 +27,7 @@ mod config;
 mod controller;
 mod discovery;
 mod feed;
+pub mod frontends;
 pub mod kv_events;
 mod link;
 mod oracle;

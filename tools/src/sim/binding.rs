@@ -18,7 +18,7 @@ use super::kv_events;
 use super::link::{SimLink, Tried};
 use super::oracle::Violation;
 use super::sessions;
-use super::world::{InFlight, Probe, World};
+use super::world::{InFlight, LoadSubscriber, Probe, World};
 use prefill_router::advert::{self, DecodeDefaults};
 use prefill_router::binding::{
     Binding, BindingFactory, BuildError, PrefillError, PrefillEstimate, PrefillOutcome,
@@ -119,7 +119,9 @@ impl BindingFactory for SimFactory {
 /// workers.
 pub struct SimBinding {
     probe: Arc<Probe>,
-    push: Arc<Dispatcher<SimLink>>,
+    /// One dispatcher per frontend (one unless the run has several frontends): each books on
+    /// its own board, as separate frontend processes do.
+    pushes: Vec<Arc<Dispatcher<SimLink>>>,
     view: RoutableView,
     target: WorkerSetTarget,
     world: Arc<World>,
@@ -164,8 +166,10 @@ impl SimBinding {
         let config = advert::resolve(std::slice::from_ref(&*target.card), &decode)
             .map_err(|e| BuildError::new(e.to_string()))?;
         let kv_on = world.with(|s| s.kv.on);
+        let frontends = super::frontends::frontends(&world);
         let mut config = config;
-        if kv_on {
+        // Load reports feed the load board, which only KV mode keeps.
+        if kv_on || frontends > 1 {
             config.router_mode = prefill_router::advert::SelectionMode::KV;
         }
         let mode = PushMode::from_prefill_config(&config, None);
@@ -208,24 +212,45 @@ impl SimBinding {
             retry_budget: timing::RETRY_BUDGET,
             ..PushConfig::default()
         };
-        let push = Arc::new_cyclic(|dispatcher| {
-            let link = SimLink {
-                world: Arc::clone(&world),
-                serial: probe.serial,
-                target: probe.target.clone(),
-                admitted: target.admitted.clone(),
-                view: view.clone(),
-                mutant,
-                kv_block,
-                dispatcher: dispatcher.clone(),
-                affinity: affinity.clone(),
-                tried: Arc::clone(&tried),
+        let mut pushes = Vec::new();
+        for frontend in 0..frontends {
+            // The first frontend keeps the seed a one-frontend run draws.
+            let seed = match frontend {
+                0 => seed,
+                f => world
+                    .keyed(&[STREAM_PUSH, probe.serial, u64::from(f)])
+                    .next_u64(),
             };
-            Dispatcher::with_link(view.clone(), mode, config, link)
-                .with_affinity_table(affinity.map(|a| a.table))
-        });
-        if kv_on {
-            kv_events::subscribe(&world, &push);
+            let conn = super::frontends::new_conn(&world);
+            let push = Arc::new_cyclic(|dispatcher| {
+                let link = SimLink {
+                    world: Arc::clone(&world),
+                    serial: probe.serial,
+                    target: probe.target.clone(),
+                    admitted: target.admitted.clone(),
+                    view: view.clone(),
+                    mutant,
+                    kv_block,
+                    dispatcher: dispatcher.clone(),
+                    affinity: affinity.clone(),
+                    tried: Arc::clone(&tried),
+                    conn,
+                };
+                let config = PushConfig {
+                    seed,
+                    ..config.clone()
+                };
+                Dispatcher::with_link(view.clone(), mode.clone(), config, link)
+                    .with_affinity_table(affinity.clone().map(|a| a.table))
+            });
+            if kv_on {
+                kv_events::subscribe(&world, &push);
+            }
+            if let Some(conn) = conn {
+                let subscriber: Arc<dyn LoadSubscriber> = Arc::clone(&push) as _;
+                super::frontends::connect(&world, conn, Arc::downgrade(&subscriber));
+            }
+            pushes.push(push);
         }
         world.attach_view(&probe, &view);
         if mutant == Some(Mutant::LeakBindings) {
@@ -234,7 +259,7 @@ impl SimBinding {
         world.trace(&[2, probe.serial, target.id.generation]);
         Ok(SimBinding {
             probe,
-            push,
+            pushes,
             view,
             target,
             world,
@@ -322,7 +347,8 @@ impl Binding for SimBinding {
         async move {
             let _in_flight = in_flight;
             let deadline = Instant::now() + timing::PREFILL_TIMEOUT;
-            let error = match self.push.generate(request).await {
+            let frontend = super::frontends::frontend_of(&self.world, id, self.pushes.len());
+            let error = match self.pushes[frontend].generate(request).await {
                 Ok(stream) => return PrefillOutcome::collect(stream.instance_id(), stream).await,
                 Err(error) => error,
             };

@@ -25,6 +25,11 @@ pub struct SimConfig {
     /// lost or delayed, under the stale-credit oracle (off by default; the KV mutant turns it
     /// on). See [`sim::kv_events`](super::kv_events).
     pub kv_events: bool,
+    /// Independent frontends (dispatchers with their own bookings) per binding, sharing the
+    /// simulated workers, which keep a real load ledger and publish load reports, some lost
+    /// or late, under the no-leak and no-double-count oracles (1, the default: one frontend,
+    /// no load reports). See [`sim::frontends`](super::frontends).
+    pub frontends: u32,
 }
 
 impl SimConfig {
@@ -37,6 +42,30 @@ impl SimConfig {
             conditional: false,
             sessions: false,
             kv_events: false,
+            frontends: 1,
+        }
+    }
+
+    /// The same run with `n` frontends per binding sharing the workers, which publish load
+    /// reports (`n` is clamped to `1..=`[`MAX_FRONTENDS`](super::frontends::MAX_FRONTENDS);
+    /// 1 turns the mode off). Session affinity mirrors one table per binding, so a run with
+    /// sessions keeps one frontend.
+    pub fn with_frontends(mut self, n: u32) -> Self {
+        self.frontends = n.clamp(1, super::frontends::MAX_FRONTENDS);
+        self
+    }
+
+    /// Frontends per binding in this run: as asked (a load-report mutant asks for at least
+    /// two), one with sessions.
+    pub(crate) fn frontends_on(&self) -> u32 {
+        let asked = match self.mutant {
+            Some(Mutant::ReportsOwnWork | Mutant::LedgerKeepsFailedWork) => self.frontends.max(2),
+            _ => self.frontends,
+        };
+        if self.sessions_on() {
+            1
+        } else {
+            asked.clamp(1, super::frontends::MAX_FRONTENDS)
         }
     }
 
@@ -146,6 +175,14 @@ pub enum Mutant {
     /// Workers publish their KV event batches without the removals, so evicted blocks stay
     /// credited (oracle: stale credit with no batch lost or late).
     KvIgnoresRemovals,
+    /// Workers report their ledger's total load to every frontend, the receiving connection's
+    /// own work included, instead of `LoadLedger::report_for` (oracle: a frontend's view
+    /// counts its own work twice).
+    ReportsOwnWork,
+    /// A worker never finishes in its load ledger the work of an attempt that failed or was
+    /// cancelled (only answered ones end there), so it stays reported to the other frontends
+    /// (oracle: load leaked).
+    LedgerKeepsFailedWork,
 }
 
 /// Time constants of the simulated world (all simulated time: the clock is paused and jumps).

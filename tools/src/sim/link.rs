@@ -24,6 +24,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::config::{timing, Mutant};
+use super::frontends;
 use super::kv_events;
 use super::oracle::Violation;
 use super::sessions;
@@ -80,6 +81,9 @@ pub(crate) struct SimLink {
     /// The dispatcher's affinity table (runs with sessions).
     pub(crate) affinity: Option<AffinityMirror>,
     pub(crate) tried: Tried,
+    /// The dispatcher's connection at every worker's load ledger (runs with several
+    /// frontends).
+    pub(crate) conn: Option<u64>,
 }
 
 impl WorkerLink for SimLink {
@@ -112,6 +116,9 @@ impl SimLink {
         if let (Some(hashes), Some(dispatcher)) = (&hashes, self.dispatcher.upgrade()) {
             let credited = dispatch.expected_overlap_blocks;
             kv_events::picked(&self.world, id, &dispatcher, picked, hashes, credited);
+        }
+        if let (Some(conn), Some(dispatcher)) = (self.conn, self.dispatcher.upgrade()) {
+            frontends::picked(&self.world, &*dispatcher, conn, picked);
         }
         let last_tried = self.tried.lock().get(&id).and_then(|t| t.last().copied());
         let worker = match (self.mutant, last_tried) {
@@ -178,14 +185,27 @@ impl SimLink {
                 .boxed()
             }
         };
+        // The worker holds the attempt's work in its load ledger until the attempt ends (the
+        // answer, the failure, the deadline, or the stream dropped).
+        let held = self.conn.and_then(|conn| {
+            let key = id.wrapping_mul(8).wrapping_add(u64::from(dispatch.attempt));
+            let tokens = request.token_ids.len() as u64;
+            frontends::admit(&self.world, worker, conn, key, tokens)
+        });
         let deadline = deadline.filter(|_| self.mutant != Some(Mutant::NoPrefillTimeout));
         let item = async move {
-            match deadline {
+            let mut held = held;
+            let out = match deadline {
                 Some(d) => tokio::time::timeout_at(d, work)
                     .await
                     .unwrap_or(Err(TransportError::Timeout)),
                 None => work.await,
+            };
+            if let Some(held) = &mut held {
+                held.answered = out.is_ok();
             }
+            drop(held);
+            out
         };
         Ok(Box::pin(futures_util::stream::once(item)))
     }

@@ -139,6 +139,35 @@ pub enum Violation {
         /// Leading blocks the worker's cache held.
         held: usize,
     },
+    /// A frontend's view of a worker counted work that is not the other connections' (see
+    /// `sim/frontends.rs`): its reported others differ from what the other connections held
+    /// at the worker when the newest report it received was made, e.g. its own work counted
+    /// a second time.
+    LoadDoubleCounted {
+        /// The frontend's connection.
+        frontend: u64,
+        /// The worker.
+        worker: InstanceId,
+        /// The others' load the frontend counts (tokens, requests).
+        others: (u64, u64),
+        /// What the other connections held when that report was made (tokens, requests).
+        truth: (u64, u64),
+        /// What the frontend's own connection held then (tokens, requests).
+        own: (u64, u64),
+    },
+    /// Work outlived its requests in a worker's load ledger or a frontend's view of it (see
+    /// `sim/frontends.rs`).
+    LoadLeaked {
+        /// Which check found it: `exact_view` (at a pick, throughout the run),
+        /// `quiescent_ledger` or `quiescent_view` (at the end-of-run checkpoint).
+        check: &'static str,
+        /// The frontend's connection (`u64::MAX` for a worker's ledger).
+        frontend: u64,
+        /// The worker.
+        worker: InstanceId,
+        /// Where and what.
+        detail: String,
+    },
     /// A property of session affinity broke (see `sim/sessions.rs`).
     AffinityBroken {
         /// The request.
@@ -260,6 +289,25 @@ impl fmt::Display for Violation {
                 f,
                 "request {request}: worker {worker} credited with {credited} leading blocks from its events, its cache held {held}, no batch of it lost or late"
             ),
+            Violation::LoadDoubleCounted {
+                frontend,
+                worker,
+                others,
+                truth,
+                own,
+            } => write!(
+                f,
+                "frontend connection {frontend} counts others' load {others:?} (tokens, requests) on worker {worker}, but the other connections held {truth:?} when its newest report was made (its own {own:?})"
+            ),
+            Violation::LoadLeaked {
+                check,
+                frontend,
+                worker,
+                detail,
+            } => write!(
+                f,
+                "{check}: worker {worker}, frontend connection {frontend}: {detail}"
+            ),
             Violation::ConditionalBroken {
                 request,
                 property,
@@ -293,6 +341,8 @@ impl Violation {
             Violation::CountersDisagree { .. } => "counters_disagree",
             Violation::TasksLeftAfterShutdown { .. } => "tasks_left_after_shutdown",
             Violation::KvStaleCredit { .. } => "kv_stale_credit",
+            Violation::LoadDoubleCounted { .. } => "load_double_counted",
+            Violation::LoadLeaked { .. } => "load_leaked",
             Violation::ConditionalBroken { property, .. }
             | Violation::AffinityBroken { property, .. } => property,
         }

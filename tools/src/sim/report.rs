@@ -74,6 +74,20 @@ pub struct SimStats {
     /// KV picks whose credit exceeded the cache while a batch of the worker was lost or late
     /// (allowed; shows the oracle's window is exercised).
     pub kv_stale_while_lagging: u64,
+    /// Load reports the workers made (runs with several frontends).
+    pub load_reports: u64,
+    /// Load reports lost (faults on, or the worker down).
+    pub load_reports_lost: u64,
+    /// Load reports delivered late.
+    pub load_reports_late: u64,
+    /// Picks whose frontend counted other frontends' work on the picked worker (the reports
+    /// are exercised).
+    pub picks_with_others: u64,
+    /// Picks on an exact view (the newest report made for the connection delivered), where
+    /// the bounded no-leak check ran.
+    pub picks_on_exact_view: u64,
+    /// Frontend views of a worker checked at the quiescent checkpoint.
+    pub quiescent_views_checked: u64,
 }
 
 /// The outcome of one simulated run.
@@ -139,8 +153,13 @@ pub fn repro_command(config: &SimConfig) -> String {
     };
     let sessions = if config.sessions { " --sessions" } else { "" };
     let kv = if config.kv_events { " --kv-events" } else { "" };
+    let frontends = if config.frontends > 1 {
+        format!(" --frontends {}", config.frontends)
+    } else {
+        String::new()
+    };
     format!(
-        "cargo run --release -- simulate --seed {} --steps {}{mutant}{conditional}{sessions}{kv}",
+        "cargo run --release -- simulate --seed {} --steps {}{mutant}{conditional}{sessions}{kv}{frontends}",
         config.seed, config.steps
     )
 }
@@ -160,6 +179,8 @@ pub fn mutant_name(mutant: Mutant) -> &'static str {
         Mutant::AffinityKeepsLiveEntry => "affinity-keeps-live-entry",
         Mutant::AffinityInheritedByRebuild => "affinity-inherited-by-rebuild",
         Mutant::KvIgnoresRemovals => "kv-ignores-removals",
+        Mutant::ReportsOwnWork => "reports-own-work",
+        Mutant::LedgerKeepsFailedWork => "ledger-keeps-failed-work",
     }
 }
 
@@ -178,6 +199,8 @@ pub fn parse_mutant(name: &str) -> Option<Mutant> {
         Mutant::AffinityKeepsLiveEntry,
         Mutant::AffinityInheritedByRebuild,
         Mutant::KvIgnoresRemovals,
+        Mutant::ReportsOwnWork,
+        Mutant::LedgerKeepsFailedWork,
     ]
     .into_iter()
     .find(|m| mutant_name(*m) == name)
@@ -250,6 +273,19 @@ impl fmt::Display for SimReport {
                 f,
                 "  KV events: {} batches lost, {} late, {} picks over-credited while lagging",
                 s.kv_batches_lost, s.kv_batches_delayed, s.kv_stale_while_lagging
+            )?;
+        }
+        if s.load_reports > 0 {
+            writeln!(
+                f,
+                "  load reports: {} made, {} lost, {} late; picks counting others {}, on an exact view \
+                 {}; views checked at the quiescent checkpoint {}",
+                s.load_reports,
+                s.load_reports_lost,
+                s.load_reports_late,
+                s.picks_with_others,
+                s.picks_on_exact_view,
+                s.quiescent_views_checked
             )?;
         }
         for v in &self.violations {

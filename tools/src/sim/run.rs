@@ -62,6 +62,13 @@ async fn run(config: SimConfig) -> SimReport {
         resync_stop.clone(),
     ));
 
+    let refresh = (super::frontends::frontends(&sim.world) > 1).then(|| {
+        tokio::spawn(super::frontends::refresh_loop(
+            Arc::clone(&sim.world),
+            resync_stop.clone(),
+        ))
+    });
+
     let shutdown_in_flight = sim.scenario.percent(20);
     sim.play(config.steps).await;
     if shutdown_in_flight {
@@ -71,9 +78,13 @@ async fn run(config: SimConfig) -> SimReport {
     }
     sim.finish_requests().await;
     sim.check_end_state();
+    super::frontends::check_quiescent(&sim.world).await;
     sim.tear_down().await;
     resync_stop.cancel();
     let _ = resync.await;
+    if let Some(refresh) = refresh {
+        let _ = refresh.await;
+    }
     tokio::time::sleep(Duration::from_millis(1)).await;
     // After shutdown and the last request, no binding may survive.
     sim.world.check_bindings(None, None);

@@ -17,7 +17,8 @@ use tokio_util::sync::CancellationToken;
 mod ledgers;
 
 pub(crate) use ledgers::{
-    AffinityMirror, ConditionalLedger, KvLedger, KvSubscriber, SessionLedger,
+    AffinityMirror, ConditionalLedger, KvLedger, KvSubscriber, LoadSubscriber, ReportLedger,
+    SessionLedger,
 };
 
 use super::config::Mutant;
@@ -110,6 +111,9 @@ pub(crate) struct WorldState {
     pub(crate) sessions: SessionLedger,
     /// KV events: the workers' caches, the subscribed dispatchers, the lag windows.
     pub(crate) kv: KvLedger,
+    /// Load reports (runs with several frontends): the workers' ledgers, the frontends'
+    /// connections, the ghost truth.
+    pub(crate) reports: ReportLedger,
     pub(crate) stats: SimStats,
     pub(crate) violations: Vec<Violation>,
     digest: u64,
@@ -146,6 +150,7 @@ impl World {
                 conditional: Default::default(),
                 sessions: Default::default(),
                 kv: Default::default(),
+                reports: Default::default(),
                 stats: SimStats::default(),
                 violations: Vec::new(),
                 digest: 0,

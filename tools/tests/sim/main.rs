@@ -3,6 +3,7 @@
 //! sessions, KV events) as modules of the same binary.
 
 mod conditional;
+mod frontends;
 mod kv_events;
 mod sessions;
 mod support;

@@ -10,7 +10,7 @@ use crate::args::{CliError, Flags};
 /// Usage of `prefill-router simulate`.
 pub const USAGE: &str = "\
 usage: prefill-router simulate [--seed N] [--steps K] [--seeds M] [--mutant NAME] [--conditional]
-                               [--sessions] [--kv-events] [--quiet]
+                               [--sessions] [--kv-events] [--frontends N] [--quiet]
 
 Runs the real PrefillRouter against a seeded in-memory world (faulty discovery feed, builds
 that fail/hang/outlive cancellation, workers that crash/reject/hang) on a paused clock, and
@@ -25,13 +25,17 @@ checks the oracles listed in docs/simulation.md.
                 retry-reuses-failed-worker | conditional-probe-lies |
                 conditional-prefill-on-probe | affinity-ignores-routable |
                 affinity-keeps-live-entry | affinity-inherited-by-rebuild |
-                kv-ignores-removals
+                kv-ignores-removals | reports-own-work | ledger-keeps-failed-work
   --conditional run the router with the conditional disaggregation policy
                 (prefill_router_tools::sim::conditional::POLICY) and its oracles
   --sessions    give requests session keys and the bindings session affinity
                 (prefill_router_tools::sim::sessions::TTL), under the affinity oracles
   --kv-events   KV routing with workers publishing KV cache events, some batches lost or
                 late, under the stale-credit oracle (prefill_router_tools::sim::kv_events)
+  --frontends N N frontends (2..=4) per binding share the workers, which keep load
+                ledgers and publish load reports, some lost or late, under the no-leak
+                and no-double-count oracles (prefill_router_tools::sim::frontends);
+                not with --sessions (one frontend then)
   --quiet       print failing runs and the summary only
 (from the workspace root: cargo run --release -- simulate ...)";
 
@@ -47,6 +51,8 @@ pub struct SimulateOptions {
     sessions: bool,
     /// Run with KV events.
     kv_events: bool,
+    /// Frontends per binding.
+    frontends: u32,
     quiet: bool,
 }
 
@@ -61,6 +67,7 @@ impl SimulateOptions {
             conditional: false,
             sessions: false,
             kv_events: false,
+            frontends: 1,
             quiet: false,
         };
         let mut flags = Flags::new(args);
@@ -73,10 +80,22 @@ impl SimulateOptions {
                 "--conditional" => options.conditional = true,
                 "--sessions" => options.sessions = true,
                 "--kv-events" => options.kv_events = true,
+                "--frontends" => {
+                    let max = prefill_router_tools::sim::frontends::MAX_FRONTENDS;
+                    options.frontends = flags.parsed(flag)?;
+                    if !(1..=max).contains(&options.frontends) {
+                        return Err(CliError::Usage(format!("--frontends must be 1..={max}")));
+                    }
+                }
                 "--quiet" => options.quiet = true,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other => return Err(CliError::Usage(format!("unknown option `{other}`"))),
             }
+        }
+        if options.sessions && options.frontends > 1 {
+            return Err(CliError::Usage(
+                "--frontends above 1 does not combine with --sessions".to_owned(),
+            ));
         }
         Ok(options)
     }
@@ -109,6 +128,7 @@ fn run_blocking(options: &SimulateOptions) -> ExitCode {
         config.conditional = options.conditional;
         config.sessions = options.sessions;
         config.kv_events = options.kv_events;
+        config = config.with_frontends(options.frontends);
         let report = match simulate(&config) {
             Ok(report) => report,
             Err(error) => {

@@ -27,6 +27,7 @@ impl Run {
         world.with(|s| {
             s.sessions.on = config.sessions_on();
             s.kv.on = config.kv_events_on();
+            s.reports.frontends = config.frontends_on();
             s.conditional.policy = config
                 .conditional_on()
                 .then_some(super::super::conditional::POLICY);

@@ -15,6 +15,7 @@ use crate::mock::BlockCache;
 use prefill_router::binding::PrefillEstimate;
 use prefill_router::discovery::InstanceId;
 use prefill_router::kv_events::EventBatch;
+use prefill_router::load_report::{Applied, Load, LoadLedger, LoadReport};
 use prefill_router::push::{
     AffinityOutcome, AffinityStats, AffinityTable, Dispatcher, WorkerLink,
     DEFAULT_AFFINITY_CAPACITY,
@@ -124,4 +125,86 @@ pub(crate) struct KvLedger {
     pub(crate) lag: BTreeMap<InstanceId, Lag>,
     /// Batches published so far (numbers the fate draws).
     pub(crate) published: u64,
+}
+
+/// A frontend's dispatcher as a receiver of load reports, and what its view of a worker's
+/// load is. A trait object so that the ledger need not name the simulated link.
+pub(crate) trait LoadSubscriber: Send + Sync {
+    /// Applies `report` of `worker` (`None`: the dispatcher has no load board).
+    fn apply_report(&self, worker: InstanceId, report: LoadReport) -> Option<Applied>;
+    /// The others' load the dispatcher counts for `worker` (zero before a first report).
+    fn others(&self, worker: InstanceId) -> Load;
+    /// The dispatcher's own bookings on `worker`.
+    fn booked(&self, worker: InstanceId) -> u64;
+    /// The load the dispatcher orders `worker` by: its bookings plus the others'.
+    fn combined(&self, worker: InstanceId) -> u64;
+}
+
+impl<L: WorkerLink> LoadSubscriber for Dispatcher<L> {
+    fn apply_report(&self, worker: InstanceId, report: LoadReport) -> Option<Applied> {
+        self.apply_load_report(worker, report)
+    }
+
+    fn others(&self, worker: InstanceId) -> Load {
+        self.reported_load(worker)
+            .map_or(Load::ZERO, |r| r.others())
+    }
+
+    fn booked(&self, worker: InstanceId) -> u64 {
+        self.booked_work(worker)
+    }
+
+    fn combined(&self, worker: InstanceId) -> u64 {
+        self.combined_work(worker)
+    }
+}
+
+/// One connection's report stream from one worker, as the oracles follow it.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct ReportStream {
+    /// The newest report made (its seq; 0: none).
+    pub(crate) made: u64,
+    /// The newest report delivered: its seq, and what the other connections and the receiving
+    /// one held when it was made.
+    pub(crate) delivered: Option<(u64, Load, Load)>,
+}
+
+/// The workers' load ledgers, the frontends they report to, and the ghost truth of the work
+/// each connection holds at each worker.
+#[derive(Default)]
+pub(crate) struct ReportLedger {
+    /// Frontends per binding (1: the mode is off).
+    pub(crate) frontends: u32,
+    /// Each worker's real ledger.
+    pub(crate) ledgers: BTreeMap<InstanceId, LoadLedger>,
+    /// Ghost truth: worker → connection → attempt key → tokens, kept beside the ledger by the
+    /// simulator's own records of the attempts a worker holds.
+    pub(crate) held: BTreeMap<InstanceId, BTreeMap<u64, BTreeMap<u64, u64>>>,
+    /// Open connections: their frontend's dispatcher.
+    pub(crate) conns: BTreeMap<u64, Weak<dyn LoadSubscriber>>,
+    /// `(connection, worker)` → its report stream.
+    pub(crate) streams: BTreeMap<(u64, InstanceId), ReportStream>,
+    pub(crate) next_conn: u64,
+    /// Reports made so far (numbers the fate draws).
+    pub(crate) published: u64,
+    /// The quiescent checkpoint: reports are delivered on time, whatever the faults.
+    pub(crate) quiet: bool,
+    /// Checks already reported (one violation of each per run is enough).
+    pub(crate) flagged: BTreeSet<&'static str>,
+}
+
+impl ReportLedger {
+    /// What the connections other than `conn` hold at `worker`, and what `conn` holds.
+    pub(crate) fn truth(&self, worker: InstanceId, conn: u64) -> (Load, Load) {
+        let mut others = Load::ZERO;
+        let mut own = Load::ZERO;
+        for (c, work) in self.held.get(&worker).into_iter().flatten() {
+            let into = if *c == conn { &mut own } else { &mut others };
+            for tokens in work.values() {
+                into.tokens += tokens;
+                into.requests += 1;
+            }
+        }
+        (others, own)
+    }
 }
