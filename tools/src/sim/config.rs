@@ -3,6 +3,9 @@
 
 use std::time::Duration;
 
+/// Most frontends per binding (see [`sim::frontends`](super::frontends)).
+pub const MAX_FRONTENDS: u32 = 4;
+
 /// One simulated run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SimConfig {
@@ -47,11 +50,11 @@ impl SimConfig {
     }
 
     /// The same run with `n` frontends per binding sharing the workers, which publish load
-    /// reports (`n` is clamped to `1..=`[`MAX_FRONTENDS`](super::frontends::MAX_FRONTENDS);
+    /// reports (`n` is clamped to `1..=`[`MAX_FRONTENDS`];
     /// 1 turns the mode off). Session affinity mirrors one table per binding, so a run with
     /// sessions keeps one frontend.
     pub fn with_frontends(mut self, n: u32) -> Self {
-        self.frontends = n.clamp(1, super::frontends::MAX_FRONTENDS);
+        self.frontends = n.clamp(1, MAX_FRONTENDS);
         self
     }
 
@@ -65,7 +68,7 @@ impl SimConfig {
         if self.sessions_on() {
             1
         } else {
-            asked.clamp(1, super::frontends::MAX_FRONTENDS)
+            asked.clamp(1, MAX_FRONTENDS)
         }
     }
 

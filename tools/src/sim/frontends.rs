@@ -55,8 +55,8 @@ use super::world::{LoadSubscriber, World, WorldState};
 use prefill_router::discovery::InstanceId;
 use prefill_router::load_report::{Load, LoadReport};
 
-/// Most frontends per binding.
-pub const MAX_FRONTENDS: u32 = 4;
+pub use super::config::MAX_FRONTENDS;
+
 /// Percent of load reports lost while faults are on.
 pub const LOSS_PERCENT: u64 = 8;
 /// Percent of load reports delayed while faults are on.
