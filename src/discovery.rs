@@ -5,8 +5,9 @@
 //! format ([`record_key`], [`encode_record`], [`decode_record`]) and the level-triggered diff
 //! behind every watch are pure and build without tokio. With the default feature `runtime`
 //! the module adds the `Discovery` trait and its backends: `MemoryDiscovery` (in-process),
-//! `FileDiscovery` (a shared directory, the embedded default) and, with feature `etcd`,
-//! `EtcdDiscovery`. See `docs/discovery.md`.
+//! `FileDiscovery` (a shared directory, the embedded default), with feature `etcd`
+//! `EtcdDiscovery`, and with feature `kubernetes` the read-only `KubernetesDiscovery`. See
+//! `docs/discovery.md` and `docs/kubernetes.md`.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -31,6 +32,8 @@ mod api;
 mod etcd;
 #[cfg(feature = "runtime")]
 mod file;
+#[cfg(feature = "kubernetes")]
+mod kubernetes;
 #[cfg(feature = "runtime")]
 mod memory;
 #[cfg(feature = "runtime")]
@@ -44,6 +47,11 @@ pub use api::{Discovery, InstanceStream, NamespaceStream, Registration};
 pub use etcd::{EtcdConfig, EtcdDiscovery, HTTP2_PING_INTERVAL, WATCH_PROBE_INTERVAL};
 #[cfg(feature = "runtime")]
 pub use file::{FileConfig, FileDiscovery};
+#[cfg(feature = "kubernetes")]
+pub use kubernetes::{
+    instance_id_of, ClusterSource, KubernetesConfig, KubernetesDiscovery, CARD_ANNOTATION,
+    COMPONENT_LABEL, ENDPOINT_LABEL, NAMESPACE_LABEL,
+};
 #[cfg(feature = "runtime")]
 pub use memory::{MemoryConfig, MemoryDiscovery};
 #[cfg(feature = "runtime")]

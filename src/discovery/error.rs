@@ -22,6 +22,13 @@ pub enum DiscoveryError {
     /// The etcd server refused or could not be reached.
     #[error("etcd: {0}")]
     Etcd(String),
+    /// The Kubernetes API server refused, failed or could not be reached.
+    #[error("kubernetes: {0}")]
+    Kubernetes(String),
+    /// This backend cannot publish a record: its workers are published another way (on
+    /// Kubernetes, by being a ready pod with a card annotation).
+    #[error("this discovery backend cannot register instances: {0}")]
+    RegisterUnsupported(&'static str),
     /// The background task serving this operation has stopped (runtime shutting down).
     #[error("discovery background task stopped")]
     Closed,

@@ -37,8 +37,8 @@ pub(crate) enum Gap {
     Missed,
     /// The feed broke (a lost connection, a cancelled watch): list again after the backend's
     /// retry interval.
-    // Only a networked store breaks: etcd is behind a feature.
-    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    // Only a networked store breaks: etcd and Kubernetes are behind features.
+    #[cfg_attr(not(any(feature = "etcd", feature = "kubernetes")), allow(dead_code))]
     Broken(DiscoveryError),
     /// The store itself is gone: end the watch.
     Closed,
