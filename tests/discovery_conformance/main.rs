@@ -12,7 +12,9 @@
 //! Files: `harness.rs` (what each backend provides), `cases.rs` (the suite), `support.rs`
 //! (helpers and the watchers' beliefs), `child.rs` (the killed worker process),
 //! `file_store.rs` and `etcd_restart.rs` (backend specifics), `mutants.rs` (broken backends
-//! the suite must reject).
+//! the suite must reject), `kubernetes.rs` and `k8s_server.rs` (feature `kubernetes`: the
+//! backend against an in-test API server; it refuses `register`, so the cases' properties are
+//! checked there with the server playing the worker side).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -40,6 +42,10 @@ mod etcd_keepalive;
 mod etcd_restart;
 mod file_store;
 mod harness;
+#[cfg(feature = "kubernetes")]
+mod k8s_server;
+#[cfg(feature = "kubernetes")]
+mod kubernetes;
 mod mutants;
 mod support;
 
