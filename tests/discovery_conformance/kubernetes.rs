@@ -265,3 +265,82 @@ async fn k8s_refusals_and_server_errors_are_typed_and_healed() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k8s_malformed_objects_are_skipped_and_never_stop_the_watch() {
+    within(async {
+        let server = K8sServer::start().await;
+        let ep = endpoint("dyn", "prefill");
+        let (good, mut bad_card) = (Pod::new(1, &ep), Pod::new(2, &ep));
+        put_pod(&server, &good);
+        // A pod whose card annotation is not a card.
+        server.put(
+            Kind::Pod,
+            json!({"metadata": {"name": bad_card.name, "namespace": K8S_NS, "uid": bad_card.uid(),
+                "labels": {NAMESPACE_LABEL: "dyn"}, "annotations": {CARD_ANNOTATION: "{not json"}}}),
+        );
+        // A slice of ours without its component and endpoint labels, and one without a port.
+        server.put(
+            Kind::Slice,
+            json!({"metadata": {"name": "unlabelled", "namespace": K8S_NS,
+                    "labels": {NAMESPACE_LABEL: "dyn"}},
+                "addressType": "IPv4", "endpoints": [{"addresses": ["10.0.9.9"],
+                    "targetRef": {"kind": "Pod", "uid": good.uid()}}], "ports": []}),
+        );
+        // An endpoint that is not a pod, beside the two pods.
+        server.put(
+            Kind::Slice,
+            json!({"metadata": {"name": "s", "namespace": K8S_NS, "labels": {
+                    NAMESPACE_LABEL: "dyn", COMPONENT_LABEL: "prefill", ENDPOINT_LABEL: "generate"}},
+                "addressType": "IPv4",
+                "endpoints": [
+                    {"addresses": ["10.0.0.1"], "targetRef": {"kind": "Pod", "uid": good.uid()}},
+                    {"addresses": ["10.0.0.2"], "targetRef": {"kind": "Pod", "uid": bad_card.uid()}},
+                    {"addresses": ["10.0.0.7"], "targetRef": {"kind": "Node", "uid": "n"}}],
+                "ports": [{"name": "request-plane", "port": 9000}]}),
+        );
+        let store = client(&server).await;
+        assert_eq!(store.list_instances(&ep).await.unwrap(), vec![good.instance()]);
+        let mut watch = store.watch(&ep).await.unwrap();
+        assert_eq!(next(&mut watch).await, InstanceEvent::Added(good.instance()));
+        assert_quiet(&mut watch).await;
+        // Fixing the card makes the pod a worker: the watch went on past the bad objects.
+        bad_card.card = card("m", SelectionMode::KV);
+        put_pod(&server, &bad_card);
+        assert_eq!(next(&mut watch).await, InstanceEvent::Added(bad_card.instance()));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k8s_two_watchers_agree_and_a_lagging_one_catches_up() {
+    within(async {
+        let server = K8sServer::start().await;
+        let ep = endpoint("dyn", "prefill");
+        let pods: Vec<Pod> = (1..=60).map(|n| Pod::new(n, &ep)).collect();
+        let (first, second) = (client(&server).await, client(&server).await);
+        let mut reading = first.watch(&ep).await.unwrap();
+        // Not read until the end: it must catch up without loss or duplicates.
+        let mut lagging = second.watch(&ep).await.unwrap();
+        let mut view = View::default();
+        for n in 1..=pods.len() {
+            put_pod(&server, &pods[n - 1]);
+            put_slice(&server, "s", &ep, &pods.iter().take(n).collect::<Vec<_>>());
+        }
+        // Half of them go (deleted pods leave the slice).
+        let kept: Vec<&Pod> = pods.iter().skip(30).collect();
+        for pod in pods.iter().take(30) {
+            server.delete(Kind::Pod, &pod.name);
+        }
+        put_slice(&server, "s", &ep, &kept);
+        let expected: Vec<Instance> = kept.iter().map(|p| p.instance()).collect();
+        let expected: Vec<&Instance> = expected.iter().collect();
+        view.until(&mut reading, &expected).await;
+        let mut late = View::default();
+        late.until(&mut lagging, &expected).await;
+        assert_eq!(view.instances, late.instances);
+        assert_quiet(&mut reading).await;
+        assert_quiet(&mut lagging).await;
+    })
+    .await;
+}
