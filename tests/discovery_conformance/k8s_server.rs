@@ -9,7 +9,8 @@
 //!   first page's snapshot; a token whose snapshot is no longer current is `410 Expired`, as a
 //!   real server answers once the snapshot is compacted), `metadata.resourceVersion`;
 //! - watch (`watch=true`) from `resourceVersion`: the events after it in order (`ADDED`,
-//!   `MODIFIED`, `DELETED`, one global version counter), then live ones, `BOOKMARK`s when
+//!   `MODIFIED`, `DELETED`, one global version counter; an object entering or leaving the
+//!   label selection is `ADDED` or `DELETED`), then live ones, `BOOKMARK`s when
 //!   asked for (`allowWatchBookmarks`), ending after `timeoutSeconds`; a version older than
 //!   the compacted history gets an `ERROR` event with a `410` status, as Kubernetes sends it;
 //! - faults: the next requests answered with 401/403/500 `Status` bodies, open watches
@@ -40,12 +41,21 @@ impl Kind {
     }
 }
 
+/// One change: its version, the object after it (before it, for a deletion) and before it.
+struct Change {
+    version: u64,
+    kind: Kind,
+    deleted: bool,
+    object: Value,
+    previous: Option<Value>,
+}
+
 #[derive(Default)]
 struct State {
     version: u64,
     objects: BTreeMap<(Kind, String), Value>,
-    /// (version, kind, event type, object) of every change after `compacted`.
-    history: Vec<(u64, Kind, &'static str, Value)>,
+    /// Every change after `compacted`.
+    history: Vec<Change>,
     compacted: u64,
     /// Statuses the next requests are answered with.
     failures: VecDeque<u16>,
@@ -114,9 +124,14 @@ impl K8sServer {
         object["apiVersion"] = json!(api_version);
         object["kind"] = json!(kind_name);
         object["metadata"]["resourceVersion"] = json!(version.to_string());
-        let old = state.objects.insert((kind, name), object.clone());
-        let event = if old.is_some() { "MODIFIED" } else { "ADDED" };
-        state.history.push((version, kind, event, object));
+        let previous = state.objects.insert((kind, name), object.clone());
+        state.history.push(Change {
+            version,
+            kind,
+            deleted: false,
+            object,
+            previous,
+        });
         drop(state);
         self.changed.send_replace(version);
     }
@@ -130,7 +145,13 @@ impl K8sServer {
         state.version += 1;
         let version = state.version;
         object["metadata"]["resourceVersion"] = json!(version.to_string());
-        state.history.push((version, kind, "DELETED", object));
+        state.history.push(Change {
+            version,
+            kind,
+            deleted: true,
+            previous: Some(object.clone()),
+            object,
+        });
         drop(state);
         self.changed.send_replace(version);
     }
@@ -232,6 +253,22 @@ impl Query {
             let (key, value) = term.split_once('=').unwrap_or((term, ""));
             object["metadata"]["labels"][key].as_str() == Some(value.trim_start_matches('='))
         })
+    }
+}
+
+impl Query {
+    /// What a watch with this selector sees of a change: an object entering the selection is
+    /// `ADDED`, one leaving it `DELETED`, as Kubernetes reports them.
+    fn event(&self, change: &Change) -> Option<(&'static str, Value)> {
+        let now = !change.deleted && self.selects(&change.object);
+        let before = change.previous.as_ref().is_some_and(|p| self.selects(p));
+        let type_ = match (before, now) {
+            (false, false) => return None,
+            (false, true) => "ADDED",
+            (true, true) => "MODIFIED",
+            (true, false) => "DELETED",
+        };
+        Some((type_, change.object.clone()))
     }
 }
 
@@ -348,8 +385,8 @@ impl Shared {
                     let events: Vec<(&'static str, Value)> = state
                         .history
                         .iter()
-                        .filter(|(v, k, _, o)| *v > sent && *k == query.kind && query.selects(o))
-                        .map(|(_, _, t, o)| (*t, o.clone()))
+                        .filter(|c| c.version > sent && c.kind == query.kind)
+                        .filter_map(|c| query.event(c))
                         .collect();
                     (events, state.version, sent < state.compacted)
                 };

@@ -150,6 +150,15 @@ async fn k8s_list_and_watch_follow_pods_and_slices() {
         server.delete(Kind::Slice, "other-prefill-1");
         assert_quiet(&mut watch).await;
         assert!(store.list_namespace("other").await.unwrap().is_empty());
+        // A pod leaving the label selection is a DELETED to the pod watch: its card is gone.
+        server.put(
+            Kind::Pod,
+            json!({"metadata": {"name": a.name, "namespace": K8S_NS, "uid": a.uid()}}),
+        );
+        assert_eq!(
+            next(&mut watch).await,
+            InstanceEvent::Removed(a.instance().instance_id)
+        );
     })
     .await;
 }
