@@ -214,6 +214,10 @@ pub(crate) struct KubeCursor {
     slice_watch: Option<Events<EndpointSlice>>,
     pod_watch: Option<Events<Pod>>,
     emitted: BTreeMap<String, Vec<u8>>,
+    /// `410 Gone`s since the last object event: from the second in a row on, a relist waits
+    /// [`KubernetesConfig::retry_interval`] first (no relisting in a tight loop against a
+    /// server that expires every fresh version).
+    expired: u32,
 }
 
 /// What one watch item means for the cursor.
@@ -277,6 +281,72 @@ impl KubeCursor {
     }
 }
 
+/// The next item of one of a cursor's two watches.
+#[allow(clippy::large_enum_variant)] // one short-lived value per watch event, not stored
+enum Next {
+    Slice(Option<Result<WatchEvent<EndpointSlice>, kube::Error>>),
+    Pod(Option<Result<WatchEvent<Pod>, kube::Error>>),
+}
+
+impl KubernetesDiscovery {
+    /// Apply a slice watch item; true if an object changed.
+    async fn on_slice(
+        &self,
+        cursor: &mut KubeCursor,
+        selector: &str,
+        item: Option<Result<WatchEvent<EndpointSlice>, kube::Error>>,
+    ) -> Result<bool, Gap> {
+        match seen(item, &mut cursor.slice_version)? {
+            Seen::Upsert(slice) => {
+                let members = members_of(&slice, &self.config.port_name);
+                cursor.slices.insert(slice_name(&slice), members);
+            }
+            Seen::Delete(slice) => {
+                cursor.slices.remove(&slice_name(&slice));
+            }
+            Seen::Nothing => return Ok(false),
+            Seen::Ended => {
+                let api = self.api::<EndpointSlice>();
+                let reopened = self.open(&api, selector, &cursor.slice_version).await;
+                cursor.slice_watch = Some(reopened.map_err(Gap::Broken)?);
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Apply a pod watch item; true if an object changed.
+    async fn on_pod(
+        &self,
+        cursor: &mut KubeCursor,
+        selector: &str,
+        item: Option<Result<WatchEvent<Pod>, kube::Error>>,
+    ) -> Result<bool, Gap> {
+        match seen(item, &mut cursor.pod_version)? {
+            Seen::Upsert(pod) => {
+                let uid = pod.metadata.uid.clone().unwrap_or_default();
+                match card_of(&pod) {
+                    Some((uid, card)) => cursor.cards.insert(uid, card),
+                    None => cursor.cards.remove(&uid),
+                };
+            }
+            Seen::Delete(pod) => {
+                if let Some(uid) = &pod.metadata.uid {
+                    cursor.cards.remove(uid);
+                }
+            }
+            Seen::Nothing => return Ok(false),
+            Seen::Ended => {
+                let api = self.api::<Pod>();
+                let reopened = self.open(&api, selector, &cursor.pod_version).await;
+                cursor.pod_watch = Some(reopened.map_err(Gap::Broken)?);
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
 impl Backend for KubernetesDiscovery {
     type Cursor = KubeCursor;
 
@@ -299,12 +369,16 @@ impl Backend for KubernetesDiscovery {
             slice_watch: None,
             pod_watch: None,
             emitted: BTreeMap::new(),
+            expired: 0,
         }
     }
 
     async fn resync(&self, cursor: &mut KubeCursor) -> Result<Listing, DiscoveryError> {
         cursor.slice_watch = None;
         cursor.pod_watch = None;
+        if cursor.expired > 1 {
+            tokio::time::sleep(self.config.retry_interval).await;
+        }
         let listing = self.read(cursor).await?;
         if let Some(selector) = cursor.selector.as_deref() {
             let slices = self.api::<EndpointSlice>();
@@ -325,47 +399,27 @@ impl Backend for KubernetesDiscovery {
             return Err(Gap::Missed);
         };
         // Both arms are cancel-safe: a stream keeps what it has buffered.
-        tokio::select! {
-            item = slices.next() => match seen(item, &mut cursor.slice_version)? {
-                Seen::Upsert(slice) => {
-                    let members = members_of(&slice, &self.config.port_name);
-                    cursor.slices.insert(slice_name(&slice), members);
-                }
-                Seen::Delete(slice) => {
-                    cursor.slices.remove(&slice_name(&slice));
-                }
-                Seen::Nothing => return Ok(()),
-                Seen::Ended => {
-                    let api = self.api::<EndpointSlice>();
-                    let reopened = self.open(&api, &selector, &cursor.slice_version).await;
-                    cursor.slice_watch = Some(reopened.map_err(Gap::Broken)?);
-                    return Ok(());
-                }
-            },
-            item = pods.next() => match seen(item, &mut cursor.pod_version)? {
-                Seen::Upsert(pod) => {
-                    let uid = pod.metadata.uid.clone().unwrap_or_default();
-                    match card_of(&pod) {
-                        Some((uid, card)) => cursor.cards.insert(uid, card),
-                        None => cursor.cards.remove(&uid),
-                    };
-                }
-                Seen::Delete(pod) => {
-                    if let Some(uid) = &pod.metadata.uid {
-                        cursor.cards.remove(uid);
-                    }
-                }
-                Seen::Nothing => return Ok(()),
-                Seen::Ended => {
-                    let api = self.api::<Pod>();
-                    let reopened = self.open(&api, &selector, &cursor.pod_version).await;
-                    cursor.pod_watch = Some(reopened.map_err(Gap::Broken)?);
-                    return Ok(());
-                }
-            },
+        let next = tokio::select! {
+            item = slices.next() => Next::Slice(item),
+            item = pods.next() => Next::Pod(item),
+        };
+        let applied = match next {
+            Next::Slice(item) => self.on_slice(cursor, &selector, item).await,
+            Next::Pod(item) => self.on_pod(cursor, &selector, item).await,
+        };
+        match applied {
+            Ok(true) => {
+                cursor.expired = 0;
+                cursor.emit(out);
+                Ok(())
+            }
+            Ok(false) => Ok(()),
+            Err(Gap::Missed) => {
+                cursor.expired += 1;
+                Err(Gap::Missed)
+            }
+            Err(gap) => Err(gap),
         }
-        cursor.emit(out);
-        Ok(())
     }
 
     fn retry_interval(&self) -> Duration {
