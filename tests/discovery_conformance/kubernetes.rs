@@ -262,6 +262,15 @@ async fn k8s_refusals_and_server_errors_are_typed_and_healed() {
                 other => panic!("{code}: expected a Kubernetes error, got {other:?}"),
             }
         }
+        // A namespace no object can carry as a label value is empty without asking the server
+        // (the queued failure would otherwise answer it).
+        server.fail_next(&[500]);
+        assert!(store
+            .list_namespace("not a label!")
+            .await
+            .unwrap()
+            .is_empty());
+        assert!(store.list_namespace("dyn").await.is_err());
         // A watch whose first listings fail reports the outage, retries, and recovers.
         server.fail_next(&[500, 500]);
         let mut status = store.store_status();
