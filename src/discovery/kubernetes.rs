@@ -156,10 +156,11 @@ impl KubernetesDiscovery {
     where
         K: Clone + DeserializeOwned + Debug + Send + 'static,
     {
+        // kube refuses a watch timeout of 295 s or more (its client's own read timeout).
         let seconds = u32::try_from(self.config.watch_timeout.as_secs()).unwrap_or(290);
         let params = WatchParams::default()
             .labels(selector)
-            .timeout(seconds.max(1));
+            .timeout(seconds.clamp(1, 290));
         Ok(self.bounded(api.watch(&params, version)).await?.boxed())
     }
 

@@ -33,8 +33,8 @@ pub struct KubernetesConfig {
     pub port_name: String,
     /// Objects per page of a list (`limit`, then `continue` tokens).
     pub page_size: u32,
-    /// The server-side timeout of one watch request; the watch is reopened from its last
-    /// resource version when it ends.
+    /// The server-side timeout of one watch request (whole seconds, 1 to 290: kube's limit);
+    /// the watch is reopened from its last resource version when it ends.
     pub watch_timeout: Duration,
 }
 
