@@ -362,3 +362,32 @@ async fn k8s_two_watchers_agree_and_a_lagging_one_catches_up() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k8s_watch_requests_that_time_out_resume_from_their_version() {
+    within(async {
+        let server = K8sServer::start().await;
+        let ep = endpoint("dyn", "prefill");
+        let (a, b) = (Pod::new(1, &ep), Pod::new(2, &ep));
+        put_pod(&server, &a);
+        put_pod(&server, &b);
+        put_slice(&server, "s", &ep, &[&a]);
+        let config = KubernetesConfig::new(K8S_NS, ClusterSource::Url(server.url.clone()))
+            .with_retry_interval(Duration::from_millis(100))
+            .with_watch_timeout(Duration::from_secs(1));
+        let store = KubernetesDiscovery::connect(config).await.unwrap();
+        let mut watch = store.watch(&ep).await.unwrap();
+        let mut view = View::default();
+        view.until(&mut watch, &[&a.instance()]).await;
+        // Two server-side timeouts pass; the watches are reopened from their versions (bumped
+        // by bookmarks and by other objects' changes): no replay, no relist, no outage.
+        put_pod(&server, &Pod::new(9, &endpoint("other", "x")));
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        put_slice(&server, "s", &ep, &[&a, &b]);
+        view.until(&mut watch, &[&a.instance(), &b.instance()])
+            .await;
+        assert_quiet(&mut watch).await;
+        assert_eq!(store.store_status().borrow().outages, 0);
+    })
+    .await;
+}
