@@ -146,9 +146,18 @@ async fn k8s_list_and_watch_follow_pods_and_slices() {
             next(&mut watch).await,
             InstanceEvent::Removed(ib.instance_id)
         );
-        // The other namespace's changes never show here.
+        // Another component of the namespace shows in the namespace watch only, and the other
+        // namespace's changes in neither.
+        let sibling = Pod::new(5, &endpoint("dyn", "prefill2"));
+        put_pod(&server, &sibling);
+        put_slice(&server, "dyn-prefill2-1", &sibling.endpoint, &[&sibling]);
+        let (ia, is) = (a.instance(), sibling.instance());
+        ns_view
+            .until(&mut ns_watch, &[(&ia, &a.card), (&is, &sibling.card)])
+            .await;
         server.delete(Kind::Slice, "other-prefill-1");
         assert_quiet(&mut watch).await;
+        assert_quiet(&mut ns_watch).await;
         assert!(store.list_namespace("other").await.unwrap().is_empty());
         // A pod leaving the label selection is a DELETED to the pod watch: its card is gone.
         server.put(
