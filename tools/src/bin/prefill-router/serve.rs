@@ -18,7 +18,7 @@ use crate::tls::TlsFlags;
 
 /// `serve` usage.
 pub const USAGE: &str = "\
-usage: prefill-router serve --discovery file://DIR|etcd://HOST:PORT[,...] --namespace NS
+usage: prefill-router serve --discovery file://DIR|etcd://HOST:PORT[,...]|k8s://NS --namespace NS
                             [--listen 127.0.0.1:8000] [options]
 
 An OpenAI-compatible HTTP frontend: POST /v1/completions, POST /v1/chat/completions
@@ -34,6 +34,8 @@ bound. A second SIGTERM or Ctrl-C exits at once (status 130).
 options:
   --discovery SPEC         file://DIR (a directory shared on this host) or
                            etcd://HOST:PORT[,HOST:PORT...] (the members of one etcd cluster)
+                           or k8s://NAMESPACE[?kubeconfig=PATH|?url=URL] (the workers'
+                           EndpointSlices and pods; feature `kubernetes`, docs/kubernetes.md)
   --namespace NS           the deployment's namespace
   --listen ADDR            the HTTP address (default 127.0.0.1:8000: loopback only)
   --fallback POLICY        while prefill is not active: decode (bypass, the default), reject

@@ -1,5 +1,5 @@
-//! `--discovery file://DIR | etcd://HOST:PORT[,HOST:PORT...]`, shared by `serve`, `worker`
-//! and `demo`.
+//! `--discovery file://DIR | etcd://HOST:PORT[,HOST:PORT...] | k8s://NAMESPACE[?kubeconfig=PATH|?url=URL]`,
+//! shared by `serve`, `worker` and `demo`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,14 +17,42 @@ pub enum StoreSpec {
     /// The members of one etcd cluster, each `host:port`, in the order given (calls go to the
     /// first until it fails, then move on: see `EtcdDiscovery`).
     Etcd(Vec<String>),
+    /// The workers' EndpointSlices and pods in one Kubernetes namespace (feature `kubernetes`,
+    /// docs/kubernetes.md): read with the pod's service account, a kubeconfig, or a plain URL.
+    Kubernetes {
+        /// The Kubernetes namespace.
+        namespace: String,
+        /// How to reach the API server.
+        source: K8sSource,
+    },
+}
+
+/// How `k8s://` reaches the API server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum K8sSource {
+    /// The pod's service account (`k8s://NAMESPACE`).
+    InCluster,
+    /// A kubeconfig file at its current context (`k8s://NAMESPACE?kubeconfig=PATH`).
+    Kubeconfig(PathBuf),
+    /// A plain URL without credentials, e.g. `kubectl proxy` (`k8s://NAMESPACE?url=URL`).
+    Url(String),
 }
 
 /// Why a `--discovery` value was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum StoreSpecError {
-    /// Neither `file://` nor `etcd://`.
-    #[error("expected `file://DIR` or `etcd://HOST:PORT[,HOST:PORT...]`, got `{0}`")]
+    /// Neither `file://`, `etcd://` nor `k8s://`.
+    #[error(
+        "expected `file://DIR`, `etcd://HOST:PORT[,HOST:PORT...]` or `k8s://NAMESPACE`, got `{0}`"
+    )]
     UnknownScheme(String),
+    /// `k8s://` without a valid namespace name (a DNS label: lowercase letters, digits and
+    /// `-`, at most 63, starting and ending alphanumeric).
+    #[error("`k8s://` needs a Kubernetes namespace name, got `{0}`")]
+    BadK8sNamespace(String),
+    /// `k8s://NS?...` with an option other than one `kubeconfig=PATH` or `url=URL`.
+    #[error("`k8s://NAMESPACE` takes one option, `?kubeconfig=PATH` or `?url=URL`, got `{0}`")]
+    BadK8sOption(String),
     /// `file://` without a directory.
     #[error("`file://` needs a directory")]
     EmptyDirectory,
@@ -48,6 +76,40 @@ pub enum StoreSpecError {
     /// The same member twice.
     #[error("etcd member `{0}` is listed twice")]
     DuplicateMember(String),
+}
+
+/// Parse the part after `k8s://`: `NAMESPACE`, `NAMESPACE?kubeconfig=PATH` or
+/// `NAMESPACE?url=URL`.
+fn parse_k8s(rest: &str) -> Result<StoreSpec, StoreSpecError> {
+    let (namespace, option) = match rest.split_once('?') {
+        Some((ns, option)) => (ns, Some(option)),
+        None => (rest, None),
+    };
+    let label = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    let valid = !namespace.is_empty()
+        && namespace.len() <= 63
+        && namespace.bytes().all(|c| label(c) || c == b'-')
+        && namespace.bytes().next().is_some_and(label)
+        && namespace.bytes().last().is_some_and(label);
+    if !valid {
+        return Err(StoreSpecError::BadK8sNamespace(namespace.to_owned()));
+    }
+    let source = match option {
+        None => K8sSource::InCluster,
+        Some(option) => match option.split_once('=') {
+            Some(("kubeconfig", path)) if !path.is_empty() => {
+                K8sSource::Kubeconfig(PathBuf::from(path))
+            }
+            Some(("url", url)) if url.starts_with("http://") || url.starts_with("https://") => {
+                K8sSource::Url(url.to_owned())
+            }
+            _ => return Err(StoreSpecError::BadK8sOption(option.to_owned())),
+        },
+    };
+    Ok(StoreSpec::Kubernetes {
+        namespace: namespace.to_owned(),
+        source,
+    })
 }
 
 /// Parse an etcd member list, `HOST:PORT[,HOST:PORT...]` (the part after `etcd://`): each
@@ -101,7 +163,7 @@ pub fn parse_etcd_members(list: &str) -> Result<Vec<String>, StoreSpecError> {
 }
 
 impl StoreSpec {
-    /// Parse `file://DIR` or `etcd://HOST:PORT[,HOST:PORT...]`.
+    /// Parse `file://DIR`, `etcd://HOST:PORT[,HOST:PORT...]` or `k8s://NAMESPACE[?...]`.
     pub fn parse_spec(spec: &str) -> Result<Self, StoreSpecError> {
         if let Some(dir) = spec.strip_prefix("file://") {
             if dir.is_empty() {
@@ -111,6 +173,9 @@ impl StoreSpec {
         }
         if let Some(list) = spec.strip_prefix("etcd://") {
             return parse_etcd_members(list).map(StoreSpec::Etcd);
+        }
+        if let Some(rest) = spec.strip_prefix("k8s://") {
+            return parse_k8s(rest);
         }
         Err(StoreSpecError::UnknownScheme(spec.to_owned()))
     }
@@ -146,6 +211,26 @@ impl StoreSpec {
             #[cfg(not(feature = "etcd"))]
             StoreSpec::Etcd(_) => Err(
                 "this binary was built without the `etcd` feature (cargo build -p prefill-router-tools --features etcd)"
+                    .into(),
+            ),
+            #[cfg(feature = "kubernetes")]
+            StoreSpec::Kubernetes { namespace, source } => {
+                use prefill_router::discovery::{
+                    ClusterSource, KubernetesConfig, KubernetesDiscovery,
+                };
+                let source = match source {
+                    K8sSource::InCluster => ClusterSource::InCluster,
+                    K8sSource::Kubeconfig(path) => ClusterSource::Kubeconfig(path.clone()),
+                    K8sSource::Url(url) => ClusterSource::Url(url.clone()),
+                };
+                let discovery = KubernetesDiscovery::connect(KubernetesConfig::new(namespace, source))
+                    .await
+                    .map_err(|e| format!("connecting to Kubernetes (namespace {namespace}): {e}"))?;
+                Ok(Arc::new(discovery))
+            }
+            #[cfg(not(feature = "kubernetes"))]
+            StoreSpec::Kubernetes { .. } => Err(
+                "this binary was built without the `kubernetes` feature (cargo build -p prefill-router-tools --features kubernetes)"
                     .into(),
             ),
         }
@@ -211,10 +296,36 @@ mod tests {
     }
 
     #[test]
+    fn a_k8s_spec_is_a_namespace_and_a_source() {
+        let k8s = |namespace: &str, source| StoreSpec::Kubernetes {
+            namespace: namespace.into(),
+            source,
+        };
+        assert_eq!(
+            StoreSpec::parse_spec("k8s://prod"),
+            Ok(k8s("prod", K8sSource::InCluster))
+        );
+        assert_eq!(
+            StoreSpec::parse_spec("k8s://llm-serving?kubeconfig=/home/me/.kube/config"),
+            Ok(k8s(
+                "llm-serving",
+                K8sSource::Kubeconfig("/home/me/.kube/config".into())
+            ))
+        );
+        assert_eq!(
+            StoreSpec::parse_spec("k8s://p1?url=http://127.0.0.1:8001"),
+            Ok(k8s("p1", K8sSource::Url("http://127.0.0.1:8001".into())))
+        );
+        let longest = "a".repeat(63);
+        assert!(StoreSpec::parse_spec(&format!("k8s://{longest}")).is_ok());
+        assert!(StoreSpec::parse_spec(&format!("k8s://{longest}a")).is_err());
+    }
+
+    #[test]
     fn bad_specs_get_typed_errors() {
         use StoreSpecError::*;
         type Expect = fn(&StoreSpecError) -> bool;
-        let cases: [(&str, Expect); 12] = [
+        let cases: [(&str, Expect); 21] = [
             ("etcd://", |e| *e == NoMembers),
             ("etcd://a:1,,b:2", |e| *e == EmptyMember { position: 2 }),
             ("etcd://a:1,", |e| *e == EmptyMember { position: 2 }),
@@ -227,6 +338,15 @@ mod tests {
             ("etcd://::1:2379", |e| matches!(e, BadMember { .. })),
             ("etcd://a:1,a:1", |e| *e == DuplicateMember("a:1".into())),
             ("http://a:1", |e| matches!(e, UnknownScheme(_))),
+            ("k8s://", |e| matches!(e, BadK8sNamespace(_))),
+            ("k8s://Prod", |e| matches!(e, BadK8sNamespace(_))),
+            ("k8s://-prod", |e| matches!(e, BadK8sNamespace(_))),
+            ("k8s://prod-", |e| matches!(e, BadK8sNamespace(_))),
+            ("k8s://a_b", |e| matches!(e, BadK8sNamespace(_))),
+            ("k8s://prod?kubeconfig=", |e| matches!(e, BadK8sOption(_))),
+            ("k8s://prod?url=ftp://x", |e| matches!(e, BadK8sOption(_))),
+            ("k8s://prod?token=x", |e| matches!(e, BadK8sOption(_))),
+            ("k8s://prod?", |e| matches!(e, BadK8sOption(_))),
         ];
         for (spec, expected) in cases {
             let error = StoreSpec::parse_spec(spec).expect_err(spec);

@@ -157,7 +157,20 @@ impl WorkerOptions {
                         }
                     })
                 }
-                "--discovery" => discovery = Some(StoreSpec::parse(flag, flags.value(flag)?)?),
+                "--discovery" => {
+                    let spec = StoreSpec::parse(flag, flags.value(flag)?)?;
+                    // On Kubernetes a worker does not register: it is found as a ready pod of
+                    // its Service's EndpointSlice (docs/kubernetes.md).
+                    if matches!(spec, StoreSpec::Kubernetes { .. }) {
+                        return Err(CliError::Usage(
+                            "--discovery: a worker on Kubernetes registers by being a ready pod \
+                             (labels and the card annotation: docs/kubernetes.md); k8s:// is for \
+                             serve"
+                                .to_owned(),
+                        ));
+                    }
+                    discovery = Some(spec);
+                }
                 "--namespace" => namespace = Some(flags.value(flag)?.to_owned()),
                 "--card" => options.card = Some(flags.value(flag)?.into()),
                 "--id" => options.id = Some(flags.parsed(flag)?),
