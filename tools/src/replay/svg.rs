@@ -94,7 +94,7 @@ fn cdf_panel(out: &mut String, x0: f64, reports: &[ReplayReport]) {
             PAD + H + 14.0
         );
     }
-    axis_fractions(out, x0, &y, 1.0);
+    axis_fractions(out, (x0, W), &y, 1.0);
     for (i, r) in reports.iter().enumerate() {
         let points: Vec<String> = r
             .ttft_cdf_ms
@@ -121,7 +121,7 @@ fn hit_panel(out: &mut String, x0: f64, reports: &[ReplayReport]) {
         .min(1.0)
         * 1.1;
     let y = |rate: f64| PAD + H - rate / top * H;
-    axis_fractions(out, x0, &y, top);
+    axis_fractions(out, (x0, W), &y, top);
     for (i, r) in reports.iter().enumerate() {
         let n = r.hit_rate_by_decile.len().max(2) - 1;
         let points: Vec<String> = r
@@ -141,7 +141,9 @@ fn hit_panel(out: &mut String, x0: f64, reports: &[ReplayReport]) {
     }
 }
 
-fn axis_fractions(out: &mut String, x0: f64, y: &dyn Fn(f64) -> f64, top: f64) {
+/// Five percent grid lines and labels from 0 to `top`, over the plot that starts at `x0` and is
+/// `width` wide.
+fn axis_fractions(out: &mut String, (x0, width): (f64, f64), y: &dyn Fn(f64) -> f64, top: f64) {
     for k in 0..=4 {
         let v = top * f64::from(k) / 4.0;
         let _ = writeln!(
@@ -149,7 +151,7 @@ fn axis_fractions(out: &mut String, x0: f64, y: &dyn Fn(f64) -> f64, top: f64) {
             "<line x1=\"{x0}\" y1=\"{0:.1}\" x2=\"{1:.0}\" y2=\"{0:.1}\" stroke=\"#eee\"/><text \
              x=\"{2:.0}\" y=\"{3:.1}\" text-anchor=\"end\">{4:.0}%</text>",
             y(v),
-            x0 + W,
+            x0 + width,
             x0 - 4.0,
             y(v) + 4.0,
             v * 100.0
@@ -241,19 +243,7 @@ pub fn join_svg(title: &str, reports: &[ReplayReport]) -> String {
         );
         tick *= 10;
     }
-    for k in 0..=4 {
-        let v = top * f64::from(k) / 4.0;
-        let _ = writeln!(
-            out,
-            "<line x1=\"{PAD}\" y1=\"{0:.1}\" x2=\"{1:.0}\" y2=\"{0:.1}\" stroke=\"#eee\"/><text \
-             x=\"{2:.0}\" y=\"{3:.1}\" text-anchor=\"end\">{4:.0}%</text>",
-            y(v),
-            PAD + plot_w,
-            PAD - 4.0,
-            y(v) + 4.0,
-            v * 100.0
-        );
-    }
+    axis_fractions(&mut out, (PAD, plot_w), &y, top);
     for (i, (r, j)) in joins.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         // Steps: each window's rate from its first request to past its last.
