@@ -26,6 +26,7 @@ pub mod conditional;
 mod config;
 mod controller;
 mod discovery;
+mod fate;
 mod feed;
 pub mod frontends;
 pub mod kv_events;

@@ -50,6 +50,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::config::Mutant;
+use super::fate::Fate;
 use super::oracle::Violation;
 use super::world::{LoadSubscriber, World, WorldState};
 use prefill_router::discovery::InstanceId;
@@ -113,14 +114,6 @@ pub(crate) fn connect(world: &Arc<World>, conn: u64, dispatcher: Weak<dyn LoadSu
     deliver(world, plans);
 }
 
-/// What happens to one report.
-#[derive(Clone, Copy)]
-enum Fate {
-    Now,
-    Lost,
-    Late(Duration),
-}
-
 /// One report made, with the ghost truth at its making.
 #[derive(Clone, Copy)]
 struct Plan {
@@ -160,12 +153,8 @@ fn make(
         Fate::Now
     } else if !World::reachable(s, worker) {
         Fate::Lost
-    } else if !s.faults {
-        Fate::Now
-    } else if rng.percent(LOSS_PERCENT) {
-        Fate::Lost
-    } else if rng.percent(DELAY_PERCENT) {
-        Fate::Late(Duration::from_millis(rng.between(1, DELAY_MAX_MS)))
+    } else if s.faults {
+        Fate::draw(&mut rng, LOSS_PERCENT, DELAY_PERCENT, DELAY_MAX_MS)
     } else {
         Fate::Now
     };

@@ -20,9 +20,9 @@
 //! stay credited with no batch lost or late.
 
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use super::config::Mutant;
+use super::fate::Fate;
 use super::oracle::Violation;
 use super::world::{KvSubscriber, World};
 use crate::mock::BlockCache;
@@ -52,13 +52,6 @@ pub(crate) fn subscribe<L: WorkerLink>(world: &World, dispatcher: &Arc<Dispatche
     });
 }
 
-/// What happens to one batch.
-enum Fate {
-    Now,
-    Lost,
-    Late(Duration),
-}
-
 /// Worker `worker` prefilled the chain `hashes`: fill its cache and publish the batches.
 pub(crate) fn prefilled(world: &Arc<World>, worker: InstanceId, hashes: &[u64]) {
     let strip_removals = world.mutant == Some(Mutant::KvIgnoresRemovals);
@@ -84,19 +77,22 @@ pub(crate) fn prefilled(world: &Arc<World>, worker: InstanceId, hashes: &[u64]) 
                         .retain(|e| !matches!(e, KvEvent::Removed { .. }));
                 }
                 let lag = s.kv.lag.entry(worker).or_default();
-                let fate = if !faults {
-                    Fate::Now
-                } else if rng.percent(LOSS_PERCENT) {
-                    lag.unsettled = true;
-                    s.stats.kv_batches_lost += 1;
-                    Fate::Lost
-                } else if rng.percent(DELAY_PERCENT) {
-                    lag.delayed += 1;
-                    s.stats.kv_batches_delayed += 1;
-                    Fate::Late(Duration::from_millis(rng.between(1, DELAY_MAX_MS)))
+                let fate = if faults {
+                    Fate::draw(&mut rng, LOSS_PERCENT, DELAY_PERCENT, DELAY_MAX_MS)
                 } else {
                     Fate::Now
                 };
+                match fate {
+                    Fate::Lost => {
+                        lag.unsettled = true;
+                        s.stats.kv_batches_lost += 1;
+                    }
+                    Fate::Late(_) => {
+                        lag.delayed += 1;
+                        s.stats.kv_batches_delayed += 1;
+                    }
+                    Fate::Now => {}
+                }
                 (batch, fate)
             })
             .collect()
