@@ -85,14 +85,7 @@ fn cdf_panel(out: &mut String, x0: f64, reports: &[ReplayReport]) {
     #[allow(clippy::cast_possible_truncation)] // a handful of decades
     for d in (lo as i32)..=(hi as i32) {
         let ms = 10f64.powi(d);
-        let _ = writeln!(
-            out,
-            "<line x1=\"{0:.1}\" y1=\"{PAD}\" x2=\"{0:.1}\" y2=\"{1:.0}\" stroke=\"#ddd\"/><text \
-             x=\"{0:.1}\" y=\"{2:.0}\" text-anchor=\"middle\">{ms}</text>",
-            x(ms),
-            PAD + H,
-            PAD + H + 14.0
-        );
+        decade_line(out, x(ms), ms);
     }
     axis_fractions(out, (x0, W), &y, 1.0);
     for (i, r) in reports.iter().enumerate() {
@@ -139,6 +132,17 @@ fn hit_panel(out: &mut String, x0: f64, reports: &[ReplayReport]) {
         ];
         polyline(out, &points, "#000", " stroke-dasharray=\"6 4\"");
     }
+}
+
+/// A vertical grid line at `x`, labelled `label` under the plot (a decade of a log axis).
+fn decade_line(out: &mut String, x: f64, label: impl std::fmt::Display) {
+    let _ = writeln!(
+        out,
+        "<line x1=\"{x:.1}\" y1=\"{PAD}\" x2=\"{x:.1}\" y2=\"{:.0}\" stroke=\"#ddd\"/><text \
+         x=\"{x:.1}\" y=\"{:.0}\" text-anchor=\"middle\">{label}</text>",
+        PAD + H,
+        PAD + H + 14.0
+    );
 }
 
 /// Five percent grid lines and labels from 0 to `top`, over the plot that starts at `x0` and is
@@ -233,14 +237,7 @@ pub fn join_svg(title: &str, reports: &[ReplayReport]) -> String {
     let y = |rate: f64| PAD + H - rate / top * H;
     let mut tick = 1u64;
     while tick < most {
-        let _ = writeln!(
-            out,
-            "<line x1=\"{0:.1}\" y1=\"{PAD}\" x2=\"{0:.1}\" y2=\"{1:.0}\" stroke=\"#ddd\"/><text \
-             x=\"{0:.1}\" y=\"{2:.0}\" text-anchor=\"middle\">{tick}</text>",
-            x(tick),
-            PAD + H,
-            PAD + H + 14.0
-        );
+        decade_line(&mut out, x(tick), tick);
         tick *= 10;
     }
     axis_fractions(&mut out, (PAD, plot_w), &y, top);
