@@ -28,18 +28,32 @@ fn instance(id: InstanceId) -> Instance {
     }
 }
 
-#[tokio::test]
-async fn a_worker_leaving_admission_drops_its_indexed_entries() {
+/// A view of workers 1 and 2, both admitted, and the sender that changes admission.
+fn admitted_view() -> (
+    tokio::sync::watch::Sender<BTreeSet<InstanceId>>,
+    RoutableView,
+) {
     let (admit, admitted) = tokio::sync::watch::channel(BTreeSet::from([1, 2]));
     let cancel = tokio_util::sync::CancellationToken::new();
     let view = RoutableView::spawn(futures_util::stream::pending(), Some(admitted), cancel);
     view.apply(InstanceEvent::Added(instance(1)));
     view.apply(InstanceEvent::Added(instance(2)));
+    (admit, view)
+}
+
+/// A KV dispatcher over `view` (blocks of 4 tokens).
+fn kv_dispatcher(view: RoutableView) -> Dispatcher {
     let mode = PushMode::Kv {
         block_size: 4,
         config: KvRouterConfig::default(),
     };
-    let dispatcher = Dispatcher::new(view, mode, PushConfig::default());
+    Dispatcher::new(view, mode, PushConfig::default())
+}
+
+#[tokio::test]
+async fn a_worker_leaving_admission_drops_its_indexed_entries() {
+    let (admit, view) = admitted_view();
+    let dispatcher = kv_dispatcher(view);
     let tokens: Vec<u32> = (0..12).collect();
     let hashes = block_hashes(&tokens, 4);
     let mut publisher = EventPublisher::new(1);
@@ -76,16 +90,8 @@ async fn a_worker_leaving_admission_drops_its_indexed_entries() {
 /// batches then follow the sequence rule from the snapshot's `seq`.
 #[tokio::test]
 async fn an_in_process_snapshot_credits_the_worker_before_any_batch() {
-    let (_admit, admitted) = tokio::sync::watch::channel(BTreeSet::from([1, 2]));
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let view = RoutableView::spawn(futures_util::stream::pending(), Some(admitted), cancel);
-    view.apply(InstanceEvent::Added(instance(1)));
-    view.apply(InstanceEvent::Added(instance(2)));
-    let mode = PushMode::Kv {
-        block_size: 4,
-        config: KvRouterConfig::default(),
-    };
-    let dispatcher = Dispatcher::new(view.clone(), mode, PushConfig::default());
+    let (_admit, view) = admitted_view();
+    let dispatcher = kv_dispatcher(view.clone());
     let tokens: Vec<u32> = (0..12).collect();
     let hashes = block_hashes(&tokens, 4);
     let snapshot = KvSnapshot {
