@@ -27,7 +27,9 @@ pub enum StoreSpec {
     },
 }
 
-/// How `k8s://` reaches the API server.
+/// How `k8s://` reaches the API server. The library's `ClusterSource` says the same, but it
+/// exists only with feature `kubernetes`, and the CLI parses `k8s://` without it too (to say
+/// the binary lacks the feature rather than that the scheme is unknown).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum K8sSource {
     /// The pod's service account (`k8s://NAMESPACE`).
