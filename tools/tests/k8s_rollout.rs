@@ -265,13 +265,12 @@ fn a_rollout_of_every_pod_under_streaming_traffic_fails_and_misroutes_nothing() 
         .collect();
     std::thread::sleep(Duration::from_millis(500));
     let mut stopped = Vec::new();
-    for slot in 0..pods.len() {
-        let role = pods[slot].role;
-        let name = pods[slot].name.replace("-a-", "-b-");
-        let surge = cluster.run(role, name);
+    for (slot, pod) in pods.iter_mut().enumerate() {
+        let role = pod.role;
+        let surge = cluster.run(role, pod.name.replace("-a-", "-b-"));
         // The new pod turns ready and takes some traffic before the old one goes.
         std::thread::sleep(Duration::from_millis(400));
-        let old = std::mem::replace(&mut pods[slot], surge);
+        let old = std::mem::replace(pod, surge);
         // The first pod of each role drains; the second dies without a word, so the
         // endpoint's readiness is all that keeps requests away from it.
         let exit = if slot % 2 == 0 {
