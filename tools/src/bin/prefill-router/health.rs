@@ -223,7 +223,11 @@ mod tests {
         // Exactly the bound, so the server has read it all when it answers (a close with
         // unread bytes would reset the connection under the response).
         let long = vec![b'a'; MAX_REQUEST_LINE];
-        assert_eq!(status(addr, &long).await, 400, "a line longer than the bound");
+        assert_eq!(
+            status(addr, &long).await,
+            400,
+            "a line longer than the bound"
+        );
     }
 
     #[tokio::test]
