@@ -30,13 +30,13 @@ use prefill_router::discovery::{
 };
 use serde::Deserialize;
 
-/// One object of the manifests.
+/// One object of the manifests (the large ones boxed).
 enum Object {
     ServiceAccount(ServiceAccount),
     Role(Role),
     RoleBinding(RoleBinding),
-    Service(Service),
-    Deployment(Deployment),
+    Service(Box<Service>),
+    Deployment(Box<Deployment>),
 }
 
 fn deploy_dir() -> PathBuf {
@@ -86,8 +86,8 @@ fn load() -> Vec<(String, Object)> {
                 "ServiceAccount" => Object::ServiceAccount(strict(&value, &at)),
                 "Role" => Object::Role(strict(&value, &at)),
                 "RoleBinding" => Object::RoleBinding(strict(&value, &at)),
-                "Service" => Object::Service(strict(&value, &at)),
-                "Deployment" => Object::Deployment(strict(&value, &at)),
+                "Service" => Object::Service(Box::new(strict(&value, &at))),
+                "Deployment" => Object::Deployment(Box::new(strict(&value, &at))),
                 other => panic!("{at}: unexpected kind {other}"),
             };
             objects.push((at, object));
@@ -225,14 +225,14 @@ fn the_manifests_give_the_backend_what_it_reads_and_nothing_more() {
     let deployments: Vec<&Deployment> = objects
         .iter()
         .filter_map(|(_, o)| match o {
-            Object::Deployment(d) => Some(d),
+            Object::Deployment(d) => Some(&**d),
             _ => None,
         })
         .collect();
     let services: Vec<&Service> = objects
         .iter()
         .filter_map(|(_, o)| match o {
-            Object::Service(s) => Some(s),
+            Object::Service(s) => Some(&**s),
             _ => None,
         })
         .collect();
