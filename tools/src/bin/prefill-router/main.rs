@@ -16,6 +16,7 @@ use std::process::ExitCode;
 mod args;
 mod commands;
 mod demo;
+mod health;
 mod replay;
 mod serve;
 mod simulate;

@@ -1,4 +1,8 @@
-//! `prefill-router worker`: a mock engine in its own process, registered in discovery.
+//! `prefill-router worker`: a mock engine in its own process, registered in discovery (or, on
+//! Kubernetes, found as a ready pod).
+
+mod options;
+mod watched;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -7,22 +11,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prefill_router::advert::{ModelCard, RouterConfig, SelectionMode};
-use prefill_router::discovery::{EndpointId, Instance, InstanceId};
-use prefill_router::request::{GenerateRequest, GenerateResponse};
-use prefill_router::transport::{
-    serve, serve_with_kv_events, Engine, EngineError, EngineStream, KvEventSource, ServerConfig,
-};
+use prefill_router::discovery::{EndpointId, Instance, InstanceId, Registration};
+use prefill_router::transport::{serve, serve_with_kv_events, Engine, KvEventSource, ServerConfig};
 use prefill_router_tools::mock::{MockConfig, MockDecode, MockPrefill};
 use tokio::net::TcpListener;
 
-use crate::args::{CliError, Flags};
-use crate::store::{terminated, StoreSpec, DEFAULT_ETCD_ROOT};
+use crate::health::{HealthServer, Readiness};
+use crate::store::{terminated, StoreSpec};
 use crate::tls::TlsFlags;
+use watched::Watched;
 
 /// `worker` usage.
 pub const USAGE: &str = "\
-usage: prefill-router worker --role prefill|decode --discovery file://DIR|etcd://HOST:PORT[,...]
+usage: prefill-router worker --role prefill|decode --discovery file://DIR|etcd://HOST:PORT[,...]|k8s://NS
                              --namespace NS [--card FILE] [--id N] [--listen 127.0.0.1:0]
+                             [--health-listen ADDR (k8s:// only, required there)]
 
 Runs a mock engine (no model, the timing shape of one) serving the request plane, registered
 in discovery as endpoint NS/prefill/generate or NS/decode/generate (lease with heartbeats).
@@ -34,10 +37,21 @@ requests in flight finish, and the worker exits once they have or --drain-timeou
 request is cancelled before its end (the caller dropped it), {\"event\":\"stopped\",...} at exit;
 with --print-requests also {\"event\":\"request\",...} as each request starts.
 
+On Kubernetes (--discovery k8s://NS, feature `kubernetes`) the worker does not register and
+never calls the API server (it needs no RBAC): frontends find it as a ready endpoint of a
+Service labelled prefill-router/namespace=NS, prefill-router/component=prefill|decode and
+prefill-router/endpoint=generate, with a port named request-plane, in a pod labelled
+prefill-router/namespace=NS whose annotation prefill-router/card holds the card (JSON; give
+the same file as --card through a downward-API volume). It serves GET /ready and GET /live on
+--health-listen for the kubelet's probes. SIGTERM turns /ready to 503, waits
+--unready-delay-ms, then drains as above. Its id defaults to the frontends' name for the pod,
+the hash of $POD_UID (set it from metadata.uid). Manifests: deploy/kubernetes/, docs/kubernetes.md.
+
 options:
   --role R               prefill or decode
   --discovery SPEC       file://DIR (a directory shared on this host) or
                          etcd://HOST:PORT[,HOST:PORT...] (the members of one etcd cluster)
+                         or k8s://NAMESPACE (the Kubernetes namespace of the pod)
   --namespace NS         the deployment's namespace
   --card FILE            the model card to advertise (JSON); default: model `mock-llm`,
                          block size --block-size, prefill cards advertise KV routing; its
@@ -50,12 +64,18 @@ options:
                          less than N s counts as continuing); overrides the card's
                          router_config.session_affinity_ttl_secs (a card without a
                          router_config gets the default one with this TTL)
-  --id N                 the instance id (default: the process id)
+  --id N                 the instance id (default: the process id; on k8s:// the hash of
+                         $POD_UID when set, as frontends name the pod)
   --listen ADDR          the request plane's address (default 127.0.0.1:0, any free port)
+  --health-listen ADDR   k8s:// only (required there): GET /ready (200 while serving, 503
+                         once stopping) and GET /live (200 until exit) for the kubelet
+  --unready-delay-ms N   k8s:// only: on SIGTERM, how long /ready answers 503 before the
+                         drain starts, for the probe and the EndpointSlice to reach every
+                         frontend (default 5000)
   --block-size N         the mock's KV block size when no card is given (default 16)
   --block-cost-us N      prefill time per uncached block, microseconds (default 500)
   --token-interval-us N  decode time per token, microseconds (default 2000)
-  --ttl-ms N             discovery lease TTL in milliseconds (default 10000)
+  --ttl-ms N             discovery lease TTL in milliseconds (default 10000; not k8s://)
   --drain-timeout-ms N   on SIGTERM, how long in-flight requests may take to finish before
                          their connections are closed (default 25000, under the 30 s grace
                          period orchestrators usually give)
@@ -93,7 +113,7 @@ impl Role {
     }
 }
 
-/// Parsed `worker` options.
+/// Parsed `worker` options (parsed in `worker/options.rs`).
 #[derive(Clone, Debug)]
 pub struct WorkerOptions {
     role: Role,
@@ -102,6 +122,10 @@ pub struct WorkerOptions {
     card: Option<std::path::PathBuf>,
     id: Option<InstanceId>,
     listen: SocketAddr,
+    /// The readiness and liveness endpoint (k8s:// only, required there).
+    health_listen: Option<SocketAddr>,
+    /// On Kubernetes, how long readiness is withdrawn before the drain starts.
+    unready_delay: Duration,
     block_size: u32,
     block_cost: Duration,
     token_interval: Duration,
@@ -118,107 +142,18 @@ pub struct WorkerOptions {
 /// How long a stopping worker lets its in-flight requests finish, by default.
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(25);
 
+/// How long a stopping worker on Kubernetes answers 503 to readiness before draining, by
+/// default: a few probe periods plus the EndpointSlice's way to every frontend's watch.
+pub const DEFAULT_UNREADY_DELAY: Duration = Duration::from_secs(5);
+
+/// The environment variable holding the pod's UID on Kubernetes (the manifests set it from
+/// the downward API's `metadata.uid`).
+pub const POD_UID_ENV: &str = "POD_UID";
+
 impl WorkerOptions {
-    /// Parse the arguments after `worker`.
-    pub fn parse(args: &[String]) -> Result<Self, CliError> {
-        let mut role = None;
-        let mut discovery = None;
-        let mut namespace = None;
-        let mut options = WorkerOptions {
-            role: Role::Prefill,
-            discovery: StoreSpec::File(std::path::PathBuf::new()),
-            namespace: String::new(),
-            card: None,
-            id: None,
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            block_size: 16,
-            block_cost: Duration::from_micros(500),
-            token_interval: Duration::from_micros(2000),
-            ttl: Duration::from_secs(10),
-            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
-            etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
-            print_requests: false,
-            kv_events: true,
-            load_reports: true,
-            session_affinity_ttl_secs: None,
-            tls: TlsFlags::default(),
-        };
-        let mut flags = Flags::new(args);
-        while let Some(flag) = flags.next_flag() {
-            match flag {
-                "--role" => {
-                    role = Some(match flags.value(flag)? {
-                        "prefill" => Role::Prefill,
-                        "decode" => Role::Decode,
-                        other => {
-                            return Err(CliError::Usage(format!(
-                                "--role: expected prefill or decode, got `{other}`"
-                            )))
-                        }
-                    })
-                }
-                "--discovery" => {
-                    let spec = StoreSpec::parse(flag, flags.value(flag)?)?;
-                    // On Kubernetes a worker does not register: it is found as a ready pod of
-                    // its Service's EndpointSlice (docs/kubernetes.md).
-                    if matches!(spec, StoreSpec::Kubernetes { .. }) {
-                        return Err(CliError::Usage(
-                            "--discovery: a worker on Kubernetes registers by being a ready pod \
-                             (labels and the card annotation: docs/kubernetes.md); k8s:// is for \
-                             serve"
-                                .to_owned(),
-                        ));
-                    }
-                    discovery = Some(spec);
-                }
-                "--namespace" => namespace = Some(flags.value(flag)?.to_owned()),
-                "--card" => options.card = Some(flags.value(flag)?.into()),
-                "--id" => options.id = Some(flags.parsed(flag)?),
-                "--listen" => options.listen = flags.parsed(flag)?,
-                "--block-size" => options.block_size = flags.parsed(flag)?,
-                "--block-cost-us" => {
-                    options.block_cost = Duration::from_micros(flags.parsed(flag)?)
-                }
-                "--token-interval-us" => {
-                    options.token_interval = Duration::from_micros(flags.parsed(flag)?)
-                }
-                "--ttl-ms" => options.ttl = Duration::from_millis(flags.parsed(flag)?),
-                "--drain-timeout-ms" => {
-                    options.drain_timeout = Duration::from_millis(flags.parsed(flag)?)
-                }
-                "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
-                "--print-requests" => options.print_requests = true,
-                "--no-kv-events" => options.kv_events = false,
-                "--no-load-reports" => options.load_reports = false,
-                "--session-affinity-ttl-secs" => {
-                    options.session_affinity_ttl_secs = Some(flags.parsed(flag)?)
-                }
-                "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
-                other if options.tls.take(other, &mut flags, false)? => {}
-                other => return Err(CliError::Usage(format!("unknown worker option `{other}`"))),
-            }
-        }
-        options.role = role.ok_or_else(|| CliError::Usage("worker needs --role".into()))?;
-        options.tls.check_server()?;
-        options.discovery =
-            discovery.ok_or_else(|| CliError::Usage("worker needs --discovery".into()))?;
-        options.namespace =
-            namespace.ok_or_else(|| CliError::Usage("worker needs --namespace".into()))?;
-        if options.namespace.is_empty() || options.namespace.contains('/') {
-            return Err(CliError::Usage(
-                "--namespace must be non-empty, without `/`".into(),
-            ));
-        }
-        if options.ttl < Duration::from_millis(300) {
-            return Err(CliError::Usage("--ttl-ms must be at least 300".into()));
-        }
-        if options.session_affinity_ttl_secs.is_some() && options.role != Role::Prefill {
-            return Err(CliError::Usage(
-                "--session-affinity-ttl-secs is for prefill workers (their card carries the routing)"
-                    .into(),
-            ));
-        }
-        Ok(options)
+    /// Whether the worker runs on Kubernetes (found as a ready pod, not registered).
+    fn on_kubernetes(&self) -> bool {
+        matches!(self.discovery, StoreSpec::Kubernetes { .. })
     }
 }
 
@@ -255,6 +190,40 @@ fn with_session_ttl(mut card: ModelCard, ttl_secs: Option<u64>) -> ModelCard {
     card
 }
 
+/// The instance id a worker on Kubernetes takes when `--id` is not given: the id frontends
+/// derive from its pod's UID (so `x-prefill-worker` and the logs name it the same on both
+/// sides), or the process id without one. Fails in a binary built without `kubernetes`.
+#[cfg(feature = "kubernetes")]
+fn pod_id(pod_uid: Option<&str>) -> Result<InstanceId, String> {
+    match pod_uid.filter(|uid| !uid.is_empty()) {
+        Some(uid) => Ok(prefill_router::discovery::instance_id_of(uid)),
+        None => {
+            tracing::warn!(
+                "${POD_UID_ENV} is not set: the worker's id is its process id, not the id \
+                 frontends give its pod"
+            );
+            Ok(u64::from(std::process::id()))
+        }
+    }
+}
+
+#[cfg(not(feature = "kubernetes"))]
+fn pod_id(_pod_uid: Option<&str>) -> Result<InstanceId, String> {
+    Err("this binary was built without the `kubernetes` feature (cargo build -p prefill-router-tools --features kubernetes)".into())
+}
+
+/// How frontends find the worker, and how it leaves.
+enum Presence {
+    /// A record in the store, held by a lease: deregistered on SIGTERM.
+    Registered(Registration),
+    /// Kubernetes: the pod's readiness, withdrawn on SIGTERM (the server answers the
+    /// kubelet's probes until the process exits).
+    Pod {
+        readiness: Readiness,
+        health: HealthServer,
+    },
+}
+
 async fn worker(options: WorkerOptions) -> Result<(), String> {
     let card = match &options.card {
         Some(path) => {
@@ -265,7 +234,12 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
         None => default_card(options.role, options.block_size),
     };
     let card = with_session_ttl(card, options.session_affinity_ttl_secs);
-    let id = options.id.unwrap_or_else(|| u64::from(std::process::id()));
+    let id = if options.on_kubernetes() {
+        let derived = pod_id(std::env::var(POD_UID_ENV).ok().as_deref())?;
+        options.id.unwrap_or(derived)
+    } else {
+        options.id.unwrap_or_else(|| u64::from(std::process::id()))
+    };
     let mock = MockConfig {
         block_size: if card.kv_cache_block_size == 0 {
             options.block_size
@@ -304,10 +278,19 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
         load_reports: options.load_reports,
         ..ServerConfig::default()
     };
-    let discovery = options
-        .discovery
-        .open(options.ttl, &options.etcd_root)
-        .await?;
+    // On Kubernetes there is no store to open: the pod's readiness is the registration.
+    let (discovery, health_listener) = match options.health_listen {
+        Some(addr) if options.on_kubernetes() => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("health endpoint: listening on {addr}: {e}"))?;
+            (None, Some(listener))
+        }
+        _ => {
+            let store = options.discovery.open(options.ttl, &options.etcd_root);
+            (Some(store.await?), None)
+        }
+    };
     let listener = TcpListener::bind(options.listen)
         .await
         .map_err(|e| format!("listening on {}: {e}", options.listen))?;
@@ -317,15 +300,38 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
     }
     .map_err(|e| format!("serving: {e}"))?;
     let endpoint = EndpointId::new(&options.namespace, options.role.component(), "generate");
-    let instance = Instance {
-        endpoint: endpoint.clone(),
-        instance_id: id,
-        address: server.local_addr(),
+    // Ready only once the request plane serves: the probe's first 200 puts the pod in its
+    // Service's EndpointSlice.
+    let presence = match (discovery, health_listener) {
+        (Some(discovery), _) => {
+            let instance = Instance {
+                endpoint: endpoint.clone(),
+                instance_id: id,
+                address: server.local_addr(),
+            };
+            let registration = discovery
+                .register(instance, card)
+                .await
+                .map_err(|e| format!("registering: {e}"))?;
+            Presence::Registered(registration)
+        }
+        (None, Some(listener)) => {
+            let readiness = Readiness::ready();
+            let health = HealthServer::start(listener, readiness.clone())
+                .map_err(|e| format!("health endpoint: {e}"))?;
+            Presence::Pod { readiness, health }
+        }
+        (None, None) => return Err("neither a store nor a health endpoint".into()),
     };
-    let registration = discovery
-        .register(instance, card)
-        .await
-        .map_err(|e| format!("registering: {e}"))?;
+    let health_addr = match &presence {
+        Presence::Pod { health, .. } => Some(health.local_addr().to_string()),
+        Presence::Registered(_) => None,
+    };
+    let discovery_kind = match options.discovery {
+        StoreSpec::File(_) => "file",
+        StoreSpec::Etcd(_) => "etcd",
+        StoreSpec::Kubernetes { .. } => "kubernetes",
+    };
     println!(
         "{}",
         serde_json::json!({
@@ -336,23 +342,48 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
             "endpoint": endpoint.to_string(),
             "pid": std::process::id(),
             "tls": options.tls.enabled(false),
+            "discovery": discovery_kind,
+            "health_addr": health_addr,
         })
     );
     terminated().await;
-    // Deregister first (frontends stop routing here), then drain: every connection is told,
-    // the requests in flight finish, and a second signal cuts the wait short.
-    let deregistered = registration.deregister().await;
-    if let Err(error) = &deregistered {
-        tracing::warn!(%error, "deregistering failed; draining anyway");
-    }
-    tracing::info!(timeout = ?options.drain_timeout, "draining");
+    // Leave first (frontends stop routing here), then drain: every connection is told, the
+    // requests in flight finish, and a second signal cuts the wait short.
+    let (left, _health, cut_short) = match presence {
+        Presence::Registered(registration) => {
+            let deregistered = registration.deregister().await;
+            if let Err(error) = &deregistered {
+                tracing::warn!(%error, "deregistering failed; draining anyway");
+            }
+            (
+                deregistered.map_err(|e| format!("deregistering: {e}")),
+                None,
+                false,
+            )
+        }
+        Presence::Pod { readiness, health } => {
+            // Since Kubernetes 1.26 a terminating pod's endpoint is already `ready: false` in
+            // its slice; the 503 covers older clusters and the probe's own view, and the delay
+            // lets the change reach every frontend's watch before the drain frames do.
+            readiness.withdraw();
+            tracing::info!(delay = ?options.unready_delay, "readiness withdrawn");
+            let cut = tokio::select! {
+                () = tokio::time::sleep(options.unready_delay) => false,
+                () = terminated() => true,
+            };
+            (Ok(()), Some(health), cut)
+        }
+    };
     let open = server.open_connections();
-    let (report, interrupted) = {
+    let (report, interrupted) = if cut_short {
+        (None, true)
+    } else {
+        tracing::info!(timeout = ?options.drain_timeout, "draining");
         let drain = server.drain(options.drain_timeout);
         tokio::pin!(drain);
         tokio::select! {
             report = &mut drain => (Some(report), false),
-            _ = terminated() => (None, true),
+            () = terminated() => (None, true),
         }
     };
     if interrupted {
@@ -363,7 +394,9 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
         serde_json::json!({
             "event": "stopped",
             "id": id,
-            "deregistered": deregistered.is_ok(),
+            // On Kubernetes: readiness withdrawn.
+            "deregistered": left.is_ok(),
+            "discovery": discovery_kind,
             "cancelled": cancelled.load(Ordering::Relaxed),
             "connections_at_stop": open,
             "drained": report.is_some_and(|r| r.complete()),
@@ -371,153 +404,16 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
             "cut_connections": report.map_or(open, |r| r.cut_connections),
         })
     );
-    deregistered.map_err(|e| format!("deregistering: {e}"))
-}
-
-/// An engine whose streams report being dropped before their end (a Cancel from the caller,
-/// a deadline, or the connection closing).
-struct Watched {
-    inner: Arc<dyn Engine>,
-    id: InstanceId,
-    cancelled: Arc<AtomicU64>,
-    /// Requests started, when each is printed (`--print-requests`).
-    started: Option<Arc<AtomicU64>>,
-}
-
-impl Engine for Watched {
-    fn prefill_work(&self, request: &GenerateRequest) -> u64 {
-        self.inner.prefill_work(request)
-    }
-
-    fn generate(&self, request: GenerateRequest) -> EngineStream {
-        if let Some(started) = &self.started {
-            let total = started.fetch_add(1, Ordering::Relaxed) + 1;
-            println!(
-                "{}",
-                serde_json::json!({"event": "request", "id": self.id, "total": total})
-            );
-        }
-        Box::pin(WatchedStream {
-            inner: self.inner.generate(request),
-            id: self.id,
-            ended: false,
-            cancelled: Arc::clone(&self.cancelled),
-        })
-    }
-}
-
-struct WatchedStream {
-    inner: EngineStream,
-    id: InstanceId,
-    ended: bool,
-    cancelled: Arc<AtomicU64>,
-}
-
-impl futures_core::Stream for WatchedStream {
-    type Item = Result<GenerateResponse, EngineError>;
-
-    fn poll_next(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Self::Item>> {
-        let polled = self.inner.as_mut().poll_next(cx);
-        if let std::task::Poll::Ready(item) = &polled {
-            match item {
-                None | Some(Err(_)) => self.ended = true,
-                Some(Ok(response)) if response.finish.is_some() => self.ended = true,
-                Some(Ok(_)) => {}
-            }
-        }
-        polled
-    }
-}
-
-impl Drop for WatchedStream {
-    fn drop(&mut self) {
-        if !self.ended {
-            let total = self.cancelled.fetch_add(1, Ordering::Relaxed) + 1;
-            println!(
-                "{}",
-                serde_json::json!({"event": "cancelled", "id": self.id, "total": total})
-            );
-        }
-    }
+    left
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use futures_util::StreamExt;
+    use crate::args::CliError;
 
     fn args(line: &str) -> Vec<String> {
         line.split_whitespace().map(String::from).collect()
-    }
-
-    #[test]
-    fn a_worker_publishes_load_reports_unless_told_not_to() {
-        let base = "--role prefill --discovery file:///tmp/x --namespace ns";
-        let on = WorkerOptions::parse(&args(base));
-        assert!(matches!(
-            on,
-            Ok(WorkerOptions {
-                load_reports: true,
-                ..
-            })
-        ));
-        let off = WorkerOptions::parse(&args(&format!("{base} --no-load-reports")));
-        assert!(matches!(
-            off,
-            Ok(WorkerOptions {
-                load_reports: false,
-                ..
-            })
-        ));
-    }
-
-    #[test]
-    fn a_prefill_worker_publishes_kv_events_unless_told_not_to() {
-        let base = "--role prefill --discovery file:///tmp/x --namespace ns";
-        let on = WorkerOptions::parse(&args(base));
-        assert!(matches!(
-            on,
-            Ok(WorkerOptions {
-                kv_events: true,
-                ..
-            })
-        ));
-        let off = WorkerOptions::parse(&args(&format!("{base} --no-kv-events")));
-        assert!(matches!(
-            off,
-            Ok(WorkerOptions {
-                kv_events: false,
-                ..
-            })
-        ));
-    }
-
-    #[test]
-    fn worker_needs_role_discovery_and_namespace() {
-        for line in [
-            "--discovery file:///tmp/x --namespace ns",
-            "--role prefill --namespace ns",
-            "--role prefill --discovery file:///tmp/x",
-            "--role both --discovery file:///tmp/x --namespace ns",
-            "--role decode --discovery http://x --namespace ns",
-            "--role decode --discovery file:///tmp/x --namespace ns --tls-cert c.pem",
-            "--role decode --discovery file:///tmp/x --namespace ns --tls-client-ca ca.pem",
-            "--role decode --discovery file:///tmp/x --namespace ns --tls-ca ca.pem",
-        ] {
-            assert!(
-                matches!(WorkerOptions::parse(&args(line)), Err(CliError::Usage(_))),
-                "{line}"
-            );
-        }
-        let ok = WorkerOptions::parse(&args(
-            "--role decode --discovery file:///tmp/x --namespace ns --id 7 --listen 127.0.0.1:0",
-        ))
-        .ok()
-        .unwrap();
-        assert_eq!((ok.role, ok.id), (Role::Decode, Some(7)));
     }
 
     #[test]
@@ -548,32 +444,22 @@ mod tests {
         assert!(USAGE.contains("--session-affinity-ttl-secs"));
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_stream_dropped_before_its_end_counts_as_cancelled() {
-        let mock = MockConfig {
-            token_interval: Duration::from_millis(1),
-            ..MockConfig::default()
-        };
-        let cancelled = Arc::new(AtomicU64::new(0));
-        let engine = Watched {
-            inner: MockDecode::new(1, mock),
-            id: 1,
-            cancelled: Arc::clone(&cancelled),
-            started: None,
-        };
-        let whole: Vec<_> = engine
-            .generate(GenerateRequest::new(vec![1, 2, 3], 3))
-            .collect()
-            .await;
-        assert_eq!(whole.len(), 3);
+    #[cfg(feature = "kubernetes")]
+    #[test]
+    fn a_k8s_worker_is_named_as_frontends_name_its_pod() {
+        let uid = "0f3c2a9e-5b1d-4c7e-9a2f-6d8e1b4c3a57";
         assert_eq!(
-            cancelled.load(Ordering::Relaxed),
-            0,
-            "finished streams are not"
+            pod_id(Some(uid)),
+            Ok(prefill_router::discovery::instance_id_of(uid))
         );
-        let mut partial = engine.generate(GenerateRequest::new(vec![1, 2, 3], 10));
-        partial.next().await.unwrap().unwrap();
-        drop(partial);
-        assert_eq!(cancelled.load(Ordering::Relaxed), 1);
+        let pid = u64::from(std::process::id());
+        assert_eq!(pod_id(None), Ok(pid), "no POD_UID: the process id");
+        assert_eq!(pod_id(Some("")), Ok(pid));
+    }
+
+    #[cfg(not(feature = "kubernetes"))]
+    #[test]
+    fn a_k8s_worker_needs_the_kubernetes_feature() {
+        assert!(pod_id(Some("uid")).is_err_and(|e| e.contains("--features kubernetes")));
     }
 }
