@@ -1,7 +1,8 @@
 //! A rollout on Kubernetes, end to end (issue #30): `prefill-router serve --discovery
 //! k8s://...` as a process, reading the in-test API server (`tests/discovery_conformance/
-//! k8s_server.rs`: no cluster can run here), worker processes as the pods, and this test as
-//! the kubelet and the EndpointSlice controller.
+//! k8s_server.rs`: no cluster can run here), `worker --discovery k8s://` processes as the pods,
+//! and this test as the kubelet (it waits for each pod's readiness probe) and the EndpointSlice
+//! controller.
 //!
 //! A Deployment's rolling update with `maxSurge: 1, maxUnavailable: 0` replaces the pods one
 //! by one: the new pod starts and turns ready, then the old one is deleted, which the
@@ -64,8 +65,9 @@ struct Cluster8s {
     server: K8sServer,
     /// The deployment's namespace (`prefill-router/namespace`).
     namespace: String,
-    /// Where the worker processes keep their (unread) file-store registration.
-    processes: Cluster,
+    /// A broken controller that never shows a terminating endpoint (the mutant the rollout
+    /// test must catch: a frontend blind to readiness changes behaves the same).
+    hide_terminating: bool,
 }
 
 impl Cluster8s {
@@ -79,21 +81,39 @@ impl Cluster8s {
         }
     }
 
-    /// Start a worker process and publish it as a ready pod.
+    /// Start a worker process as a pod (`worker --discovery k8s://`, its UID in `POD_UID` as
+    /// the downward API gives it) and, once its readiness probe answers 200, publish it ready.
     fn run(&self, role: &'static str, name: String) -> Pod {
-        let args: &[&str] = if role == "decode" {
-            &DECODE_ARGS
-        } else {
-            &PREFILL_ARGS
-        };
         let uid = format!("uid-{name}");
-        // The id frontends give the pod: the worker's KV events and logs say the same.
-        let proc = self.processes.worker(role, instance_id_of(&uid), args);
-        let addr = proc.wait_event("ready")["addr"]
-            .as_str()
-            .unwrap()
-            .parse()
-            .unwrap();
+        let mut args = vec![
+            "worker",
+            "--role",
+            role,
+            "--discovery",
+            "k8s://serving",
+            "--namespace",
+            &self.namespace,
+            "--listen",
+            "127.0.0.1:0",
+            "--health-listen",
+            "127.0.0.1:0",
+            "--unready-delay-ms",
+            "300",
+        ];
+        args.extend(if role == "decode" {
+            DECODE_ARGS
+        } else {
+            PREFILL_ARGS
+        });
+        let proc = Proc::spawn_with(&name, &args, &[("POD_UID", &uid)], false);
+        let ready = proc.wait_event("ready");
+        // The worker names itself as frontends name its pod.
+        assert_eq!(ready["id"], instance_id_of(&uid), "{ready}");
+        let addr = ready["addr"].as_str().unwrap().parse().unwrap();
+        let health: SocketAddr = ready["health_addr"].as_str().unwrap().parse().unwrap();
+        until("the readiness probe passes", || {
+            get(health, "/ready").status == 200
+        });
         let pod = Pod {
             name,
             role,
@@ -132,10 +152,12 @@ impl Cluster8s {
     /// kubelet signals the container; once the process has exited the pod and its slice are
     /// deleted. The worker's `stopped` event, if it drained.
     fn delete(&self, pod: Pod, exit: Exit) -> Option<serde_json::Value> {
-        self.slice(
-            &pod,
-            json!({"ready": false, "serving": true, "terminating": true}),
-        );
+        if !self.hide_terminating {
+            self.slice(
+                &pod,
+                json!({"ready": false, "serving": true, "terminating": true}),
+            );
+        }
         let stopped = match exit {
             Exit::Drain => {
                 let (status, stopped) = pod.proc.stop();
@@ -159,7 +181,8 @@ impl Cluster8s {
 /// How a terminated pod's process ends.
 #[derive(Clone, Copy, Debug)]
 enum Exit {
-    /// SIGTERM: the worker drains (tells its frontends, finishes its streams) and exits.
+    /// SIGTERM: the worker answers 503 to its readiness probe for a moment, then drains (tells
+    /// its frontends, finishes its streams) and exits.
     Drain,
     /// No graceful shutdown at all (the process dies at once when signalled, or the grace
     /// period ran out): SIGKILL, some time after its endpoint turned terminating.
@@ -201,13 +224,31 @@ fn stream_once(addr: SocketAddr, prompt: &str) -> Outcome {
     (r.status, tokens, done, worker, r.body)
 }
 
-#[test]
-fn a_rollout_of_every_pod_under_streaming_traffic_fails_and_misroutes_nothing() {
+/// What a rollout under traffic came to.
+struct Rollout {
+    /// Streams answered.
+    total: usize,
+    /// Streams that failed or were cut.
+    failed: Vec<Outcome>,
+    /// `prefill_router_prefill_retries_total`: prefill requests retried on another worker.
+    retries: f64,
+    /// `prefill_router_bypassed_total`: requests decoded without prefill.
+    bypassed: f64,
+    /// The `stopped` events of the pods that drained.
+    stopped: Vec<serde_json::Value>,
+    /// Each client's last prefill worker, and the new generation's prefill ids.
+    last_workers: Vec<u64>,
+    new_prefill: Vec<u64>,
+}
+
+/// Two prefill and two decode pods behind `serve`, six streaming clients, and a rollout of
+/// every pod (see the module doc).
+fn rollout(hide_terminating: bool) -> Rollout {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let cluster = Cluster8s {
         server: runtime.block_on(K8sServer::start()),
         namespace: "procs".to_owned(),
-        processes: Cluster::new(),
+        hide_terminating,
     };
     let mut pods: Vec<Pod> = vec![
         cluster.run("prefill", "prefill-a-1".into()),
@@ -305,13 +346,37 @@ fn a_rollout_of_every_pod_under_streaming_traffic_fails_and_misroutes_nothing() 
         }
     }
     let metrics = get(addr, "/metrics").body;
-    let retries = counter(&metrics, "prefill_router_prefill_retries_total");
-    let bypassed = counter(&metrics, "prefill_router_bypassed_total");
+    let outcome = Rollout {
+        total,
+        failed,
+        retries: counter(&metrics, "prefill_router_prefill_retries_total"),
+        bypassed: counter(&metrics, "prefill_router_bypassed_total"),
+        stopped,
+        last_workers,
+        new_prefill,
+    };
     eprintln!(
-        "k8s rollout: {total} streams, {} failed, {retries} prefill retries, {bypassed} \
-         bypassed; stops: {stopped:?}",
-        failed.len()
+        "k8s rollout (terminating {}): {} streams, {} failed, {} prefill retries, {} bypassed",
+        if hide_terminating { "hidden" } else { "shown" },
+        outcome.total,
+        outcome.failed.len(),
+        outcome.retries,
+        outcome.bypassed
     );
+    outcome
+}
+
+#[test]
+fn a_rollout_of_every_pod_under_streaming_traffic_fails_and_misroutes_nothing() {
+    let Rollout {
+        total,
+        failed,
+        retries,
+        bypassed,
+        stopped,
+        last_workers,
+        new_prefill,
+    } = rollout(false);
     assert!(total >= 50, "steady traffic throughout ({total} streams)");
     assert!(failed.is_empty(), "failed streams: {failed:?}");
     assert_eq!(retries, 0.0, "a request went to a pod that was gone");
@@ -324,5 +389,17 @@ fn a_rollout_of_every_pod_under_streaming_traffic_fails_and_misroutes_nothing() 
     assert!(
         last_workers.iter().all(|id| new_prefill.contains(id)),
         "after the rollout, prefill runs on the new pods {new_prefill:?} only: {last_workers:?}"
+    );
+}
+
+/// The test bites: with terminating endpoints hidden from discovery, the frontend keeps
+/// routing to the pods that are killed without draining, and streams fail or are retried.
+#[test]
+fn a_rollout_whose_terminating_endpoints_are_hidden_is_caught() {
+    let outcome = rollout(true);
+    assert!(
+        !outcome.failed.is_empty() || outcome.retries > 0.0,
+        "hiding terminating endpoints went unnoticed ({} streams)",
+        outcome.total
     );
 }
