@@ -43,6 +43,8 @@ mod etcd_restart;
 mod file_store;
 mod harness;
 #[cfg(feature = "kubernetes")]
+mod k8s_harness;
+#[cfg(feature = "kubernetes")]
 mod k8s_server;
 #[cfg(feature = "kubernetes")]
 mod kubernetes;
@@ -135,3 +137,6 @@ conformance!(memory, MemoryHarness);
 conformance!(file, FileHarness);
 #[cfg(feature = "etcd")]
 conformance!(etcd, etcd_harness::EtcdHarness);
+// Named so that the filter `kubernetes` selects it with the backend's own tests.
+#[cfg(feature = "kubernetes")]
+conformance!(kubernetes_conformance, k8s_harness::K8sHarness);
