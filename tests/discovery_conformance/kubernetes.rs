@@ -19,6 +19,8 @@ use serde_json::json;
 use super::k8s_server::{K8sServer, Kind};
 use super::*;
 
+mod faults;
+
 const K8S_NS: &str = "serving";
 
 /// One worker pod as the test's "cluster" runs it.
