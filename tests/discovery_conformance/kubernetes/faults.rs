@@ -41,7 +41,10 @@ async fn k8s_api_server_restart_resumes_watches_with_exactly_the_changes() {
         let mut ns_view = NsView::default();
         let (ia, ib, ic) = (a.instance(), b.instance(), c.instance());
         ns_view
-            .until(&mut ns_watch, &[(&ia, &a.card), (&ib, &b.card), (&ic, &c.card)])
+            .until(
+                &mut ns_watch,
+                &[(&ia, &a.card), (&ib, &b.card), (&ic, &c.card)],
+            )
             .await;
         let mut status = store.store_status();
         // The server goes away: listener closed, both watches' connections cut.
@@ -64,7 +67,10 @@ async fn k8s_api_server_restart_resumes_watches_with_exactly_the_changes() {
         view.until(&mut watch, &[&ia, &ic, &id]).await;
         assert_eq!(view.removals, 1, "exactly b was removed");
         ns_view
-            .until(&mut ns_watch, &[(&ia, &a.card), (&ic, &c.card), (&id, &d.card)])
+            .until(
+                &mut ns_watch,
+                &[(&ia, &a.card), (&ic, &c.card), (&id, &d.card)],
+            )
             .await;
         // The reopened watches follow live changes after the restart.
         let e = Pod::new(5, &ep);
@@ -76,7 +82,12 @@ async fn k8s_api_server_restart_resumes_watches_with_exactly_the_changes() {
         ns_view
             .until(
                 &mut ns_watch,
-                &[(&ia, &a.card), (&ic, &c.card), (&id, &d.card), (&ie, &e.card)],
+                &[
+                    (&ia, &a.card),
+                    (&ic, &c.card),
+                    (&id, &d.card),
+                    (&ie, &e.card),
+                ],
             )
             .await;
         assert_quiet(&mut ns_watch).await;
@@ -104,8 +115,10 @@ async fn k8s_compaction_while_a_watcher_lags_relists_to_exactly_the_current_set(
         view.until(&mut watch, &initial.iter().collect::<Vec<_>>())
             .await;
         let mut ns_view = NsView::default();
-        let cards: Vec<(Instance, ModelCard)> =
-            first.iter().map(|p| (p.instance(), p.card.clone())).collect();
+        let cards: Vec<(Instance, ModelCard)> = first
+            .iter()
+            .map(|p| (p.instance(), p.card.clone()))
+            .collect();
         let expected: Vec<(&Instance, &ModelCard)> = cards.iter().map(|(i, c)| (i, c)).collect();
         ns_view.until(&mut ns_watch, &expected).await;
 
@@ -133,11 +146,14 @@ async fn k8s_compaction_while_a_watcher_lags_relists_to_exactly_the_current_set(
         server.release_watches();
 
         let now: Vec<Instance> = current.iter().map(|p| p.instance()).collect();
-        view.until(&mut watch, &now.iter().collect::<Vec<_>>()).await;
+        view.until(&mut watch, &now.iter().collect::<Vec<_>>())
+            .await;
         assert_eq!(view.removals, 2, "exactly 1 and 2 were removed");
         assert_quiet(&mut watch).await;
-        let cards: Vec<(Instance, ModelCard)> =
-            current.iter().map(|p| (p.instance(), p.card.clone())).collect();
+        let cards: Vec<(Instance, ModelCard)> = current
+            .iter()
+            .map(|p| (p.instance(), p.card.clone()))
+            .collect();
         let expected: Vec<(&Instance, &ModelCard)> = cards.iter().map(|(i, c)| (i, c)).collect();
         ns_view.until(&mut ns_watch, &expected).await;
         assert_quiet(&mut ns_watch).await;
