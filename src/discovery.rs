@@ -42,7 +42,7 @@ mod reach;
 mod store;
 
 #[cfg(feature = "runtime")]
-pub use api::{Discovery, InstanceStream, NamespaceStream, Registration};
+pub use api::{Discovery, InstanceStream, Lease, NamespaceStream, Registration};
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdConfig, EtcdDiscovery, HTTP2_PING_INTERVAL, WATCH_PROBE_INTERVAL};
 #[cfg(feature = "runtime")]

@@ -96,15 +96,24 @@ pub trait Discovery: Send + Sync {
     }
 }
 
-/// A backend's hold on one registered record.
+/// A backend's hold on one registered record: what a [`Registration`] ends in one of three
+/// ways.
+///
+/// The crate's own backends implement it privately. It is public as an extension point for a
+/// [`Discovery`] implemented outside this crate (a test double, a wrapper playing the worker
+/// side of a cluster), so that such an implementation can hand out a real [`Registration`]
+/// through [`Registration::new`]. An implementation must keep the semantics below, which the
+/// conformance suite checks: in particular a lease superseded by a newer registration of the
+/// same instance (re-register = upsert) must never delete its successor's record.
 #[async_trait::async_trait]
-pub(crate) trait Lease: Send + Sync {
-    /// Stop the keep-alive and delete the record now.
+pub trait Lease: Send + Sync {
+    /// Stop the keep-alive and delete the record now (polite shutdown: watchers see the
+    /// removal at once, not after a TTL).
     async fn revoke(self: Box<Self>) -> Result<(), DiscoveryError>;
     /// Stop the keep-alive and leave the record to expire, as a crashed process would.
     fn abandon(self: Box<Self>);
     /// Called on drop: stop the keep-alive and remove the record as promptly as the backend
-    /// can without blocking.
+    /// can without blocking (drop is synchronous, so no `await` here).
     fn release(self: Box<Self>);
 }
 
@@ -135,7 +144,10 @@ impl std::fmt::Debug for Registration {
 }
 
 impl Registration {
-    pub(crate) fn new(instance: Instance, lease: Box<dyn Lease>) -> Self {
+    /// A registration of `instance` held by `lease`: how a [`Discovery::register`]
+    /// implementation returns its record's hold. Public for a [`Discovery`] implemented
+    /// outside this crate (see [`Lease`]); the crate's backends build theirs the same way.
+    pub fn new(instance: Instance, lease: Box<dyn Lease>) -> Self {
         Registration {
             instance,
             lease: Some(lease),

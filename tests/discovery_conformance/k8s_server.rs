@@ -14,7 +14,9 @@
 //!   asked for (`allowWatchBookmarks`), ending after `timeoutSeconds`; a version older than
 //!   the compacted history gets an `ERROR` event with a `410` status, as Kubernetes sends it;
 //! - faults: the next requests answered with 401/403/500 `Status` bodies, open watches
-//!   dropped without ending their chunked body (a lost connection), or sent a `410` error.
+//!   dropped without ending their chunked body (a lost connection), or sent a `410` error;
+//!   a restart ([`K8sServer::stop`], then [`K8sServer::resume`] on the same port): every
+//!   connection cut, the objects and versions kept (they live in etcd, not in the server).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -73,25 +75,50 @@ enum Order {
     Gone,
 }
 
-/// The server; dropping it stops accepting (open connections end with their tasks).
+/// The server; dropping it stops accepting and cuts every open connection.
 pub(crate) struct K8sServer {
     pub(crate) url: String,
+    addr: std::net::SocketAddr,
     state: Arc<Mutex<State>>,
     changed: watch::Sender<u64>,
     orders: watch::Sender<(u64, Order)>,
-    accept: tokio::task::JoinHandle<()>,
+    /// The accept loop, which owns the listener and every connection's task (`None` while
+    /// stopped).
+    accept: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl Drop for K8sServer {
     fn drop(&mut self) {
-        self.accept.abort();
+        if let Some(accept) = self.accept.lock().unwrap().take() {
+            accept.abort();
+        }
     }
+}
+
+/// Accept on `listener` until aborted; the connections' tasks live in a `JoinSet` owned by
+/// this loop, so aborting it closes the listener and cuts every connection at once.
+fn accept_loop(listener: TcpListener, server: Shared) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut connections = tokio::task::JoinSet::new();
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((socket, _)) => {
+                        connections.spawn(server.clone().serve(socket));
+                    }
+                    Err(_) => return,
+                },
+                Some(_) = connections.join_next() => {}
+            }
+        }
+    })
 }
 
 impl K8sServer {
     pub(crate) async fn start() -> K8sServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
+        let addr = listener.local_addr().unwrap();
+        let url = format!("http://{addr}");
         let state = Arc::new(Mutex::new(State::default()));
         let (changed, _) = watch::channel(0);
         let (orders, _) = watch::channel((0, Order::Run));
@@ -100,18 +127,40 @@ impl K8sServer {
             changed: changed.clone(),
             orders: orders.clone(),
         };
-        let accept = tokio::spawn(async move {
-            while let Ok((socket, _)) = listener.accept().await {
-                tokio::spawn(server.clone().serve(socket));
-            }
-        });
+        let accept = accept_loop(listener, server);
         K8sServer {
             url,
+            addr,
             state,
             changed,
             orders,
-            accept,
+            accept: Mutex::new(Some(accept)),
         }
+    }
+
+    /// The server process goes away: the listener closes and every open connection (watches
+    /// mid-body included) is cut. The objects, versions and history stay, as they do in etcd;
+    /// `put` and `delete` still work meanwhile (another replica writing to the same etcd).
+    pub(crate) async fn stop(&self) {
+        let accept = self.accept.lock().unwrap().take();
+        if let Some(accept) = accept {
+            accept.abort();
+            // Aborting is asynchronous: wait until the listener and connections are dropped.
+            let _ = accept.await;
+        }
+    }
+
+    /// The server comes back on the same address with the state it had: clients reconnect to
+    /// the URL they know; watches are gone and must be reopened.
+    pub(crate) async fn resume(&self) {
+        // tokio's listener sets SO_REUSEADDR, so the port is free again at once.
+        let listener = TcpListener::bind(self.addr).await.unwrap();
+        let server = Shared {
+            state: Arc::clone(&self.state),
+            changed: self.changed.clone(),
+            orders: self.orders.clone(),
+        };
+        *self.accept.lock().unwrap() = Some(accept_loop(listener, server));
     }
 
     /// Create or replace an object (`metadata.name` names it); `ADDED` or `MODIFIED`.
@@ -178,6 +227,11 @@ impl K8sServer {
     /// Open watches deliver nothing new until the next order (later watches run normally).
     pub(crate) fn hold_watches(&self) {
         self.order(Order::Hold);
+    }
+
+    /// Held watches deliver again (from where they were, or a `410` if that was compacted).
+    pub(crate) fn release_watches(&self) {
+        self.order(Order::Run);
     }
 
     /// Cut every open watch's connection mid-body; later watches run normally.

@@ -1,12 +1,13 @@
 //! `KubernetesDiscovery` against the in-test API server (`k8s_server.rs`).
 //!
-//! The shared cases register through `Discovery::register`, which this backend refuses by
-//! design (a worker registers by being a ready pod). So the cases' properties are checked
-//! here with the worker side played by the API server: a pod with its card annotation and the
-//! EndpointSlice controller's slice. Checked: list and watch agree (with paged lists),
-//! upserts of card and address, readiness as the lease, isolation, register refused with a
-//! typed error, relist on `410 Gone` emitting exactly the missed changes, a dropped watch
-//! connection, and 401/403/500 answers.
+//! The shared cases run against this backend through `k8s_harness.rs`; here are the
+//! Kubernetes specifics, with the worker side written directly as the cluster holds it (pods
+//! with their card annotation, slices of several pods as the EndpointSlice controller writes
+//! them): list and watch agree (with paged lists), upserts of card and address, readiness as
+//! the lease, isolation, register refused with a typed error, relist on `410 Gone` emitting
+//! exactly the missed changes, a dropped watch connection, 401/403/500 answers, malformed
+//! objects, watch requests timing out. Fault tests (restart, compaction while lagging, a
+//! flapping pod) are in `kubernetes/faults.rs`.
 
 use std::net::IpAddr;
 
@@ -18,6 +19,8 @@ use serde_json::json;
 
 use super::k8s_server::{K8sServer, Kind};
 use super::*;
+
+mod faults;
 
 const K8S_NS: &str = "serving";
 

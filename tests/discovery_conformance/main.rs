@@ -1,9 +1,10 @@
 //! One conformance suite, run unchanged against every discovery backend.
 //!
 //! Each case is a generic async fn over a [`Harness`]; the `conformance!` macro instantiates
-//! the whole list for a backend, so no backend can skip a case. Backends: memory, file, and
-//! (feature `etcd`) etcd against `PREFILL_ETCD_ENDPOINT`. Without that variable the etcd cases
-//! print a notice and pass, unless `CI` is set, where they fail.
+//! the whole list for a backend, so no backend can skip a case. Backends: memory, file,
+//! (feature `etcd`) etcd against `PREFILL_ETCD_ENDPOINT`, and (feature `kubernetes`) Kubernetes
+//! against an in-test API server. Without that variable the etcd cases print a notice and
+//! pass, unless `CI` is set, where they fail.
 //!
 //! A killed worker is a real process: the test binary re-invokes itself (`child_worker_entry`)
 //! to register, and is SIGKILLed. For the in-process memory backend the "kill" is
@@ -12,9 +13,10 @@
 //! Files: `harness.rs` (what each backend provides), `cases.rs` (the suite), `support.rs`
 //! (helpers and the watchers' beliefs), `child.rs` (the killed worker process),
 //! `file_store.rs` and `etcd_restart.rs` (backend specifics), `mutants.rs` (broken backends
-//! the suite must reject), `kubernetes.rs` and `k8s_server.rs` (feature `kubernetes`: the
-//! backend against an in-test API server; it refuses `register`, so the cases' properties are
-//! checked there with the server playing the worker side).
+//! the suite must reject), and for feature `kubernetes`: `k8s_server.rs` (the in-test API
+//! server), `k8s_harness.rs` (the cases against the backend: it refuses `register`, so the
+//! in-test cluster plays the worker side and ids are relabelled), `kubernetes.rs` and
+//! `kubernetes/faults.rs` (the backend's own tests and its fault tests).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -42,6 +44,8 @@ mod etcd_keepalive;
 mod etcd_restart;
 mod file_store;
 mod harness;
+#[cfg(feature = "kubernetes")]
+mod k8s_harness;
 #[cfg(feature = "kubernetes")]
 mod k8s_server;
 #[cfg(feature = "kubernetes")]
@@ -135,3 +139,6 @@ conformance!(memory, MemoryHarness);
 conformance!(file, FileHarness);
 #[cfg(feature = "etcd")]
 conformance!(etcd, etcd_harness::EtcdHarness);
+// Named so that the filter `kubernetes` selects it with the backend's own tests.
+#[cfg(feature = "kubernetes")]
+conformance!(kubernetes_conformance, k8s_harness::K8sHarness);
