@@ -213,13 +213,7 @@ type Outcome = (u16, usize, bool, Option<u64>, String);
 
 fn stream_once(addr: SocketAddr, prompt: &str) -> Outcome {
     let r = post(addr, "/v1/chat/completions", &chat(prompt));
-    let events = r.events();
-    let tokens = events
-        .iter()
-        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
-        .filter(|c| c["choices"][0]["delta"]["content"].is_string())
-        .count();
-    let done = events.last().map(String::as_str) == Some("[DONE]");
+    let (tokens, done) = r.chat_stream();
     let worker = r.header("x-prefill-worker").and_then(|v| v.parse().ok());
     (r.status, tokens, done, worker, r.body)
 }
@@ -290,20 +284,9 @@ fn rollout(hide_terminating: bool) -> Rollout {
     );
 
     let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..6)
-        .map(|c| {
-            let stop = Arc::clone(&stop);
-            std::thread::spawn(move || {
-                let mut outcomes = Vec::new();
-                let mut n = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    n += 1;
-                    outcomes.push(stream_once(addr, &format!("client {c} request {n}: words")));
-                }
-                outcomes
-            })
-        })
-        .collect();
+    let clients = clients_until(6, &stop, move |c, n| {
+        stream_once(addr, &format!("client {c} request {n}: words"))
+    });
     std::thread::sleep(Duration::from_millis(500));
     let mut stopped = Vec::new();
     for (slot, pod) in pods.iter_mut().enumerate() {

@@ -326,16 +326,11 @@ fn check(r: &crate::frontend::Response) -> Result<(), String> {
     if r.status != 200 {
         return Err(format!("status {}: {}", r.status, r.body));
     }
-    let events = r.events();
-    let tokens = events
-        .iter()
-        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
-        .filter(|c| c["choices"][0]["delta"]["content"].is_string())
-        .count();
-    if events.last().map(String::as_str) != Some("[DONE]") || tokens != TOKENS as usize {
+    let (tokens, done) = r.chat_stream();
+    if !done || tokens != TOKENS as usize {
         return Err(format!(
             "stream cut: {tokens} tokens, last event {:?}",
-            events.last()
+            r.events().last()
         ));
     }
     Ok(())

@@ -384,6 +384,40 @@ impl Response {
             .map(str::to_owned)
             .collect()
     }
+
+    /// A streamed chat answer's content chunks, and whether it ended with `[DONE]`.
+    pub fn chat_stream(&self) -> (usize, bool) {
+        let events = self.events();
+        let tokens = events
+            .iter()
+            .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+            .filter(|c| c["choices"][0]["delta"]["content"].is_string())
+            .count();
+        (tokens, events.last().map(String::as_str) == Some("[DONE]"))
+    }
+}
+
+/// `clients` threads, each calling `one(client, n)` for its n-th request (from 1) until `stop`
+/// is set; each thread's results in order.
+pub fn clients_until<T: Send + 'static>(
+    clients: usize,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    one: impl Fn(usize, usize) -> T + Clone + Send + 'static,
+) -> Vec<std::thread::JoinHandle<Vec<T>>> {
+    (0..clients)
+        .map(|c| {
+            let (stop, one) = (std::sync::Arc::clone(stop), one.clone());
+            std::thread::spawn(move || {
+                let mut outcomes = Vec::new();
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    n += 1;
+                    outcomes.push(one(c, n));
+                }
+                outcomes
+            })
+        })
+        .collect()
 }
 
 fn dechunk(raw: &[u8]) -> Vec<u8> {

@@ -26,29 +26,12 @@ fn a_rolling_restart_of_every_worker_under_streaming_traffic_fails_nothing() {
         get(addr, "/ready").json()["lifecycle"] == "active"
     });
     let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..6)
-        .map(|c| {
-            let stop = Arc::clone(&stop);
-            std::thread::spawn(move || {
-                let mut outcomes = Vec::new();
-                let mut n = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    n += 1;
-                    let prompt = format!("client {c} request {n}: a prompt of a few words");
-                    let r = post(addr, "/v1/chat/completions", &chat(&prompt, 30, true));
-                    let events = r.events();
-                    let tokens = events
-                        .iter()
-                        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
-                        .filter(|c| c["choices"][0]["delta"]["content"].is_string())
-                        .count();
-                    let done = events.last().map(String::as_str) == Some("[DONE]");
-                    outcomes.push((r.status, tokens, done, r.body.clone()));
-                }
-                outcomes
-            })
-        })
-        .collect();
+    let clients = clients_until(6, &stop, move |c, n| {
+        let prompt = format!("client {c} request {n}: a prompt of a few words");
+        let r = post(addr, "/v1/chat/completions", &chat(&prompt, 30, true));
+        let (tokens, done) = r.chat_stream();
+        (r.status, tokens, done, r.body)
+    });
     std::thread::sleep(Duration::from_millis(500));
     let mut stopped = Vec::new();
     for (next_id, (role, worker)) in (10..).zip(workers.iter_mut()) {

@@ -109,23 +109,12 @@ fn three_member_store_a_member_lost_for_good_fails_no_request_and_loses_no_lease
         get(addr, "/ready").json()["lifecycle"] == "active"
     });
     let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..4)
-        .map(|c| {
-            let stop = Arc::clone(&stop);
-            std::thread::spawn(move || {
-                let mut outcomes = Vec::new();
-                let mut n = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    n += 1;
-                    let prompt = format!("client {c} request {n}");
-                    let r = post(addr, "/v1/chat/completions", &chat(&prompt, 20, true));
-                    let done = r.events().last().map(String::as_str) == Some("[DONE]");
-                    outcomes.push((r.status, done, r.body));
-                }
-                outcomes
-            })
-        })
-        .collect();
+    let clients = clients_until(4, &stop, move |c, n| {
+        let prompt = format!("client {c} request {n}");
+        let r = post(addr, "/v1/chat/completions", &chat(&prompt, 20, true));
+        let (_, done) = r.chat_stream();
+        (r.status, done, r.body)
+    });
     std::thread::sleep(Duration::from_millis(800));
     // Member 0: first in every process's list, so the one they all use.
     let pid: i32 = std::fs::read_to_string(dir.join("pid-0"))
