@@ -28,6 +28,20 @@ pub(crate) trait Harness: Send + Sync + Sized + 'static {
     );
 }
 
+/// `register_then_kill` for an in-process worker: register through `worker`, check the record
+/// outlives the TTL while kept alive, then `abandon` it (the keep-alive stops as a death would).
+pub(crate) async fn register_then_abandon(
+    worker: Arc<dyn Discovery>,
+    instance: Instance,
+    card: ModelCard,
+    observer: &dyn Discovery,
+    ttl: Duration,
+) {
+    let registration = worker.register(instance.clone(), card).await.unwrap();
+    outlives_ttl_while_alive(observer, &instance, ttl).await;
+    registration.abandon();
+}
+
 pub(crate) fn unique(tag: &str) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
@@ -68,10 +82,7 @@ impl Harness for MemoryHarness {
         card: ModelCard,
         observer: &dyn Discovery,
     ) {
-        let worker = self.client().await;
-        let registration = worker.register(instance.clone(), card).await.unwrap();
-        outlives_ttl_while_alive(observer, &instance, self.ttl()).await;
-        registration.abandon();
+        register_then_abandon(self.client().await, instance, card, observer, self.ttl()).await;
     }
 }
 

@@ -96,10 +96,7 @@ impl Harness for BrokenHarness {
         card: ModelCard,
         observer: &dyn Discovery,
     ) {
-        let worker = self.client().await;
-        let registration = worker.register(instance.clone(), card).await.unwrap();
-        outlives_ttl_while_alive(observer, &instance, self.ttl).await;
-        registration.abandon();
+        register_then_abandon(self.client().await, instance, card, observer, self.ttl).await;
     }
 }
 
