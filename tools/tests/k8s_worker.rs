@@ -4,55 +4,26 @@
 //! exits 0 with a `stopped` line. It never calls an API server, so none is needed here.
 //! Loopback only; every wait is bounded.
 
-use std::io::{BufRead, BufReader, Read, Write};
+#[path = "frontend/mod.rs"]
+mod frontend;
+
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use frontend::{get, Proc, WAIT};
 use prefill_router::discovery::instance_id_of;
-
-/// Bound on anything the test waits for (a busy 2-core box).
-const WAIT: Duration = Duration::from_secs(20);
 
 /// How long the worker answers 503 before draining: long enough for a loaded machine to
 /// observe it, short enough for a quick test.
 const UNREADY_DELAY: Duration = Duration::from_millis(1000);
 
-/// The status code of `GET path` on the worker's health endpoint.
-fn get(addr: SocketAddr, path: &str) -> u16 {
-    let mut stream = TcpStream::connect_timeout(&addr, WAIT).expect("connect");
-    stream.set_read_timeout(Some(WAIT)).unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: pod\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("a response");
-    response
-        .get(9..12)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"))
-}
-
-/// The next JSON line on `lines` with this `event`.
-fn wait_event(lines: &mpsc::Receiver<String>, event: &str) -> serde_json::Value {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = lines
-            .recv_timeout(left)
-            .unwrap_or_else(|_| panic!("no `{event}` line within {WAIT:?}"));
-        if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line) {
-            if value["event"] == event {
-                return value;
-            }
-        }
-    }
-}
-
 #[test]
 fn a_k8s_worker_withdraws_readiness_on_sigterm_then_drains_and_exits() {
     let uid = "6b7c1f0e-2d4a-4e58-b0c3-9f1a2e3d4c5b";
-    let mut child = Command::new(env!("CARGO_BIN_EXE_prefill-router"))
-        .args([
+    let delay = UNREADY_DELAY.as_millis().to_string();
+    let worker = Proc::spawn_with(
+        "k8s worker",
+        &[
             "worker",
             "--role",
             "prefill",
@@ -65,26 +36,14 @@ fn a_k8s_worker_withdraws_readiness_on_sigterm_then_drains_and_exits() {
             "--health-listen",
             "127.0.0.1:0",
             "--unready-delay-ms",
-            &UNREADY_DELAY.as_millis().to_string(),
+            &delay,
             "--drain-timeout-ms",
             "2000",
-        ])
-        .env("POD_UID", uid)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn the worker");
-    let stdout = child.stdout.take().unwrap();
-    let (send, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if send.send(line).is_err() {
-                break;
-            }
-        }
-    });
-
-    let ready = wait_event(&lines, "ready");
+        ],
+        &[("POD_UID", uid)],
+        false,
+    );
+    let ready = worker.wait_event("ready");
     assert_eq!(ready["discovery"], "kubernetes");
     assert_eq!(ready["endpoint"], "dyn/prefill/generate");
     assert_eq!(
@@ -95,20 +54,18 @@ fn a_k8s_worker_withdraws_readiness_on_sigterm_then_drains_and_exits() {
     let health: SocketAddr = ready["health_addr"].as_str().unwrap().parse().unwrap();
     let plane: SocketAddr = ready["addr"].as_str().unwrap().parse().unwrap();
     assert_ne!(health, plane);
-    assert_eq!(get(health, "/ready"), 200);
-    assert_eq!(get(health, "/live"), 200);
-    assert_eq!(get(health, "/metrics"), 404);
+    assert_eq!(get(health, "/ready").status, 200);
+    assert_eq!(get(health, "/live").status, 200);
+    assert_eq!(get(health, "/metrics").status, 404);
     // The request plane serves (a connection is accepted).
     drop(TcpStream::connect_timeout(&plane, WAIT).expect("the request plane listens"));
 
-    let pid = i32::try_from(child.id()).unwrap();
     let signalled = Instant::now();
-    // SAFETY: signalling our own child process by its pid.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    worker.signal(libc::SIGTERM);
     // /ready turns 503 within the unready delay, while /live stays 200.
     let deadline = signalled + WAIT;
     loop {
-        match get(health, "/ready") {
+        match get(health, "/ready").status {
             503 => break,
             200 => {
                 assert!(Instant::now() < deadline, "/ready never turned 503");
@@ -118,10 +75,10 @@ fn a_k8s_worker_withdraws_readiness_on_sigterm_then_drains_and_exits() {
         }
     }
     if signalled.elapsed() < UNREADY_DELAY {
-        assert_eq!(get(health, "/live"), 200, "alive while withdrawing");
+        assert_eq!(get(health, "/live").status, 200, "alive while withdrawing");
     }
 
-    let stopped = wait_event(&lines, "stopped");
+    let stopped = worker.wait_event("stopped");
     assert!(
         signalled.elapsed() >= UNREADY_DELAY,
         "the drain waits for the unready delay ({:?})",
@@ -131,13 +88,6 @@ fn a_k8s_worker_withdraws_readiness_on_sigterm_then_drains_and_exits() {
     assert_eq!(stopped["discovery"], "kubernetes");
     assert_eq!(stopped["drained"], true);
     assert_eq!(stopped["id"], instance_id_of(uid));
-    let deadline = Instant::now() + WAIT;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "the worker did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = worker.wait_exit();
     assert!(status.success(), "exit 0 after the drain: {status:?}");
 }
