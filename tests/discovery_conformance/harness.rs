@@ -20,26 +20,21 @@ pub(crate) trait Harness: Send + Sync + Sized + 'static {
     /// Register `instance` in a worker that keeps its lease alive, then kill the worker
     /// without deregistering. Returns once the worker is dead; `observer` is used to wait
     /// until the registration is visible and to check it outlives the TTL while alive.
+    ///
+    /// By default the worker is in-process: a client registers, and the "kill" is
+    /// `Registration::abandon`, which stops the keep-alive exactly as a death would. Backends
+    /// with a store outside the process override it with a real worker process.
     async fn register_then_kill(
         &self,
         instance: Instance,
         card: ModelCard,
         observer: &dyn Discovery,
-    );
-}
-
-/// `register_then_kill` for an in-process worker: register through `worker`, check the record
-/// outlives the TTL while kept alive, then `abandon` it (the keep-alive stops as a death would).
-pub(crate) async fn register_then_abandon(
-    worker: Arc<dyn Discovery>,
-    instance: Instance,
-    card: ModelCard,
-    observer: &dyn Discovery,
-    ttl: Duration,
-) {
-    let registration = worker.register(instance.clone(), card).await.unwrap();
-    outlives_ttl_while_alive(observer, &instance, ttl).await;
-    registration.abandon();
+    ) {
+        let worker = self.client().await;
+        let registration = worker.register(instance.clone(), card).await.unwrap();
+        outlives_ttl_while_alive(observer, &instance, self.ttl()).await;
+        registration.abandon();
+    }
 }
 
 pub(crate) fn unique(tag: &str) -> String {
@@ -75,14 +70,6 @@ impl Harness for MemoryHarness {
     }
     fn ttl(&self) -> Duration {
         Duration::from_secs(2)
-    }
-    async fn register_then_kill(
-        &self,
-        instance: Instance,
-        card: ModelCard,
-        observer: &dyn Discovery,
-    ) {
-        register_then_abandon(self.client().await, instance, card, observer, self.ttl()).await;
     }
 }
 

@@ -385,13 +385,4 @@ impl Harness for K8sHarness {
         // More than a watch's channel holds (`FEED_CAPACITY`, 256): the feed must block.
         400
     }
-
-    async fn register_then_kill(
-        &self,
-        instance: Instance,
-        card: ModelCard,
-        observer: &dyn Discovery,
-    ) {
-        register_then_abandon(self.client().await, instance, card, observer, self.ttl()).await;
-    }
 }

@@ -118,24 +118,26 @@ impl K8sServer {
     pub(crate) async fn start() -> K8sServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let url = format!("http://{addr}");
-        let state = Arc::new(Mutex::new(State::default()));
-        let (changed, _) = watch::channel(0);
-        let (orders, _) = watch::channel((0, Order::Run));
-        let server = Shared {
-            state: Arc::clone(&state),
-            changed: changed.clone(),
-            orders: orders.clone(),
-        };
-        let accept = accept_loop(listener, server);
-        K8sServer {
-            url,
+        let server = K8sServer {
+            url: format!("http://{addr}"),
             addr,
-            state,
-            changed,
-            orders,
-            accept: Mutex::new(Some(accept)),
-        }
+            state: Arc::default(),
+            changed: watch::channel(0).0,
+            orders: watch::channel((0, Order::Run)).0,
+            accept: Mutex::new(None),
+        };
+        server.listen(listener);
+        server
+    }
+
+    /// Serve on `listener` (the accept loop shares the server's state and orders).
+    fn listen(&self, listener: TcpListener) {
+        let shared = Shared {
+            state: Arc::clone(&self.state),
+            changed: self.changed.clone(),
+            orders: self.orders.clone(),
+        };
+        *self.accept.lock().unwrap() = Some(accept_loop(listener, shared));
     }
 
     /// The server process goes away: the listener closes and every open connection (watches
@@ -154,13 +156,7 @@ impl K8sServer {
     /// the URL they know; watches are gone and must be reopened.
     pub(crate) async fn resume(&self) {
         // tokio's listener sets SO_REUSEADDR, so the port is free again at once.
-        let listener = TcpListener::bind(self.addr).await.unwrap();
-        let server = Shared {
-            state: Arc::clone(&self.state),
-            changed: self.changed.clone(),
-            orders: self.orders.clone(),
-        };
-        *self.accept.lock().unwrap() = Some(accept_loop(listener, server));
+        self.listen(TcpListener::bind(self.addr).await.unwrap());
     }
 
     /// Create or replace an object (`metadata.name` names it); `ADDED` or `MODIFIED`.

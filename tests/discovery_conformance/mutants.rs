@@ -90,14 +90,6 @@ impl Harness for BrokenHarness {
     fn ttl(&self) -> Duration {
         self.ttl
     }
-    async fn register_then_kill(
-        &self,
-        instance: Instance,
-        card: ModelCard,
-        observer: &dyn Discovery,
-    ) {
-        register_then_abandon(self.client().await, instance, card, observer, self.ttl).await;
-    }
 }
 
 fn harness(bug: Bug, config: MemoryConfig) -> BrokenHarness {

@@ -54,14 +54,19 @@ struct Pod {
 
 impl Pod {
     fn uid(&self) -> String {
-        format!("uid-{}", self.name)
+        pod_uid(&self.name)
     }
+}
+
+/// The UID the test's "API server" gives the pod `name`.
+fn pod_uid(name: &str) -> String {
+    format!("uid-{name}")
 }
 
 /// The cluster's control plane as far as this test needs it: the API server, the kubelet's
 /// view of the pods, and the EndpointSlice controller (one slice per pod: the controller
 /// groups endpoints by port, and every worker process here has its own port).
-struct Cluster8s {
+struct K8sCluster {
     server: K8sServer,
     /// The deployment's namespace (`prefill-router/namespace`).
     namespace: String,
@@ -70,7 +75,7 @@ struct Cluster8s {
     hide_terminating: bool,
 }
 
-impl Cluster8s {
+impl K8sCluster {
     fn card(role: &str) -> ModelCard {
         match role {
             "prefill" => ModelCard::routed("mock-llm", SelectionMode::KV, 16),
@@ -84,7 +89,7 @@ impl Cluster8s {
     /// Start a worker process as a pod (`worker --discovery k8s://`, its UID in `POD_UID` as
     /// the downward API gives it) and, once its readiness probe answers 200, publish it ready.
     fn run(&self, role: &'static str, name: String) -> Pod {
-        let uid = format!("uid-{name}");
+        let uid = pod_uid(&name);
         let mut args = vec![
             "worker",
             "--role",
@@ -239,7 +244,7 @@ struct Rollout {
 /// every pod (see the module doc).
 fn rollout(hide_terminating: bool) -> Rollout {
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let cluster = Cluster8s {
+    let cluster = K8sCluster {
         server: runtime.block_on(K8sServer::start()),
         namespace: "procs".to_owned(),
         hide_terminating,

@@ -212,6 +212,13 @@ fn pod_id(_pod_uid: Option<&str>) -> Result<InstanceId, String> {
     Err("this binary was built without the `kubernetes` feature (cargo build -p prefill-router-tools --features kubernetes)".into())
 }
 
+/// Where the worker will be found, before it serves: a store to register in, or (Kubernetes)
+/// the listener of the probes that make its pod ready.
+enum Venue {
+    Store(Arc<dyn prefill_router::discovery::Discovery>),
+    Pod(TcpListener),
+}
+
 /// How frontends find the worker, and how it leaves.
 enum Presence {
     /// A record in the store, held by a lease: deregistered on SIGTERM.
@@ -279,17 +286,19 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
         ..ServerConfig::default()
     };
     // On Kubernetes there is no store to open: the pod's readiness is the registration.
-    let (discovery, health_listener) = match options.health_listen {
-        Some(addr) if options.on_kubernetes() => {
-            let listener = TcpListener::bind(addr)
+    let venue = match options.health_listen {
+        Some(addr) if options.on_kubernetes() => Venue::Pod(
+            TcpListener::bind(addr)
                 .await
-                .map_err(|e| format!("health endpoint: listening on {addr}: {e}"))?;
-            (None, Some(listener))
-        }
-        _ => {
-            let store = options.discovery.open(options.ttl, &options.etcd_root);
-            (Some(store.await?), None)
-        }
+                .map_err(|e| format!("health endpoint: listening on {addr}: {e}"))?,
+        ),
+        // Parsing requires --health-listen with k8s:// (and refuses it elsewhere).
+        _ => Venue::Store(
+            options
+                .discovery
+                .open(options.ttl, &options.etcd_root)
+                .await?,
+        ),
     };
     let listener = TcpListener::bind(options.listen)
         .await
@@ -302,8 +311,8 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
     let endpoint = EndpointId::new(&options.namespace, options.role.component(), "generate");
     // Ready only once the request plane serves: the probe's first 200 puts the pod in its
     // Service's EndpointSlice.
-    let presence = match (discovery, health_listener) {
-        (Some(discovery), _) => {
+    let presence = match venue {
+        Venue::Store(discovery) => {
             let instance = Instance {
                 endpoint: endpoint.clone(),
                 instance_id: id,
@@ -315,13 +324,12 @@ async fn worker(options: WorkerOptions) -> Result<(), String> {
                 .map_err(|e| format!("registering: {e}"))?;
             Presence::Registered(registration)
         }
-        (None, Some(listener)) => {
+        Venue::Pod(listener) => {
             let readiness = Readiness::ready();
             let health = HealthServer::start(listener, readiness.clone())
                 .map_err(|e| format!("health endpoint: {e}"))?;
             Presence::Pod { readiness, health }
         }
-        (None, None) => return Err("neither a store nor a health endpoint".into()),
     };
     let health_addr = match &presence {
         Presence::Pod { health, .. } => Some(health.local_addr().to_string()),
