@@ -47,6 +47,8 @@ impl Engine for OneShot {
 
 fn reply(request: &GenerateRequest) -> GenerateResponse {
     GenerateResponse {
+        text: None,
+        usage: None,
         token_ids: vec![request.token_ids.len() as u32],
         finish: Some(FinishReason::Length),
         prefill: None,

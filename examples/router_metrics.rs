@@ -82,6 +82,8 @@ impl Decode for Echo {
     ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
         Box::pin(async {
             let response = GenerateResponse {
+                text: None,
+                usage: None,
                 token_ids: vec![1],
                 finish: Some(FinishReason::Length),
                 prefill: None,

@@ -18,7 +18,8 @@ use std::time::Duration;
 
 mod card;
 pub use card::{
-    parse_cards, KvRouterConfig, ModelCard, ParsedCards, RouterConfig, RuntimeConfig, SelectionMode,
+    parse_cards, EngineCard, EngineProtocol, KvRouterConfig, ModelCard, ParsedCards, RouterConfig,
+    RuntimeConfig, SelectionMode, UnknownProtocol,
 };
 
 /// What the decode side contributes when the prefill card is silent.

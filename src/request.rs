@@ -1,6 +1,6 @@
 //! The request vocabulary every seam speaks: what a frontend asks for ([`GenerateRequest`]),
 //! what comes back ([`GenerateResponse`], [`FinishReason`]) and the prefill-to-decode handoff
-//! ([`PrefillInfo`]).
+//! ([`PrefillInfo`]), and what an engine reports of its own ([`EngineUsage`]).
 //!
 //! Plain data (serde, no I/O): the request plane ([`transport`](crate::transport)) carries
 //! these types on the wire, and the router, the bindings and the decode hop pass them along.
@@ -54,6 +54,11 @@ pub struct PrefillInfo {
     pub cached_blocks: u32,
     /// The KV block size the worker used, in tokens.
     pub block_size: u32,
+    /// An engine's own handoff, kept opaque: the JSON text of vLLM's `kv_transfer_params`
+    /// exactly as the prefill engine answered it, sent verbatim to the decode engine (never
+    /// rebuilt from known fields, so whatever a newer engine adds passes through). `None` for
+    /// our own workers. A single-use handle: see docs/engines.md, "The handoff rules".
+    pub engine_params: Option<String>,
 }
 
 /// Why a stream ended.
@@ -79,4 +84,21 @@ pub struct GenerateResponse {
     pub finish: Option<FinishReason>,
     /// Set by a prefill worker (typically on its only response) for the decode handoff.
     pub prefill: Option<PrefillInfo>,
+    /// The text of `token_ids` as the engine rendered it, when the worker is an engine that
+    /// says (`None` from our own workers: the frontend renders the tokens itself).
+    pub text: Option<String>,
+    /// Token accounting as the engine reported it, on the response that carries it (usually
+    /// the last).
+    pub usage: Option<EngineUsage>,
+}
+
+/// Token accounting an engine reports for one request (OpenAI's `usage`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineUsage {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Generated tokens.
+    pub completion_tokens: u32,
+    /// Prompt tokens served from a prefix cache (`prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: Option<u32>,
 }

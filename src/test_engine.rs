@@ -63,9 +63,12 @@ impl Engine for TestPrefill {
             }
         }
         let response = GenerateResponse {
+            text: None,
+            usage: None,
             token_ids: vec![0],
             finish: Some(FinishReason::Length),
             prefill: Some(PrefillInfo {
+                engine_params: None,
                 worker: self.id,
                 prompt_tokens: u32::try_from(request.token_ids.len()).unwrap_or(u32::MAX),
                 cached_blocks: 0,

@@ -133,6 +133,51 @@ pub struct RuntimeConfig {
     pub enable_eagle: bool,
 }
 
+/// The protocol an engine worker speaks ([`EngineCard::protocol`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum EngineProtocol {
+    /// vLLM's OpenAI-compatible server with its disaggregated (P/D) protocol:
+    /// `POST /v1/completions` carrying `kv_transfer_params` (docs/engines.md).
+    #[serde(rename = "vllm")]
+    Vllm,
+}
+
+impl std::fmt::Display for EngineProtocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EngineProtocol::Vllm => "vllm",
+        })
+    }
+}
+
+impl std::str::FromStr for EngineProtocol {
+    type Err = UnknownProtocol;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "vllm" => Ok(EngineProtocol::Vllm),
+            other => Err(UnknownProtocol(other.to_owned())),
+        }
+    }
+}
+
+/// An engine protocol name this build does not know.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown engine protocol {0:?} (known: vllm)")]
+pub struct UnknownProtocol(pub String);
+
+/// What a card says about the engine behind an instance that is not one of our own workers:
+/// the instance is reached over HTTP at its discovered address, in this protocol.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct EngineCard {
+    /// The protocol the engine speaks.
+    pub protocol: EngineProtocol,
+    /// The engine's base URL as it was given (`http://127.0.0.1:8100`), for operators; the
+    /// dispatcher dials the instance's discovered address.
+    pub url: String,
+}
+
 /// A worker's model deployment card, as stored in discovery (JSON).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelCard {
@@ -147,6 +192,10 @@ pub struct ModelCard {
     /// Runtime facts.
     #[serde(default)]
     pub runtime_config: RuntimeConfig,
+    /// The engine behind the instance, when it is not one of our own request-plane workers
+    /// (`None`: our request plane). A set never mixes protocols (docs/engines.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineCard>,
 }
 
 impl ModelCard {

@@ -291,6 +291,7 @@ impl<F: BindingFactory> PrefillRouter<F> {
                 token_ids: outcome.tokens,
                 finish: outcome.finish,
                 prefill: outcome.handoff,
+                ..GenerateResponse::default()
             };
             return Ok(Box::pin(futures_util::stream::iter([Ok(response)])));
         }

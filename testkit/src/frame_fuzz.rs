@@ -96,6 +96,7 @@ pub enum FrameSeed {
 impl PrefillSeed {
     fn info(&self) -> PrefillInfo {
         PrefillInfo {
+            engine_params: None,
             worker: self.worker,
             prompt_tokens: self.prompt_tokens,
             cached_blocks: self.cached_blocks,
@@ -138,6 +139,8 @@ impl FrameSeed {
             } => Frame::Data {
                 id: *id,
                 response: GenerateResponse {
+                    text: None,
+                    usage: None,
                     token_ids: token_ids.clone(),
                     finish: finish.map(|f| match f % 3 {
                         0 => FinishReason::Length,

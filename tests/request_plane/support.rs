@@ -50,9 +50,12 @@ impl Engine for PrefillEngine {
             cached
         };
         let response = GenerateResponse {
+            text: None,
+            usage: None,
             token_ids: vec![request.token_ids.len() as u32],
             finish: Some(FinishReason::Length),
             prefill: Some(PrefillInfo {
+                engine_params: None,
                 worker: self.worker,
                 prompt_tokens: request.token_ids.len() as u32,
                 cached_blocks: cached as u32,
@@ -112,6 +115,8 @@ impl Engine for TickEngine {
                 tokio::time::sleep(interval).await;
                 let finish = (i + 1 == max).then_some(FinishReason::Length);
                 let response = GenerateResponse {
+                    text: None,
+                    usage: None,
                     token_ids: vec![i],
                     finish,
                     prefill: None,
@@ -142,6 +147,8 @@ impl Engine for DetachedEngine {
             while tokio::time::Instant::now() < end {
                 let _ = tx
                     .send(Ok(GenerateResponse {
+                        text: None,
+                        usage: None,
                         token_ids: vec![i],
                         finish: None,
                         prefill: None,

@@ -49,6 +49,8 @@ impl Decode for Recorder {
             self.served.lock().push((Instant::now(), p.worker));
         }
         let response = GenerateResponse {
+            text: None,
+            usage: None,
             token_ids: vec![1],
             finish: Some(FinishReason::Length),
             prefill: None,

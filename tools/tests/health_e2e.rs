@@ -128,6 +128,8 @@ impl Decode for RecordingDecode {
             self.workers.lock().push(p.worker);
         }
         let response = GenerateResponse {
+            text: None,
+            usage: None,
             token_ids: vec![1],
             finish: Some(FinishReason::Length),
             prefill: None,

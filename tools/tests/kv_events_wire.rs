@@ -227,6 +227,8 @@ async fn fake_worker(mut inject: mpsc::Receiver<Vec<u8>>) -> SocketAddr {
             }
             if let Ok(Frame::Request { id, .. }) = decode_frame(&payload) {
                 let response = GenerateResponse {
+                    text: None,
+                    usage: None,
                     token_ids: vec![1],
                     finish: Some(prefill_router::request::FinishReason::Length),
                     prefill: None,

@@ -427,6 +427,8 @@ async fn fake_reporting_worker(others: u64) -> SocketAddr {
                 Ok(Frame::Request { id, .. }) => write(Frame::Data {
                     id,
                     response: GenerateResponse {
+                        text: None,
+                        usage: None,
                         token_ids: vec![1],
                         finish: Some(prefill_router::request::FinishReason::Length),
                         prefill: None,

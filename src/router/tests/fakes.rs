@@ -96,6 +96,7 @@ impl Binding for FakeBinding {
                 tokens: vec![7],
                 finish: Some(FinishReason::Length),
                 handoff: Some(PrefillInfo {
+                    engine_params: None,
                     worker,
                     prompt_tokens: request.token_ids.len() as u32,
                     cached_blocks: 0,
@@ -270,6 +271,8 @@ impl Decode for FakeDecode {
         self.calls.lock().push((request.clone(), prefill));
         Box::pin(async move {
             let response = GenerateResponse {
+                text: None,
+                usage: None,
                 token_ids: vec![1; request.max_tokens as usize],
                 finish: Some(FinishReason::Length),
                 prefill: None,

@@ -58,6 +58,7 @@ async fn a_client_supplied_handoff_never_reaches_the_prefill_worker() {
     router.wait_active(Duration::from_secs(5)).await.unwrap();
     // A client claiming KV blocks already sit on worker 99.
     let forged = PrefillInfo {
+        engine_params: None,
         worker: 99,
         prompt_tokens: 1_000,
         cached_blocks: 50,

@@ -404,6 +404,7 @@ impl CardSeed {
                 runtime_config: RuntimeConfig {
                     enable_eagle: eagle,
                 },
+                engine: None,
             });
         (Value::Object(o), card)
     }

@@ -147,6 +147,7 @@ impl Worker {
             .cached_blocks
             .fetch_add(hits as u64, Ordering::Relaxed);
         let info = PrefillInfo {
+            engine_params: None,
             worker: self.id,
             prompt_tokens: u32::try_from(token_ids.len()).unwrap_or(u32::MAX),
             cached_blocks: u32::try_from(hits).unwrap_or(u32::MAX),
@@ -232,6 +233,8 @@ impl Engine for MockPrefill {
         self.worker.stats.requests.fetch_add(1, Ordering::Relaxed);
         self.worker.stats.tokens.fetch_add(1, Ordering::Relaxed);
         let response = GenerateResponse {
+            text: None,
+            usage: None,
             token_ids: vec![token(request.token_ids.len(), 0)],
             finish: Some(FinishReason::Length),
             prefill: Some(info),
@@ -316,6 +319,8 @@ impl Engine for MockDecode {
                 s.unfinished.finish();
             }
             let response = GenerateResponse {
+                text: None,
+                usage: None,
                 token_ids: vec![token(s.prompt_len, i)],
                 finish: (s.emitted == s.max_tokens).then_some(FinishReason::Length),
                 prefill: s.prefill.take(),

@@ -489,6 +489,8 @@ impl Decode for ReplayDecode {
     ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
         let skipped = prefill.is_none();
         let first = GenerateResponse {
+            text: None,
+            usage: None,
             token_ids: prefill.map_or_else(|| vec![1], |p| p.tokens),
             finish: (request.max_tokens <= 1).then_some(FinishReason::Length),
             prefill: request.handoff.clone(),
@@ -499,6 +501,8 @@ impl Decode for ReplayDecode {
             futures_util::stream::iter((rest > 0).then_some(())).then(move |()| async move {
                 tokio::time::sleep(delay).await;
                 Ok(GenerateResponse {
+                    text: None,
+                    usage: None,
                     token_ids: vec![0; rest as usize],
                     finish: Some(FinishReason::Length),
                     prefill: None,

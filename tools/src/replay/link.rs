@@ -238,9 +238,12 @@ impl ReplayLink {
                 *slot = Some(served);
             }
             Ok(GenerateResponse {
+                text: None,
+                usage: None,
                 token_ids: vec![1],
                 finish: Some(FinishReason::Length),
                 prefill: Some(PrefillInfo {
+                    engine_params: None,
                     worker: id,
                     prompt_tokens: record.input_length,
                     cached_blocks: served.hits,

@@ -506,6 +506,8 @@ impl Decode for SimDecode {
                 }
                 let last = i + 1 == tokens;
                 let response = GenerateResponse {
+                    text: None,
+                    usage: None,
                     token_ids: vec![i],
                     finish: last.then_some(FinishReason::Length),
                     prefill: None,

@@ -311,9 +311,12 @@ fn answer(worker: InstanceId, request: &GenerateRequest) -> GenerateResponse {
         .unwrap_or(0)
         .wrapping_add(1);
     GenerateResponse {
+        text: None,
+        usage: None,
         token_ids: vec![first],
         finish: Some(FinishReason::Length),
         prefill: Some(PrefillInfo {
+            engine_params: None,
             worker,
             prompt_tokens: u32::try_from(request.token_ids.len()).unwrap_or(u32::MAX),
             cached_blocks: 0,
