@@ -399,6 +399,7 @@ mod tests {
         let engine = MockDecode::new(1, quick());
         let mut request = GenerateRequest::new(vec![1, 2, 3], 5);
         request.handoff = Some(PrefillInfo {
+            engine_params: None,
             worker: 9,
             prompt_tokens: 3,
             cached_blocks: 0,
