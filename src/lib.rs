@@ -57,6 +57,7 @@ pub mod control;
 #[cfg(feature = "runtime")]
 pub mod decode;
 pub mod discovery;
+pub mod handoff;
 pub mod health;
 mod hooks;
 #[cfg(feature = "runtime")]
