@@ -108,6 +108,14 @@ impl FailureClass {
         )
     }
 
+    /// Whether a request that failed this way provably never reached the worker: the
+    /// connection was refused (or its TLS handshake failed), so nothing was sent. Every other
+    /// class may have reached it, which is what matters for a single-use handle
+    /// ([`crate::handoff`]): only an unsent attempt gives the handle back for another worker.
+    pub fn request_unsent(self) -> bool {
+        self == FailureClass::ConnectionRefused
+    }
+
     /// A short, stable, lower-case label (metrics and logs).
     pub fn as_str(self) -> &'static str {
         match self {

@@ -61,6 +61,16 @@ pub struct PrefillInfo {
     pub engine_params: Option<String>,
 }
 
+impl PrefillInfo {
+    /// Whether the handoff is a single-use handle on resources the prefill worker holds for
+    /// one decode request (an engine's `engine_params`): such a handoff is carried by at most
+    /// one decode request ([`crate::handoff`]). Our own workers' handoff holds nothing, so
+    /// resending it is harmless.
+    pub fn is_single_use(&self) -> bool {
+        self.engine_params.is_some()
+    }
+}
+
 /// Why a stream ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum FinishReason {

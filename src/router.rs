@@ -24,6 +24,7 @@ mod driver;
 mod error;
 mod fallback;
 mod handle;
+mod handoffs;
 pub mod metrics;
 mod mutant;
 mod shared;
@@ -34,6 +35,7 @@ pub use config::PrefillRouterConfig;
 pub use error::{GenerateError, WaitError};
 pub use fallback::{AfterWait, FallbackPolicy};
 pub use handle::{PrefillRouter, MAX_REROUTES};
+pub use handoffs::HandoffCounts;
 pub use status::{RouterCounters, RouterStatus};
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ mod writer;
 
 pub use client::{ClientConfig, Connection, ResponseStream};
 pub use engine::{Engine, EngineError, EngineStream};
-pub use error::{FrameError, RemoteError, TransportError};
+pub use error::{FrameError, HttpError, RemoteError, TransportError};
 pub use events::{
     decode_kv_payload, KvEventSink, KvEventSource, KvStreamError, KV_BROADCAST_BATCHES,
     KV_COALESCE, KV_SINK_BATCHES, MAX_KV_BATCH_BYTES,

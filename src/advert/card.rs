@@ -168,14 +168,15 @@ impl std::str::FromStr for EngineProtocol {
 pub struct UnknownProtocol(pub String);
 
 /// What a card says about the engine behind an instance that is not one of our own workers:
-/// the instance is reached over HTTP at its discovered address, in this protocol.
+/// the instance is reached over HTTP at its discovered address (`http://ADDRESS`), in this
+/// protocol. The card's `name` is the engine's model and `kv_cache_block_size` its block size.
+///
+/// The engine's URL is the instance's address, not a card field: instances of one generation
+/// must carry equal cards to be admitted together (first-wins admission compares cards).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct EngineCard {
     /// The protocol the engine speaks.
     pub protocol: EngineProtocol,
-    /// The engine's base URL as it was given (`http://127.0.0.1:8100`), for operators; the
-    /// dispatcher dials the instance's discovered address.
-    pub url: String,
 }
 
 /// A worker's model deployment card, as stored in discovery (JSON).

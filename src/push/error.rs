@@ -83,6 +83,25 @@ impl PushError {
     }
 }
 
+impl PushError {
+    /// Whether no attempt of the request provably reached a worker: nothing was routable, or
+    /// every attempt's connection was refused ([`FailureClass::request_unsent`]). A request
+    /// carrying a single-use handoff that fails this way leaves the handoff unused.
+    pub fn request_unsent(&self) -> bool {
+        match self {
+            PushError::NoRoutableInstances
+            | PushError::InstanceGone(_)
+            | PushError::DirectTargetNotRoutable(_)
+            | PushError::Overloaded { .. } => true,
+            PushError::Transport { source, .. } => super::failure_class(source).request_unsent(),
+            PushError::Timeout { .. } => false,
+            PushError::Exhausted { attempts } => attempts
+                .iter()
+                .all(|a| a.class.request_unsent() || a.error.request_unsent()),
+        }
+    }
+}
+
 fn last_error(attempts: &[Attempt]) -> String {
     attempts
         .last()

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::discovery::InstanceId;
 use crate::health::{Action, FailureClass, Input, ProbeId, TimerId};
-use crate::transport::{RemoteError, TransportError};
+use crate::transport::{HttpError, RemoteError, TransportError};
 
 /// How long a probe's TCP connect may take; a timeout is a failed probe. Bounded so a probe of
 /// a black-holed address ends and the backoff continues.
@@ -87,6 +87,20 @@ pub fn failure_class(error: &TransportError) -> FailureClass {
         // it goes elsewhere like an overloaded worker's, and no breaker opens. (Dispatchers
         // avoid draining workers: this is the rare request that raced the announcement.)
         TransportError::Draining => FailureClass::Overloaded,
+        TransportError::Http { error, .. } => match error {
+            // Busy or going away: alive, another engine may take it.
+            HttpError::Status {
+                status: 429 | 503, ..
+            } => FailureClass::Overloaded,
+            // The engine answered: it is alive, the request is what failed (a 400, or a 500
+            // such as vLLM's failed KV pull, after which the engine stays healthy).
+            HttpError::Status { .. } => FailureClass::Rejected,
+            // Not speaking the protocol, cut off or stalled: as dead as a dropped stream.
+            HttpError::Malformed { .. }
+            | HttpError::Truncated { .. }
+            | HttpError::FirstByteTimeout { .. }
+            | HttpError::IdleTimeout { .. } => FailureClass::StreamDead,
+        },
         TransportError::Remote(remote) => match remote {
             RemoteError::Overloaded | RemoteError::Draining => FailureClass::Overloaded,
             RemoteError::DeadlineExceeded => FailureClass::Deadline,

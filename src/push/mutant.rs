@@ -16,4 +16,8 @@ pub(crate) enum DispatchMutant {
     /// A reconnect or a closed connection keeps the worker's KV index entries (the KV feed
     /// tests must catch it).
     KeepKvOnReconnect,
+    /// A decode attempt that failed after it may have reached its worker gives its single-use
+    /// handoff back, so the retry carries a used handle to another worker (the handoff
+    /// property tests must catch it).
+    ResendHandoff,
 }

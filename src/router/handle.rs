@@ -18,6 +18,8 @@ use super::metrics::{RouterCollector, StatusSource};
 use super::mutant::RouterSeam;
 use super::shared::{Announced, Msg, Shared};
 use super::status::{bump, RouterStatus, Tally};
+use super::handoffs::Obligation;
+use crate::handoff::AbandonReason;
 use crate::binding::{Binding as _, BindingFactory, PrefillError, WorkerSetTarget};
 use crate::control::Control;
 use crate::decode::{Decode, DecodeError, DecodeStream};
@@ -286,7 +288,11 @@ impl<F: BindingFactory> PrefillRouter<F> {
         };
         // The binding is not needed for decode: release it so a retired one can go.
         drop(binding);
+        // From here the handoff (if single-use) ends exactly once, counted, whatever happens
+        // to this future (docs/engines.md, "The handoff rules").
+        let mut obligation = Obligation::of(outcome.handoff.as_ref(), &self.shared.tally.handoffs);
         if outcome.is_terminal() {
+            obligation.abandon(AbandonReason::PrefillFinished);
             let response = GenerateResponse {
                 token_ids: outcome.tokens,
                 finish: outcome.finish,
@@ -299,7 +305,9 @@ impl<F: BindingFactory> PrefillRouter<F> {
             handoff: outcome.handoff.clone(),
             ..request
         };
-        Ok(decode.decode(decode_request, Some(outcome)).await?)
+        let decoded = decode.decode(decode_request, Some(outcome)).await;
+        obligation.decoded(&decoded);
+        Ok(decoded?)
     }
 
     /// How a request whose prefill (or pick) on `binding` failed with `error` ends.

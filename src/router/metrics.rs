@@ -23,6 +23,7 @@
 //! | `waited_total` | counter | requests that waited for activation |
 //! | `drained_total` | counter | prefills cut off by the drain cap after their binding was retired |
 //! | `rerouted_total` | counter | requests routed again: their binding was retired before they picked a worker |
+//! | `handoffs_total{ending}` | counter | single-use prefill handoffs (an engine's `kv_transfer_params`): `issued`, then each ended once as `delivered`, `carried_then_failed`, or abandoned (`prefill_finished`, `decode_unreachable`, `client_gone`) |
 //! | `unreachable_bypassed_total` | counter | requests whose prefill found no reachable worker (none routable, or every attempt failed to reach its worker) and that the fallback policy sent to decode whole |
 //! | `open_breakers` | gauge | the serving binding's instances whose health breaker is open (0 when not Active) |
 //! | `prefill_retries_total{class}` | counter | prefills retried on another worker, by the failure's class (the serving binding's; the default factory's bindings share one count) |
@@ -228,6 +229,29 @@ impl Collector for RouterCollector {
             "Requests whose prefill found no reachable worker and that the fallback policy sent to decode whole",
             c.unreachable_bypassed,
         )?;
+        {
+            let h = &c.handoffs;
+            let kind = ConstCounter::new(0u64).metric_type();
+            let mut family = e.encode_descriptor(
+                "handoffs",
+                "Single-use prefill handoffs by how they ended (issued, delivered, carried_then_failed, or abandoned with a reason)",
+                None,
+                kind,
+            )?;
+            let mut endings = vec![
+                ("issued", h.issued),
+                ("delivered", h.delivered),
+                ("carried_then_failed", h.carried_then_failed),
+            ];
+            for (reason, n) in &h.abandoned {
+                endings.push((reason.as_str(), *n));
+            }
+            for (ending, value) in endings {
+                let labels = [("ending", ending)];
+                let m = family.encode_family(&labels)?;
+                ConstCounter::new(value).encode(m)?;
+            }
+        }
         gauge(
             e,
             "open_breakers",

@@ -67,6 +67,8 @@ pub struct RouterCounters {
     /// Requests whose prefill found no reachable worker (none routable, or every attempt
     /// failed to reach its worker) and that the fallback policy sent to decode whole.
     pub unreachable_bypassed: u64,
+    /// How the single-use prefill handoffs ended (docs/engines.md, "The handoff rules").
+    pub handoffs: super::HandoffCounts,
 }
 
 /// A picture of the router, for status pages and tests.
@@ -114,6 +116,7 @@ pub(crate) struct Tally {
     pub(crate) drained: AtomicU64,
     pub(crate) rerouted: AtomicU64,
     pub(crate) unreachable_bypassed: AtomicU64,
+    pub(crate) handoffs: super::handoffs::HandoffTally,
     bypassed: [AtomicU64; 5],
     rejected: [AtomicU64; 5],
     skipped: [AtomicU64; 2],
@@ -149,6 +152,7 @@ impl Tally {
         out.drained = get(&self.drained);
         out.rerouted = get(&self.rerouted);
         out.unreachable_bypassed = get(&self.unreachable_bypassed);
+        out.handoffs = self.handoffs.snapshot();
         out.bypassed = REASONS
             .iter()
             .map(|r| (*r, get(&self.bypassed[reason_index(*r)])))

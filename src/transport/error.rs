@@ -111,4 +111,55 @@ pub enum TransportError {
         /// rustls' reason, as text.
         reason: String,
     },
+    /// An engine reached over HTTP (feature `engine`) failed this request after the connection
+    /// was made. Appended, like [`Tls`](Self::Tls).
+    #[error("engine at {addr}: {error}")]
+    Http {
+        /// The engine's address.
+        addr: SocketAddr,
+        /// What failed.
+        error: HttpError,
+    },
+}
+
+/// How a request to an engine over HTTP failed once it was connected (see
+/// [`TransportError::Http`]). Nothing an engine sends makes the link panic: every answer it
+/// cannot use is one of these.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HttpError {
+    /// The engine answered with a non-2xx status; `message` is its own (`error.message` of an
+    /// OpenAI-style error body, else the body's start).
+    #[error("HTTP {status}: {message}")]
+    Status {
+        /// The HTTP status code.
+        status: u16,
+        /// The engine's message.
+        message: String,
+    },
+    /// The engine's answer could not be read as the protocol says (not JSON, a missing field,
+    /// a wrong type, an oversized body).
+    #[error("malformed answer: {reason}")]
+    Malformed {
+        /// What was wrong.
+        reason: String,
+    },
+    /// The answer ended before it was complete (a body cut short, a stream without its end).
+    #[error("answer cut short: {reason}")]
+    Truncated {
+        /// Where it ended.
+        reason: String,
+    },
+    /// No response head arrived within the first-byte timeout.
+    #[error("no answer within {millis} ms")]
+    FirstByteTimeout {
+        /// The timeout, in milliseconds.
+        millis: u64,
+    },
+    /// A streaming answer stalled: nothing arrived for the idle timeout.
+    #[error("stream idle for {millis} ms")]
+    IdleTimeout {
+        /// The timeout, in milliseconds.
+        millis: u64,
+    },
 }

@@ -7,6 +7,7 @@ use super::picked::Pick;
 use super::routed::classify;
 use super::{Dispatch, DispatchMutant, Dispatcher, PushMode, RoutedStream, WorkerLink};
 use crate::discovery::InstanceId;
+use crate::handoff::{Handoff, SendOutcome};
 use crate::health::FailureClass;
 use crate::push::error::{Attempt, PushError};
 use crate::request::GenerateRequest;
@@ -24,6 +25,13 @@ impl<L: WorkerLink> Dispatcher<L> {
     /// arrived, nothing is retried. A request tried
     /// once fails with its own error; after retries, with [`PushError::Exhausted`] listing
     /// every attempt. `Direct` mode never retries.
+    ///
+    /// A request carrying a single-use handoff ([`PrefillInfo::is_single_use`]) follows the
+    /// handoff rules ([`crate::handoff`]): it is retried only after attempts that provably
+    /// never reached their worker (a refused connection); once one may have, the handle is
+    /// used and the request fails with that attempt's error rather than send it twice.
+    ///
+    /// [`PrefillInfo::is_single_use`]: crate::request::PrefillInfo::is_single_use
     ///
     /// [`PushConfig::retry_budget`]: super::PushConfig::retry_budget
     pub async fn generate(
@@ -44,6 +52,12 @@ impl<L: WorkerLink> Dispatcher<L> {
         // reuses them), which is what the link is told.
         let mut attempts: Vec<Attempt> = Vec::new();
         let mut excluded: Vec<InstanceId> = Vec::new();
+        // The single-use handle's rules, fed by every attempt (`None`: nothing single-use).
+        let mut handoff = request
+            .handoff
+            .as_ref()
+            .filter(|h| h.is_single_use())
+            .map(|_| Handoff::new());
         let mut request = Some(request);
         loop {
             // Taken only by the last attempt, which never loops back.
@@ -64,6 +78,13 @@ impl<L: WorkerLink> Dispatcher<L> {
             }
             .unwrap_or_default();
             let attempt = u32::try_from(attempts.len()).unwrap_or(u32::MAX);
+            if let Some(handoff) = handoff.as_mut() {
+                // Held here by construction: the loop only comes back while `may_send`.
+                if let Err(refused) = handoff.handle_send() {
+                    tracing::error!(%refused, "a decode attempt would resend a used handoff");
+                    return Err(exhausted(attempts, PushError::NoRoutableInstances));
+                }
+            }
             let sent = self
                 .dispatch_classified(pick, this, deadline, (attempt, &excluded))
                 .await;
@@ -71,19 +92,34 @@ impl<L: WorkerLink> Dispatcher<L> {
                 // Every attempt reads its first item ahead, the last one too: a request that was
                 // retried ends with one error listing its attempts, never a stream error.
                 Ok(mut stream) => match stream.peek().await {
-                    None => return Ok(stream),
+                    None => {
+                        if let Some(handoff) = handoff.as_mut() {
+                            let _ = handoff.handle_send_result(SendOutcome::Answered);
+                        }
+                        return Ok(stream);
+                    }
                     Some((error, class)) => (error, class),
                 },
                 Err(failure) => failure,
             };
             let (error, class) = failure;
+            let handle_spent = handoff.as_mut().is_some_and(|handoff| {
+                let outcome = if class.request_unsent() && !self.mutant.is(DispatchMutant::ResendHandoff) {
+                    SendOutcome::Unsent
+                } else {
+                    SendOutcome::FailedAfterSend
+                };
+                let _ = handoff.handle_send_result(outcome);
+                // The mutant retries a used handle as if it were still held.
+                !handoff.may_send() && !self.mutant.is(DispatchMutant::ResendHandoff)
+            });
             attempts.push(Attempt {
                 instance: id,
                 class,
                 error,
             });
             let expired = deadline.is_some_and(|d| Instant::now() >= d);
-            if last || !class.retry_elsewhere() || expired {
+            if last || !class.retry_elsewhere() || expired || handle_spent {
                 return Err(exhausted(attempts, PushError::NoRoutableInstances));
             }
             self.retries.record(class);
