@@ -57,6 +57,8 @@ pub mod control;
 #[cfg(feature = "runtime")]
 pub mod decode;
 pub mod discovery;
+#[cfg(feature = "engine")]
+pub mod engine;
 pub mod handoff;
 pub mod health;
 mod hooks;

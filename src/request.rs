@@ -25,6 +25,11 @@ pub struct GenerateRequest {
     /// The KV-cache location a decode worker should pull from, when this request is the decode
     /// half of a handoff (the prefill response's [`PrefillInfo`]).
     pub handoff: Option<PrefillInfo>,
+    /// Sampling fields an engine honours (`temperature`, `top_p`, `seed`, `ignore_eos`, ...),
+    /// as the JSON text of one object the frontend took from the client's request: an engine
+    /// link forwards them verbatim on both legs (the fields the hop owns, such as `prompt`,
+    /// `max_tokens` and `stream`, are set by the link and win). Our own workers ignore it.
+    pub engine_fields: Option<String>,
     /// The caller's own id for this request, for in-process engines that need to recognise
     /// it (the simulator, the trace replay). Never routed on and never sent on the wire (not
     /// serialized: frames are unchanged, and a decoded request has `None`).
