@@ -91,6 +91,10 @@ pub struct PrefillHopConfig {
     /// How long a new decode dispatcher may take to discover its first instance before it is
     /// used anyway (its requests then fail fast with `NoRoutableInstances` until it does).
     pub decode_catch_up: Duration,
+    /// Timeouts of the links to engines, for sets whose cards name an engine protocol
+    /// (docs/engines.md).
+    #[cfg(feature = "engine")]
+    pub engine: crate::engine::EngineLinkConfig,
 }
 
 impl Default for PrefillHopConfig {
@@ -105,6 +109,8 @@ impl Default for PrefillHopConfig {
                 ..DecodeDefaults::default()
             },
             decode_catch_up: Duration::from_secs(1),
+            #[cfg(feature = "engine")]
+            engine: crate::engine::EngineLinkConfig::default(),
         }
     }
 }
@@ -115,6 +121,8 @@ impl PrefillHopConfig {
         FactoryConfig {
             decode: self.decode.clone(),
             push: self.push.clone(),
+            #[cfg(feature = "engine")]
+            engine: self.engine.clone(),
         }
     }
 
@@ -187,13 +195,16 @@ impl PrefillHop {
         let topology = watcher.view();
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
-        let decode = Arc::new(FollowingDecode::new(
+        let decode = FollowingDecode::new(
             config.decode_mode(),
             config
                 .decode_push
                 .clone()
                 .unwrap_or_else(|| config.push.clone()),
-        ));
+        );
+        #[cfg(feature = "engine")]
+        let decode = decode.with_engine(config.engine.clone());
+        let decode = Arc::new(decode);
         let (decode_changed_tx, decode_changed) = watch::channel(());
         tracker.spawn(follow::follow(
             Arc::clone(&decode),

@@ -33,7 +33,7 @@ pub use affinity::{
 };
 pub use dispatcher::{
     Dispatch, Dispatcher, HeldPick, OverloadCounts, OverloadStats, PushConfig, PushMode,
-    RoutedStream, TcpLink, WorkerLink,
+    Link, LinkStream, RoutedStream, TcpLink, WorkerLink,
 };
 pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};

@@ -13,7 +13,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::Instrument;
 
 use super::TokenLoad;
-use crate::advert::{self, DecodeDefaults, PrefillConfig};
+use crate::advert::{self, DecodeDefaults, EngineCard, PrefillConfig};
 use crate::binding::{
     Binding, BindingFactory, BindingHealth, BuildError, PrefillError, PrefillEstimate,
     PrefillOutcome, PrefillPick, WorkerSetTarget, WorkerSetTargetId,
@@ -38,6 +38,9 @@ pub struct FactoryConfig {
     pub decode: DecodeDefaults,
     /// Settings of every prefill dispatcher built.
     pub push: PushConfig,
+    /// Timeouts of the links to engines, when the set's card names an engine protocol.
+    #[cfg(feature = "engine")]
+    pub engine: crate::engine::EngineLinkConfig,
 }
 
 /// Dispatch counters shared by every binding one factory built (for demos and tests).
@@ -135,7 +138,43 @@ impl DefaultBindingFactory {
     /// earlier binding used: a rebuilt binding starts empty).
     pub(crate) fn dispatcher(&self, view: RoutableView, resolved: &PrefillConfig) -> Dispatcher {
         let mode = PushMode::from_prefill_config(resolved, None);
-        let dispatcher = Dispatcher::new(view, mode, self.config.push.clone())
+        self.equip(Dispatcher::new(view, mode, self.config.push.clone()), resolved)
+    }
+
+    /// A new binding's dispatcher to the engines of `view`, which speak `engine` (the set's
+    /// card says so); a build without feature `engine` cannot reach them.
+    fn engine_dispatcher(
+        &self,
+        view: RoutableView,
+        resolved: &PrefillConfig,
+        engine: &EngineCard,
+    ) -> Result<Dispatcher, BuildError> {
+        #[cfg(feature = "engine")]
+        {
+            tracing::info!(protocol = %engine.protocol, "the prefill set's workers are engines");
+            let mode = PushMode::from_prefill_config(resolved, None);
+            let link = crate::engine::EngineLink::new(
+                crate::engine::EngineRole::Prefill,
+                resolved.block_size,
+                self.config.engine.clone(),
+            );
+            let dispatcher =
+                Dispatcher::with_engine(view, mode, self.config.push.clone(), link);
+            Ok(self.equip(dispatcher, resolved))
+        }
+        #[cfg(not(feature = "engine"))]
+        {
+            let _ = (view, resolved);
+            Err(BuildError::new(format!(
+                "the prefill set's workers are {} engines: this build lacks feature `engine`",
+                engine.protocol
+            )))
+        }
+    }
+
+    /// The factory's shared counters and a fresh affinity table on `dispatcher`.
+    fn equip(&self, dispatcher: Dispatcher, resolved: &PrefillConfig) -> Dispatcher {
+        let dispatcher = dispatcher
             .with_retry_counts(Arc::clone(&self.stats.retries))
             .with_overload_counts(Arc::clone(&self.stats.overload))
             .with_session_affinity(
@@ -177,7 +216,10 @@ impl DefaultBindingFactory {
         //    the machine retries), never forever.
         view.wait_for(|routable| !routable.is_empty()).await;
         // 4. The dispatcher in the resolved mode and block size, with a fresh affinity table.
-        let router = self.dispatcher(view, &resolved);
+        let router = match &target.card.engine {
+            None => self.dispatcher(view, &resolved),
+            Some(engine) => self.engine_dispatcher(view, &resolved, engine)?,
+        };
         // 5. The resolved configuration, once per activation (upstream's log line).
         tracing::info!(
             prefill_router_mode = %resolved.router_mode,

@@ -15,6 +15,7 @@ use crate::binding::PrefillOutcome;
 use crate::discovery::{Discovery, EndpointId};
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::request::GenerateRequest;
+use crate::topology::SetLink;
 
 /// One decode endpoint's dispatcher and the guard of its discovery feed.
 struct Slot {
@@ -32,6 +33,9 @@ pub struct FollowingDecode {
     slot: ArcSwapOption<Slot>,
     mode: PushMode,
     push: PushConfig,
+    /// Timeouts of the links to a decode set of engines.
+    #[cfg(feature = "engine")]
+    engine: crate::engine::EngineLinkConfig,
 }
 
 impl std::fmt::Debug for FollowingDecode {
@@ -50,7 +54,16 @@ impl FollowingDecode {
             slot: ArcSwapOption::empty(),
             mode,
             push,
+            #[cfg(feature = "engine")]
+            engine: crate::engine::EngineLinkConfig::default(),
         }
+    }
+
+    /// Reach a decode set of engines with these timeouts.
+    #[cfg(feature = "engine")]
+    pub(crate) fn with_engine(mut self, engine: crate::engine::EngineLinkConfig) -> Self {
+        self.engine = engine;
+        self
     }
 
     /// The decode endpoint requests go to now, if any.
@@ -82,10 +95,14 @@ impl FollowingDecode {
     pub(crate) async fn retarget(
         &self,
         discovery: &Arc<dyn Discovery>,
-        endpoint: Option<EndpointId>,
+        wanted: Option<(EndpointId, Option<SetLink>)>,
         catch_up: Duration,
         cancel: &CancellationToken,
     ) {
+        let (endpoint, link) = match wanted {
+            Some((endpoint, link)) => (Some(endpoint), link),
+            None => (None, None),
+        };
         let Some(endpoint) = endpoint else {
             if self.slot.swap(None).is_some() {
                 tracing::info!("decode set gone: decode requests fail until one returns");
@@ -104,13 +121,61 @@ impl FollowingDecode {
         let view = RoutableView::spawn_with(events, None, feed.clone(), self.push.health);
         // Use it once it knows an instance (the topology already saw one), bounded.
         let _ = tokio::time::timeout(catch_up, view.wait_for(|r| !r.is_empty())).await;
-        let pool = DecodePool::new(Dispatcher::new(view, self.mode.clone(), self.push.clone()));
+        let dispatcher = match self.dispatcher(view, link.unwrap_or(SetLink::RequestPlane)) {
+            Ok(dispatcher) => dispatcher,
+            Err(error) => {
+                // Logged once per change of the decode set (the follower calls once).
+                tracing::error!(%endpoint, %error, "the decode set cannot be routed to");
+                self.slot.store(None);
+                return;
+            }
+        };
+        let pool = DecodePool::new(dispatcher);
         tracing::info!(%endpoint, "decode hop follows a new decode set");
         self.slot.store(Some(Arc::new(Slot {
             endpoint,
             pool,
             _feed: feed.drop_guard(),
         })));
+    }
+}
+
+impl FollowingDecode {
+    /// The decode dispatcher over `view` for a set reached by `link`.
+    fn dispatcher(&self, view: RoutableView, link: SetLink) -> Result<Dispatcher, DecodeError> {
+        match link {
+            SetLink::RequestPlane => Ok(Dispatcher::new(view, self.mode.clone(), self.push.clone())),
+            #[cfg(feature = "engine")]
+            SetLink::Engine {
+                protocol,
+                block_size,
+            } => {
+                tracing::info!(%protocol, block_size, "the decode set's workers are engines");
+                let link = crate::engine::EngineLink::new(
+                    crate::engine::EngineRole::Decode,
+                    block_size,
+                    self.engine.clone(),
+                );
+                Ok(Dispatcher::with_engine(
+                    view,
+                    self.mode.clone(),
+                    self.push.clone(),
+                    link,
+                ))
+            }
+            #[cfg(not(feature = "engine"))]
+            SetLink::Engine { protocol, .. } => {
+                drop(view);
+                Err(DecodeError::Failed {
+                    message: format!(
+                        "the decode set's workers are {protocol} engines: this build lacks feature `engine`"
+                    ),
+                })
+            }
+            SetLink::Mixed => Err(DecodeError::Failed {
+                message: "the decode set's cards mix worker protocols".into(),
+            }),
+        }
     }
 }
 

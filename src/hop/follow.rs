@@ -1,4 +1,5 @@
-//! The follower task: the decode hop follows the topology's decode endpoint.
+//! The follower task: the decode hop follows the topology's decode endpoint (and how its
+//! instances are reached).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::decode::FollowingDecode;
 use crate::discovery::{Discovery, EndpointId};
-use crate::topology::TopologySnapshot;
+use crate::topology::{SetLink, TopologySnapshot};
 
 /// The follower task: retarget on every change of the topology's decode endpoint.
 pub(crate) async fn follow(
@@ -19,10 +20,16 @@ pub(crate) async fn follow(
     cancel: CancellationToken,
     changed: watch::Sender<()>,
 ) {
-    let mut current: Option<EndpointId> = None;
+    let mut current: Option<(EndpointId, Option<SetLink>)> = None;
     let mut first = true;
     loop {
-        let wanted = topology.borrow_and_update().decode.clone();
+        let wanted = {
+            let snapshot = topology.borrow_and_update();
+            snapshot
+                .decode
+                .clone()
+                .map(|endpoint| (endpoint, snapshot.decode_link))
+        };
         if first || wanted != current {
             first = false;
             tokio::select! {

@@ -34,7 +34,7 @@ use crate::hooks::Seam;
 use crate::transport::ClientConfig;
 use booking::Bookings;
 pub use booking::{OverloadCounts, OverloadStats};
-pub use link::{Dispatch, TcpLink, WorkerLink};
+pub use link::{Dispatch, Link, LinkStream, TcpLink, WorkerLink};
 pub use routed::{HeldPick, RoutedStream};
 
 /// How the dispatcher picks an instance.
@@ -148,7 +148,7 @@ const NO_THRESHOLD: u64 = u64::MAX;
 /// Routes requests to instances of a [`RoutableView`], sending them through its link `L`: the
 /// request plane ([`TcpLink`]) unless built [`with_link`](Dispatcher::with_link). Share it
 /// behind an `Arc`; all methods take `&self`.
-pub struct Dispatcher<L = TcpLink> {
+pub struct Dispatcher<L = Link> {
     view: RoutableView,
     mode: PushMode,
     config: PushConfig,
@@ -182,14 +182,27 @@ impl<L> std::fmt::Debug for Dispatcher<L> {
     }
 }
 
-impl Dispatcher<TcpLink> {
+impl Dispatcher<Link> {
     /// A dispatcher over `view` in `mode`, sending over the request plane (in KV mode its
     /// connections also carry the workers' KV events into the selector).
     pub fn new(view: RoutableView, mode: PushMode, config: PushConfig) -> Self {
         let client = config.client.clone();
         Self::build(view, mode, config, |view, feed| {
-            TcpLink::new(client, view.clone(), feed.cloned())
+            Link::Tcp(TcpLink::new(client, view.clone(), feed.cloned()))
         })
+    }
+
+    /// A dispatcher over `view` in `mode` whose workers are engines reached through `link`
+    /// (feature `engine`). Its KV mode predicts from its own picks (engine KV events are not
+    /// read yet).
+    #[cfg(feature = "engine")]
+    pub fn with_engine(
+        view: RoutableView,
+        mode: PushMode,
+        config: PushConfig,
+        link: crate::engine::EngineLink,
+    ) -> Self {
+        Self::build(view, mode, config, |_, _| Link::Engine(link))
     }
 
     /// A dispatcher running a deliberate mutant (see [`DispatchMutant`]).
@@ -207,11 +220,11 @@ impl Dispatcher<TcpLink> {
                 feed_board(&loads),
             ))
         });
-        self.link = TcpLink::new(
+        self.link = Link::Tcp(TcpLink::new(
             self.config.client.clone(),
             self.view.clone(),
             self.kv_feed.clone(),
-        );
+        ));
         self
     }
 }

@@ -138,6 +138,34 @@ pub(crate) enum TopologyMutant {
     ShrinksBeforeTarget,
 }
 
+/// How one worker set is reached, as its instances' cards say ([`Machine::set_link`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SetLink {
+    /// Our request plane (no card names an engine).
+    RequestPlane,
+    /// Engines speaking `protocol`, with KV blocks of `block_size` tokens (the first card's).
+    Engine {
+        /// The protocol every card names.
+        protocol: crate::advert::EngineProtocol,
+        /// The cards' KV block size in tokens (0: not declared).
+        block_size: u32,
+    },
+    /// Cards disagree on the protocol: the set is not routed to.
+    Mixed,
+}
+
+impl SetLink {
+    fn of(card: &ModelCard) -> SetLink {
+        match &card.engine {
+            None => SetLink::RequestPlane,
+            Some(engine) => SetLink::Engine {
+                protocol: engine.protocol,
+                block_size: card.kv_cache_block_size,
+            },
+        }
+    }
+}
+
 /// The selected card of a prefill set and the admission set last published for it.
 #[derive(Clone, Debug, PartialEq)]
 struct CardChoice {
@@ -444,6 +472,21 @@ impl Machine {
     /// Prefill sets with at least one admitted instance.
     pub fn prefill_sets(&self) -> Vec<EndpointId> {
         self.live_prefill().map(|(e, _)| e.clone()).collect()
+    }
+
+    /// How the instances of the set `endpoint` are reached, from their cards (`None` for an
+    /// unknown or empty set): all over our request plane, all by one engine protocol, or a
+    /// mix, which a frontend refuses to route to.
+    pub fn set_link(&self, endpoint: &EndpointId) -> Option<SetLink> {
+        let set = self.sets.get(endpoint)?;
+        let mut cards = set.instances.values().map(|(card, _)| card);
+        let first = cards.next()?;
+        let link = SetLink::of(first);
+        Some(if cards.all(|c| SetLink::of(c) == link) {
+            link
+        } else {
+            SetLink::Mixed
+        })
     }
 
     /// Decode sets with at least one instance.

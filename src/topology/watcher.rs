@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::machine::{Action, GenerationId, Machine, TargetSpec};
+use super::machine::{Action, GenerationId, Machine, SetLink, TargetSpec};
 use crate::binding::{BindingFactory, WorkerSetTarget, WorkerSetTargetId};
 use crate::discovery::{Discovery, DiscoveryError, EndpointId, InstanceId, NamespaceEvent};
 use crate::router::PrefillRouter;
@@ -30,6 +30,8 @@ pub struct TopologySnapshot {
     pub decode_sets: Vec<EndpointId>,
     /// The decode endpoint when there is exactly one decode set.
     pub decode: Option<EndpointId>,
+    /// How that decode set's instances are reached (their cards' protocol).
+    pub decode_link: Option<SetLink>,
     /// Target changes so far (`set_target` calls the watcher made).
     pub retargets: u64,
 }
@@ -42,6 +44,9 @@ impl TopologySnapshot {
             target: machine.target().map(|t| target_id(&t.id)),
             prefill_sets: machine.prefill_sets(),
             decode: (decode_sets.len() == 1).then(|| decode_sets[0].clone()),
+            decode_link: (decode_sets.len() == 1)
+                .then(|| machine.set_link(&decode_sets[0]))
+                .flatten(),
             decode_sets,
             retargets: machine.retargets(),
         }

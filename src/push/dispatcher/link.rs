@@ -275,3 +275,96 @@ impl WorkerLink for TcpLink {
         self.pool.connections.lock().remove(&instance);
     }
 }
+
+/// The production dispatchers' link: the request plane to our own workers ([`TcpLink`]) or,
+/// with feature `engine`, HTTP to engines ([`EngineLink`](crate::engine::EngineLink)). Which
+/// one a dispatcher gets is decided once, from its set's card, where it is built (the binding
+/// factory, the decode follower): one set never mixes protocols, and the dispatcher itself has
+/// no engine branch.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Link {
+    /// Our request plane.
+    Tcp(TcpLink),
+    /// An engine protocol over HTTP.
+    #[cfg(feature = "engine")]
+    Engine(crate::engine::EngineLink),
+}
+
+impl Link {
+    /// Whether `instance` has a pooled request-plane connection that takes new requests
+    /// (always false for an engine link: its HTTP pool is hyper's).
+    pub fn is_connected(&self, instance: &Instance) -> bool {
+        match self {
+            Link::Tcp(link) => link.is_connected(instance),
+            #[cfg(feature = "engine")]
+            Link::Engine(_) => false,
+        }
+    }
+}
+
+/// The responses of one request through a [`Link`].
+#[non_exhaustive]
+pub enum LinkStream {
+    /// From the request plane.
+    Tcp(ResponseStream),
+    /// From an engine.
+    #[cfg(feature = "engine")]
+    Engine(crate::engine::EngineStream),
+}
+
+impl std::fmt::Debug for LinkStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LinkStream::Tcp(_) => "LinkStream::Tcp",
+            #[cfg(feature = "engine")]
+            LinkStream::Engine(_) => "LinkStream::Engine",
+        })
+    }
+}
+
+impl Stream for LinkStream {
+    type Item = Result<GenerateResponse, TransportError>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        match self.get_mut() {
+            LinkStream::Tcp(s) => std::pin::Pin::new(s).poll_next(cx),
+            #[cfg(feature = "engine")]
+            LinkStream::Engine(s) => s.as_mut().poll_next(cx),
+        }
+    }
+}
+
+impl WorkerLink for Link {
+    type Stream = LinkStream;
+
+    async fn open(
+        &self,
+        dispatch: Dispatch<'_>,
+        request: GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> Result<LinkStream, TransportError> {
+        match self {
+            Link::Tcp(link) => link
+                .open(dispatch, request, deadline)
+                .await
+                .map(LinkStream::Tcp),
+            #[cfg(feature = "engine")]
+            Link::Engine(link) => link
+                .open(dispatch, request, deadline)
+                .await
+                .map(LinkStream::Engine),
+        }
+    }
+
+    fn forget(&self, instance: InstanceId) {
+        match self {
+            Link::Tcp(link) => link.forget(instance),
+            #[cfg(feature = "engine")]
+            Link::Engine(link) => link.forget(instance),
+        }
+    }
+}
