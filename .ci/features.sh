@@ -10,7 +10,7 @@
 # the tools package's build must show them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-forbidden='tokio feature "test-util"|^tracing-subscriber |^arbitrary |^axum |^rustls |^kube |^k8s-openapi '
+forbidden='tokio feature "test-util"|^tracing-subscriber |^arbitrary |^axum |^rustls |^kube |^k8s-openapi |^hyper |^hyper-util '
 
 # -e normal,build: what a dependent compiles (dev-dependencies are the package's own tests').
 # The crates come from the plain tree, tokio's enabled features from the tree inverted on it.
@@ -34,6 +34,10 @@ for crate in '^tracing-subscriber ' '^axum ' '^rustls ' 'tokio feature "test-uti
         exit 1
     fi
 done
+if ! tree prefill-router --features engine | grep -qE '^hyper-util '; then
+    echo "features: the detector is blind to hyper-util: the engine build should show it"
+    exit 1
+fi
 if ! tree prefill-router --features tls | grep -qE '^rustls '; then
     echo "features: the detector is blind to rustls: the tls build should show it"
     exit 1

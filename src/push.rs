@@ -32,8 +32,8 @@ pub use affinity::{
     AffinityOutcome, AffinityStats, AffinityTable, DEFAULT_AFFINITY_CAPACITY,
 };
 pub use dispatcher::{
-    Dispatch, Dispatcher, HeldPick, OverloadCounts, OverloadStats, PushConfig, PushMode,
-    Link, LinkStream, RoutedStream, TcpLink, WorkerLink,
+    Dispatch, Dispatcher, HeldPick, Link, LinkStream, OverloadCounts, OverloadStats, PushConfig,
+    PushMode, RoutedStream, TcpLink, WorkerLink,
 };
 pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};

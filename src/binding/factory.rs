@@ -138,7 +138,10 @@ impl DefaultBindingFactory {
     /// earlier binding used: a rebuilt binding starts empty).
     pub(crate) fn dispatcher(&self, view: RoutableView, resolved: &PrefillConfig) -> Dispatcher {
         let mode = PushMode::from_prefill_config(resolved, None);
-        self.equip(Dispatcher::new(view, mode, self.config.push.clone()), resolved)
+        self.equip(
+            Dispatcher::new(view, mode, self.config.push.clone()),
+            resolved,
+        )
     }
 
     /// A new binding's dispatcher to the engines of `view`, which speak `engine` (the set's
@@ -158,8 +161,7 @@ impl DefaultBindingFactory {
                 resolved.block_size,
                 self.config.engine.clone(),
             );
-            let dispatcher =
-                Dispatcher::with_engine(view, mode, self.config.push.clone(), link);
+            let dispatcher = Dispatcher::with_engine(view, mode, self.config.push.clone(), link);
             Ok(self.equip(dispatcher, resolved))
         }
         #[cfg(not(feature = "engine"))]

@@ -144,7 +144,9 @@ impl FollowingDecode {
     /// The decode dispatcher over `view` for a set reached by `link`.
     fn dispatcher(&self, view: RoutableView, link: SetLink) -> Result<Dispatcher, DecodeError> {
         match link {
-            SetLink::RequestPlane => Ok(Dispatcher::new(view, self.mode.clone(), self.push.clone())),
+            SetLink::RequestPlane => {
+                Ok(Dispatcher::new(view, self.mode.clone(), self.push.clone()))
+            }
             #[cfg(feature = "engine")]
             SetLink::Engine {
                 protocol,

@@ -276,7 +276,10 @@ mod tests {
             "max_tokens too big"
         );
         assert_eq!(error_message(br#"{"detail":"Not Found"}"#), "Not Found");
-        assert_eq!(error_message(b"Internal Server Error"), "Internal Server Error");
+        assert_eq!(
+            error_message(b"Internal Server Error"),
+            "Internal Server Error"
+        );
         assert_eq!(error_message(b""), "(empty body)");
         let long = "é".repeat(600);
         assert!(error_message(long.as_bytes()).len() <= 512 + "…".len());

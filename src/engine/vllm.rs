@@ -40,12 +40,7 @@ fn malformed(addr: SocketAddr, reason: impl Into<String>) -> TransportError {
 /// The JSON body: the request's engine fields, then the fields the hop owns (they win), then
 /// `kv_transfer_params` spliced in as raw text (verbatim: a `Value` round trip could reformat
 /// numbers a newer engine relies on).
-fn body(
-    request: &GenerateRequest,
-    max_tokens: u32,
-    stream: bool,
-    params: Option<&str>,
-) -> Vec<u8> {
+fn body(request: &GenerateRequest, max_tokens: u32, stream: bool, params: Option<&str>) -> Vec<u8> {
     let mut fields = match request.engine_fields.as_deref().map(serde_json::from_str) {
         Some(Ok(Value::Object(map))) => map,
         Some(_) => {
@@ -166,8 +161,8 @@ fn finish(reason: Option<&str>) -> Option<FinishReason> {
 }
 
 fn parse<'a>(addr: SocketAddr, bytes: &'a [u8]) -> Result<Completion<'a>, TransportError> {
-    let completion: Completion<'a> =
-        serde_json::from_slice(bytes).map_err(|e| malformed(addr, format!("not a completion: {e}")))?;
+    let completion: Completion<'a> = serde_json::from_slice(bytes)
+        .map_err(|e| malformed(addr, format!("not a completion: {e}")))?;
     if let Some(error) = &completion.error {
         // An error object inside a 200 (vLLM streams them that way).
         let message = error
@@ -278,7 +273,10 @@ impl Events {
                 }
             }
             if self.buffer.len() > self.answer.max() {
-                return Some(Err(malformed(self.addr, "an event line over the size limit")));
+                return Some(Err(malformed(
+                    self.addr,
+                    "an event line over the size limit",
+                )));
             }
             match self.answer.next_chunk(self.addr, self.deadline).await {
                 Ok(Some(chunk)) => self.buffer.extend_from_slice(&chunk),

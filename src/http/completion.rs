@@ -188,11 +188,10 @@ impl App {
         let deadline = start + timeout;
         let body_by = deadline.min(Instant::now() + self.0.config.body_timeout);
         let headers = request.headers().clone();
-        let parsed = match self
-            .body(request, body_by)
-            .await
-            .and_then(|b| self.parse(kind, &b))
-        {
+        let parsed = match self.body(request, body_by).await.and_then(|b| {
+            self.parse(kind, &b)
+                .map(|parsed| (parsed, super::openai::engine_fields(&b)))
+        }) {
             Ok(parsed) => parsed,
             Err(error) => {
                 // A body that did not arrive will not arrive: close the connection after the
@@ -207,6 +206,7 @@ impl App {
                 return response;
             }
         };
+        let (parsed, engine_fields) = parsed;
         let session = match super::session::session_key(&headers, parsed.session) {
             Ok(session) => session,
             Err(error) => return error.into_response(),
@@ -214,6 +214,7 @@ impl App {
         let prompt_tokens = parsed.token_ids.len();
         let mut request = GenerateRequest::new(parsed.token_ids, parsed.max_tokens);
         request.session = session;
+        request.engine_fields = engine_fields;
         let mut stream = match tokio::time::timeout_at(deadline, self.0.hop.generate(request)).await
         {
             Err(_) => return ApiError::deadline(timeout).into_response(),

@@ -219,6 +219,42 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Their sum.
     pub total_tokens: usize,
+    /// Prompt tokens served from a prefix cache, when an engine reported them (OpenAI's
+    /// `prompt_tokens_details.cached_tokens`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// The details of a response's prompt tokens.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from a prefix cache.
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    /// The usage of a response: the engine's own count when it reported one, else ours.
+    pub(crate) fn of(
+        engine: Option<crate::request::EngineUsage>,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    ) -> Self {
+        let (prompt, completion, cached) = match engine {
+            Some(u) => (
+                u.prompt_tokens as usize,
+                u.completion_tokens as usize,
+                u.cached_tokens.map(|c| c as usize),
+            ),
+            None => (prompt_tokens, completion_tokens, None),
+        };
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: cached
+                .map(|cached_tokens| PromptTokensDetails { cached_tokens }),
+        }
+    }
 }
 
 /// An error answered as OpenAI does: a status and `{"error": {message, type, param, code}}`.
@@ -386,6 +422,38 @@ impl From<&DecodeError> for ApiError {
             },
         }
     }
+}
+
+/// Sampling fields of a client's request that an engine honours, forwarded to it verbatim
+/// ([`GenerateRequest::engine_fields`](crate::request::GenerateRequest::engine_fields)); the
+/// built-in mock workers ignore them.
+const ENGINE_FIELDS: [&str; 14] = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "logit_bias",
+];
+
+/// The engine fields of a request body, as the JSON text of one object (`None`: none given).
+pub(crate) fn engine_fields(body: &[u8]) -> Option<String> {
+    let serde_json::Value::Object(all) = serde_json::from_slice(body).ok()? else {
+        return None;
+    };
+    let kept: serde_json::Map<String, serde_json::Value> = all
+        .into_iter()
+        .filter(|(k, v)| ENGINE_FIELDS.contains(&k.as_str()) && !v.is_null())
+        .collect();
+    (!kept.is_empty()).then(|| serde_json::Value::Object(kept).to_string())
 }
 
 #[cfg(test)]

@@ -33,6 +33,14 @@ pub(super) fn finish_reason(finish: Option<FinishReason>) -> Option<&'static str
     })
 }
 
+/// The text of one response: the engine's own rendering when it gave one, else ours.
+pub(super) fn response_text(response: &GenerateResponse) -> String {
+    match &response.text {
+        Some(text) => text.clone(),
+        None => text_of(&response.token_ids),
+    }
+}
+
 pub(super) fn text_of(tokens: &[u32]) -> String {
     tokens.iter().map(|&t| render(t)).collect()
 }
@@ -138,6 +146,8 @@ pub(super) async fn collect(
     timeout: Duration,
     prompt_tokens: usize,
 ) -> Response {
+    let mut text = response_text(&first);
+    let mut engine_usage = first.usage;
     let mut tokens = first.token_ids;
     let mut finish = first.finish;
     while finish.is_none() {
@@ -146,21 +156,15 @@ pub(super) async fn collect(
             Ok(None) => break,
             Ok(Some(Err(error))) => return ApiError::from(&error).into_response(),
             Ok(Some(Ok(response))) => {
+                text.push_str(&response_text(&response));
+                engine_usage = response.usage.or(engine_usage);
                 tokens.extend_from_slice(&response.token_ids);
                 finish = response.finish;
             }
         }
     }
-    let usage = Usage {
-        prompt_tokens,
-        completion_tokens: tokens.len(),
-        total_tokens: prompt_tokens + tokens.len(),
-    };
-    let body = reply.whole(
-        text_of(&tokens),
-        finish_reason(finish).unwrap_or("stop"),
-        usage,
-    );
+    let usage = Usage::of(engine_usage, prompt_tokens, tokens.len());
+    let body = reply.whole(text, finish_reason(finish).unwrap_or("stop"), usage);
     Json(body).into_response()
 }
 
@@ -174,6 +178,8 @@ pub(super) struct SseState {
     pub(super) completion_tokens: usize,
     pub(super) sent_any: bool,
     pub(super) usage_sent: bool,
+    /// The usage an engine reported, if any (it wins over our count).
+    pub(super) engine_usage: Option<crate::request::EngineUsage>,
     pub(super) finished: bool,
     pub(super) disconnect: Disconnect,
 }
@@ -203,6 +209,7 @@ pub(super) fn sse_events(
         completion_tokens: 0,
         sent_any: false,
         usage_sent: false,
+        engine_usage: None,
         finished: false,
         disconnect,
     };
@@ -224,7 +231,8 @@ pub(super) fn sse_events(
         };
         let out = match item {
             Some(Ok(response)) => {
-                let text = text_of(&response.token_ids);
+                let text = response_text(&response);
+                s.engine_usage = response.usage.or(s.engine_usage);
                 s.completion_tokens += response.token_ids.len();
                 let finish = finish_reason(response.finish);
                 let chunk = s.reply.chunk(&text, !s.sent_any, finish);
@@ -238,11 +246,7 @@ pub(super) fn sse_events(
             None if s.reply.include_usage && !s.usage_sent => {
                 s.usage_sent = true;
                 s.stream = Box::pin(futures_util::stream::empty());
-                let usage = Usage {
-                    prompt_tokens: s.prompt_tokens,
-                    completion_tokens: s.completion_tokens,
-                    total_tokens: s.prompt_tokens + s.completion_tokens,
-                };
+                let usage = Usage::of(s.engine_usage, s.prompt_tokens, s.completion_tokens);
                 event(&s.reply.usage_chunk(usage))
             }
             None => {

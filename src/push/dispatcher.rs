@@ -202,7 +202,7 @@ impl Dispatcher<Link> {
         config: PushConfig,
         link: crate::engine::EngineLink,
     ) -> Self {
-        Self::build(view, mode, config, |_, _| Link::Engine(link))
+        Self::build(view, mode, config, |_, _| Link::Engine(Box::new(link)))
     }
 
     /// A dispatcher running a deliberate mutant (see [`DispatchMutant`]).

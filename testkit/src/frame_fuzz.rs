@@ -126,6 +126,7 @@ impl FrameSeed {
                     session: session.clone(),
                     stop_token_ids: stop_token_ids.clone(),
                     handoff: handoff.as_ref().map(PrefillSeed::info),
+                    engine_fields: None,
                     // Process-local, never on the wire.
                     request_id: None,
                 },

@@ -14,7 +14,10 @@ fn the_prefill_handoff_is_kept_verbatim() {
     let params = info.engine_params.unwrap();
     let start = PREFILL.find("\"kv_transfer_params\":").unwrap() + "\"kv_transfer_params\":".len();
     assert_eq!(params, &PREFILL[start..PREFILL.len() - 1]);
-    assert_eq!((info.worker, info.prompt_tokens, info.cached_blocks), (7, 36, 1));
+    assert_eq!(
+        (info.worker, info.prompt_tokens, info.cached_blocks),
+        (7, 36, 1)
+    );
     assert_eq!(response.token_ids, vec![343]);
     assert_eq!(response.finish, Some(FinishReason::Length));
     assert_eq!(response.usage.unwrap().cached_tokens, Some(32));
@@ -39,17 +42,26 @@ fn junk_answers_are_typed_errors() {
     ] {
         let error = prefill_answer(addr(), 1, 32, body).unwrap_err();
         assert!(
-            matches!(error, TransportError::Http { error: HttpError::Malformed { .. }, .. }),
+            matches!(
+                error,
+                TransportError::Http {
+                    error: HttpError::Malformed { .. },
+                    ..
+                }
+            ),
             "{error}"
         );
     }
-    let error = prefill_answer(addr(), 1, 32, br#"{"error":{"message":"boom","code":503}}"#)
-        .unwrap_err();
+    let error =
+        prefill_answer(addr(), 1, 32, br#"{"error":{"message":"boom","code":503}}"#).unwrap_err();
     assert_eq!(
         error,
         TransportError::Http {
             addr: addr(),
-            error: HttpError::Status { status: 503, message: "boom".into() }
+            error: HttpError::Status {
+                status: 503,
+                message: "boom".into()
+            }
         }
     );
 }
@@ -66,7 +78,10 @@ fn the_decode_body_carries_the_handoff_verbatim_and_the_hop_owns_its_fields() {
         ..PrefillInfo::default()
     });
     let body = String::from_utf8(decode_body(&request).unwrap()).unwrap();
-    assert!(body.ends_with(&format!("\"kv_transfer_params\":{raw}}}")), "{body}");
+    assert!(
+        body.ends_with(&format!("\"kv_transfer_params\":{raw}}}")),
+        "{body}"
+    );
     assert!(!body.contains("forged"));
     let value: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(value["max_tokens"], 9);

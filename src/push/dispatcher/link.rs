@@ -288,7 +288,7 @@ pub enum Link {
     Tcp(TcpLink),
     /// An engine protocol over HTTP.
     #[cfg(feature = "engine")]
-    Engine(crate::engine::EngineLink),
+    Engine(Box<crate::engine::EngineLink>),
 }
 
 impl Link {

@@ -17,7 +17,7 @@ use crate::push::health::failure_class;
 use crate::push::view::InstanceStatus;
 use crate::push::{PushError, RoutableView};
 use crate::request::{GenerateRequest, GenerateResponse};
-use crate::transport::{ResponseStream, TransportError};
+use crate::transport::TransportError;
 
 /// Map a transport failure to a dispatcher error and its class, and report it to the instance's
 /// breaker (which opens only on a connection-level failure, per [`failure_class`]).
@@ -144,7 +144,7 @@ impl<L: WorkerLink> Dispatcher<L> {
 /// The responses of a routed request, and which instance serves it. Dropping it cancels the
 /// request at the worker and releases the work the pick booked there. `S` is the link's
 /// stream ([`WorkerLink::Stream`](super::WorkerLink::Stream)): the request plane's by default.
-pub struct RoutedStream<S = ResponseStream> {
+pub struct RoutedStream<S = super::LinkStream> {
     pub(super) instance: InstanceId,
     pub(super) overlap: Option<usize>,
     pub(super) affinity: Option<AffinityOutcome>,

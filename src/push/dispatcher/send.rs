@@ -104,11 +104,12 @@ impl<L: WorkerLink> Dispatcher<L> {
             };
             let (error, class) = failure;
             let handle_spent = handoff.as_mut().is_some_and(|handoff| {
-                let outcome = if class.request_unsent() && !self.mutant.is(DispatchMutant::ResendHandoff) {
-                    SendOutcome::Unsent
-                } else {
-                    SendOutcome::FailedAfterSend
-                };
+                let outcome =
+                    if class.request_unsent() && !self.mutant.is(DispatchMutant::ResendHandoff) {
+                        SendOutcome::Unsent
+                    } else {
+                        SendOutcome::FailedAfterSend
+                    };
                 let _ = handoff.handle_send_result(outcome);
                 // The mutant retries a used handle as if it were still held.
                 !handoff.may_send() && !self.mutant.is(DispatchMutant::ResendHandoff)
