@@ -230,6 +230,14 @@ impl Dispatcher<Link> {
 }
 
 impl<L: WorkerLink> Dispatcher<L> {
+    /// This dispatcher running a deliberate mutant of its pick and retry (see
+    /// [`DispatchMutant`]); its link is left as it is.
+    #[cfg(test)]
+    pub(crate) fn with_send_mutant(mut self, mutant: DispatchMutant) -> Self {
+        self.mutant = Seam::on(mutant);
+        self
+    }
+
     /// A dispatcher over `view` in `mode` that sends through `link` (an in-memory transport, as
     /// the simulator's). The link carries no KV events: feed them with
     /// [`apply_kv_events`](Self::apply_kv_events).

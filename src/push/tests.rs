@@ -1,6 +1,7 @@
 //! Tests of the dispatchers, a module per topic.
 
 mod booking;
+mod handoff;
 mod kv_admission;
 mod kv_feed;
 mod link;

@@ -104,15 +104,16 @@ impl<L: WorkerLink> Dispatcher<L> {
             };
             let (error, class) = failure;
             let handle_spent = handoff.as_mut().is_some_and(|handoff| {
-                let outcome =
-                    if class.request_unsent() && !self.mutant.is(DispatchMutant::ResendHandoff) {
-                        SendOutcome::Unsent
-                    } else {
-                        SendOutcome::FailedAfterSend
-                    };
+                // The mutant takes a used handle back as if the attempt had never left.
+                let unsent =
+                    class.request_unsent() || self.mutant.is(DispatchMutant::ResendHandoff);
+                let outcome = if unsent {
+                    SendOutcome::Unsent
+                } else {
+                    SendOutcome::FailedAfterSend
+                };
                 let _ = handoff.handle_send_result(outcome);
-                // The mutant retries a used handle as if it were still held.
-                !handoff.may_send() && !self.mutant.is(DispatchMutant::ResendHandoff)
+                !handoff.may_send()
             });
             attempts.push(Attempt {
                 instance: id,
