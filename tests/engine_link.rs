@@ -441,3 +441,50 @@ async fn a_client_gone_after_the_prefill_answered_is_counted_not_silent() {
         "{counts:?}"
     );
 }
+
+/// Against a real vLLM pair when `PREFILL_VLLM_PREFILL` and `PREFILL_VLLM_DECODE` name their
+/// `HOST:PORT` (`.ci/vllm.sh` sets them; skipped, saying so, otherwise): the handoff is
+/// delivered, the decode engine pulls the prompt's KV, and greedy output equals the decode
+/// engine's own on the same prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_vllm_pair_delivers_the_handoff() {
+    let (Ok(p), Ok(d)) = (
+        std::env::var("PREFILL_VLLM_PREFILL"),
+        std::env::var("PREFILL_VLLM_DECODE"),
+    ) else {
+        eprintln!("skipped: set PREFILL_VLLM_PREFILL and PREFILL_VLLM_DECODE to a vLLM P/D pair");
+        return;
+    };
+    let (p, d): (SocketAddr, SocketAddr) = (p.parse().unwrap(), d.parse().unwrap());
+    let discovery = MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(10)));
+    let _keep = vec![
+        register(&discovery, "prefill", 1, p).await,
+        register(&discovery, "decode", 100, d).await,
+    ];
+    let mut config = PrefillHopConfig::default();
+    config.push.request_timeout = Some(Duration::from_secs(120));
+    let discovery: Arc<dyn Discovery> = Arc::new(discovery);
+    let hop = PrefillHop::start(discovery, "engines", config)
+        .await
+        .unwrap();
+    hop.router()
+        .wait_active(Duration::from_secs(10))
+        .await
+        .unwrap();
+    let prompt: Vec<u32> = (0..100u32).map(|i| 4 + (i * 37) % 1000).collect();
+    let mut request = GenerateRequest::new(prompt, 12);
+    request.engine_fields = Some(r#"{"temperature":0,"ignore_eos":true}"#.into());
+    let mut stream = hop.generate(request.clone()).await.unwrap();
+    let mut through_hop = Vec::new();
+    let mut usage = None;
+    while let Some(item) = stream.next().await {
+        let response = item.unwrap();
+        through_hop.extend(response.token_ids);
+        usage = response.usage.or(usage);
+    }
+    assert_eq!(through_hop.len(), 12);
+    assert_eq!(usage.map(|u| u.completion_tokens), Some(12));
+    let counts = handoffs(&hop);
+    assert_eq!((counts.issued, counts.delivered), (1, 1), "{counts:?}");
+    println!("live: tokens {through_hop:?}, usage {usage:?}, handoffs {counts:?}");
+}
