@@ -457,7 +457,7 @@ async fn live_vllm_pair_delivers_the_handoff() {
     };
     let (p, d): (SocketAddr, SocketAddr) = (p.parse().unwrap(), d.parse().unwrap());
     let discovery = MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(10)));
-    let _keep = vec![
+    let _keep = [
         register(&discovery, "prefill", 1, p).await,
         register(&discovery, "decode", 100, d).await,
     ];
