@@ -159,7 +159,7 @@ fn main() {
             sides.raw().await;
         }
         for i in 0..rounds {
-            let mut time_link = || async {
+            let time_link = || async {
                 let t = Instant::now();
                 sides.through_link().await;
                 t.elapsed()
