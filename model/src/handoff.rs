@@ -413,6 +413,9 @@ pub struct World<H> {
     pub given_back: bool,
     /// The client went while an attempt carrying the handle was in flight.
     pub cancelled_in_flight: bool,
+    /// The loop tried an attempt after the handoff ended and `handle_send` refused it (HO3's
+    /// premise: the loop does try).
+    pub send_refused: bool,
 }
 
 /// The model over machine `H`.
@@ -502,6 +505,7 @@ impl<H: Subject> Model for HandoffModel<H> {
             sent_after_abandon: false,
             given_back: false,
             cancelled_in_flight: false,
+            send_refused: false,
         }]
     }
 
@@ -563,7 +567,10 @@ impl<H: Subject> Model for HandoffModel<H> {
             HandoffStep::Send => {
                 n.attempts_left -= 1;
                 match n.handoff.as_mut().map(H::send) {
-                    Some(Err(_)) => n.decode_failed(),
+                    Some(Err(_)) => {
+                        n.send_refused = true;
+                        n.decode_failed();
+                    }
                     sent => {
                         if sent.is_some() && n.abandoned {
                             n.sent_after_abandon = true;
@@ -645,6 +652,9 @@ impl<H: Subject> Model for HandoffModel<H> {
             Property::sometimes(SOMETIMES_RECOMPUTED, |_, s: &World<H>| {
                 s.recomputed && s.phase == Phase::Over
             }),
+            Property::sometimes(SOMETIMES_SEND_REFUSED_AFTER_ABANDON, |_, s: &World<H>| {
+                s.send_refused && s.abandoned
+            }),
         ]
     }
 }
@@ -676,3 +686,7 @@ pub const SOMETIMES_CLIENT_GONE: &str = "HOV6 sometimes abandoned: client gone";
 pub const SOMETIMES_CANCELLED_IN_FLIGHT: &str = "HOV7 sometimes cancelled in flight";
 /// HOV8: a prefill without a handle ends with the decode recomputing (no handoff issued).
 pub const SOMETIMES_RECOMPUTED: &str = "HOV8 sometimes recomputed without a handle";
+/// HOV9: the loop tries an attempt after the router abandoned the handoff and `handle_send`
+/// refuses it (HO3's premise is reached: the loop does try).
+pub const SOMETIMES_SEND_REFUSED_AFTER_ABANDON: &str =
+    "HOV9 sometimes a send after an abandon is refused";
