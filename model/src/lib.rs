@@ -18,6 +18,10 @@
 //! - [`booking`]: a separate model of the booking rule of load reports (issue 29): frontends
 //!   admitting work on shared workers by `own + others + work <= threshold`, with the real
 //!   `LoadLedger` and `ReportedLoad` and reports late, lost or reordered.
+//! - [`handoff`]: a small separate model of one request's prefill handoff (the real
+//!   `Handoff` machine, issue 38): carried at most once, every handoff's ending counted
+//!   exactly once, no decode after an abandon, with the dispatcher's retries, worker removal and
+//!   the client leaving at any step.
 //! - [`config`], [`step`]: the model's bounds and its steps (the world's actions).
 //!
 //! See docs/model.md for the bounds and why every path is finite and acyclic.
@@ -25,6 +29,7 @@
 pub mod booking;
 pub mod cli;
 pub mod config;
+pub mod handoff;
 pub mod health;
 pub mod model;
 pub mod mutants;
