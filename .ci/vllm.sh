@@ -94,7 +94,8 @@ export PREFILL_VLLM_PREFILL="127.0.0.1:$P_PORT" PREFILL_VLLM_DECODE="127.0.0.1:$
 export PREFILL_VLLM_MODEL_DIR="$ENGINE_DIR/tiny-llama"
 
 say "the hop over the pair (library)"
-cargo test --release -p prefill-router --features engine --test engine_link live -- --nocapture 2>&1 \
+cargo test --release -p prefill-router --features engine --test engine_link \
+    live_vllm_pair_delivers_the_handoff -- --exact --nocapture 2>&1 \
     | tee "$work/live.log" | grep -E "^live|^test |test result|panicked" || true
 grep -q "test result: ok. 1 passed" "$work/live.log"
 

@@ -105,7 +105,11 @@ pub enum HandoffError {
 }
 
 /// One request's handoff (see the module rules).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+///
+/// Deliberately not `Copy`: one request has one handoff, and a copy held by a second driver
+/// (a retry loop with its own copy, say) is how a send after an abandon happens (the model's
+/// `SendAfterAbandon` mutant).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Handoff {
     state: HandoffState,
 }
@@ -144,8 +148,13 @@ impl Handoff {
 
     /// The attempt in flight ended `outcome`.
     pub fn handle_send_result(&mut self, outcome: SendOutcome) -> Result<(), HandoffError> {
-        if self.state != HandoffState::Sending {
-            return Err(HandoffError::NotSending);
+        match self.state {
+            HandoffState::Sending => {}
+            // The answer raced the client's cancel: the abandon stands.
+            HandoffState::Abandoned(reason) => return Err(HandoffError::Abandoned(reason)),
+            HandoffState::Held | HandoffState::Carried { .. } => {
+                return Err(HandoffError::NotSending)
+            }
         }
         self.state = match outcome {
             SendOutcome::Answered => HandoffState::Carried { answered: true },
@@ -159,6 +168,8 @@ impl Handoff {
     ///
     /// While an attempt is being sent, giving up still ends it as abandoned: the caller stopped
     /// waiting (the client left), so whatever the worker got is cancelled with the connection.
+    /// Such an attempt may have reached its worker: the ending says the router gave the handle
+    /// up, not that no worker saw it (the model counts it as carried for the at-most-once rule).
     pub fn handle_abandon(&mut self, reason: AbandonReason) -> Option<Ending> {
         match self.state {
             HandoffState::Held | HandoffState::Sending => {

@@ -186,7 +186,7 @@ impl Subject for SendAfterAbandon {
     fn fresh() -> Self {
         let h = Handoff::new();
         SendAfterAbandon {
-            dispatcher: h,
+            dispatcher: h.clone(),
             guard: h,
         }
     }
