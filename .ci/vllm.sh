@@ -74,7 +74,7 @@ engine() {
     ) >"$work/$name.log" 2>&1 &
     pids+=("$!")
     local pid=$! i
-    for i in $(seq 1 400); do
+    for i in $(seq 1 600); do
         if curl -sf -m 2 "http://127.0.0.1:$port/health" >/dev/null 2>&1; then
             say "$name healthy on :$port"
             return 0
@@ -84,7 +84,7 @@ engine() {
         fi
         sleep 1
     done
-    echo "vllm: $name not healthy after 400 s; its log:"; tail -50 "$work/$name.log"; return 1
+    echo "vllm: $name not healthy after 600 s; its log:"; tail -50 "$work/$name.log"; return 1
 }
 
 P_PORT=$(free_port); D_PORT=$(free_port); P_SIDE=$(free_port); D_SIDE=$(free_port)
