@@ -12,6 +12,7 @@
 //!
 //! The `prefill-router` binary (demo, simulate, replay, serve, worker) is this package's.
 
+pub mod engines;
 pub mod mock;
 pub mod replay;
 pub mod sim;

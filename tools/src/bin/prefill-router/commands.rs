@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use crate::args::CliError;
-use crate::{demo, replay, serve, simulate, worker};
+use crate::{demo, register, replay, serve, simulate, worker};
 
 /// Top-level usage.
 pub const USAGE: &str = "\
@@ -15,6 +15,7 @@ commands:
   replay   replay a request trace in virtual time, per routing policy (see `prefill-router replay --help`)
   serve    the OpenAI-compatible HTTP frontend (see `prefill-router serve --help`)
   worker   a mock prefill or decode worker process (see `prefill-router worker --help`)
+  register a sidecar keeping one engine (vLLM) registered while it answers (see `prefill-router register --help`)
   help     show this text, or `help COMMAND` that command's (as `COMMAND --help` does)";
 
 /// A parsed command line.
@@ -29,6 +30,8 @@ pub enum Command {
     Serve(serve::ServeOptions),
     /// `prefill-router worker`.
     Worker(worker::WorkerOptions),
+    /// `prefill-router register`.
+    Register(register::RegisterOptions),
 }
 
 impl Command {
@@ -43,6 +46,7 @@ impl Command {
             "replay" => replay::ReplayOptions::parse(rest).map(Command::Replay),
             "serve" => serve::ServeOptions::parse(rest).map(Command::Serve),
             "worker" => worker::WorkerOptions::parse(rest).map(Command::Worker),
+            "register" => register::RegisterOptions::parse(rest).map(Command::Register),
             "help" | "--help" | "-h" => Err(CliError::Help(help_on(rest.first())?.to_owned())),
             other => Err(CliError::Usage(format!("unknown command `{other}`"))),
         }
@@ -56,6 +60,7 @@ impl Command {
             Command::Replay(options) => replay::run(options).await,
             Command::Serve(options) => serve::run(options).await,
             Command::Worker(options) => worker::run(options).await,
+            Command::Register(options) => register::run(options).await,
         }
     }
 }
@@ -69,6 +74,7 @@ fn help_on(topic: Option<&String>) -> Result<&'static str, CliError> {
         Some("replay") => Ok(replay::USAGE),
         Some("serve") => Ok(serve::USAGE),
         Some("worker") => Ok(worker::USAGE),
+        Some("register") => Ok(register::USAGE),
         Some(other) => Err(CliError::Usage(format!("no help on `{other}`"))),
     }
 }

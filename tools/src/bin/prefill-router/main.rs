@@ -7,6 +7,7 @@
 //! - `replay`: a request trace in virtual time through the router, per routing policy.
 //! - `serve`: the OpenAI-compatible HTTP frontend over a `PrefillHop` (`docs/frontend.md`).
 //! - `worker`: a mock prefill or decode worker in its own process, registered in discovery.
+//! - `register`: a sidecar keeping one engine (vLLM) registered while it answers.
 //!
 //! Adding a subcommand: a module with `USAGE`, an options struct with `parse(&[String])` and
 //! `async fn run(options) -> ExitCode`, and one arm in [`Command`] (`commands.rs`); shared parsing helpers are in `args.rs`.
@@ -17,9 +18,11 @@ mod args;
 mod commands;
 mod demo;
 mod health;
+mod register;
 mod replay;
 mod serve;
 mod simulate;
+mod static_engines;
 mod store;
 mod tls;
 mod worker;

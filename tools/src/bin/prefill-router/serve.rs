@@ -13,8 +13,10 @@ use prefill_router::{PrefillHop, PrefillHopConfig};
 use tokio::net::TcpListener;
 
 use crate::args::{CliError, Flags};
+use crate::static_engines::StaticEngines;
 use crate::store::{terminated, StoreSpec, DEFAULT_ETCD_ROOT};
 use crate::tls::TlsFlags;
+use prefill_router::discovery::{Discovery, MemoryConfig, MemoryDiscovery};
 
 /// `serve` usage.
 pub const USAGE: &str = "\
@@ -32,6 +34,11 @@ bound, close the rest (saying how many on stderr); it prints
 bound. A second SIGTERM or Ctrl-C exits at once (status 130).
 
 options:
+  --engine vllm            the workers are engines speaking this protocol, given by URL:
+  --prefill-url URL[,...]  the prefill engines (http://HOST:PORT; none: decode runs all)
+  --decode-url URL[,...]   the decode engines; each engine is probed on /health and leaves
+                           the routable set while it does not answer (docs/engines.md); then
+                           --discovery and --namespace are optional (an in-process store)
   --discovery SPEC         file://DIR (a directory shared on this host) or
                            etcd://HOST:PORT[,HOST:PORT...] (the members of one etcd cluster)
                            or k8s://NAMESPACE[?kubeconfig=PATH|?url=URL] (the workers'
@@ -96,6 +103,12 @@ pub struct ServeOptions {
     /// The API key file and where its name came from (read when serve starts).
     api_key_file: Option<(PathBuf, &'static str)>,
     tls: TlsFlags,
+    /// `--engine` with `--prefill-url`/`--decode-url`: engines by URL (docs/engines.md).
+    engines: StaticEngines,
+    /// Whether `--discovery` was given (static engines default to an in-process store).
+    discovery_given: bool,
+    /// Whether `--model` was given (static engines default to the engines' model).
+    model_given: bool,
 }
 
 fn fallback(raw: &str) -> Result<FallbackPolicy, CliError> {
@@ -146,6 +159,9 @@ impl ServeOptions {
             etcd_root: DEFAULT_ETCD_ROOT.to_owned(),
             api_key_file: None,
             tls: TlsFlags::default(),
+            engines: StaticEngines::default(),
+            discovery_given: false,
+            model_given: false,
         };
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
@@ -175,7 +191,10 @@ impl ServeOptions {
                 "--body-limit" => options.http.body_limit = flags.parsed(flag)?,
                 "--max-tokens" => options.http.default_max_tokens = flags.parsed(flag)?,
                 "--max-tokens-limit" => options.http.max_tokens_limit = flags.parsed(flag)?,
-                "--model" => options.http.model = flags.value(flag)?.to_owned(),
+                "--model" => {
+                    options.http.model = flags.value(flag)?.to_owned();
+                    options.model_given = true;
+                }
                 "--name" => options.name = flags.value(flag)?.to_owned(),
                 "--ttl-ms" => options.ttl = Duration::from_millis(flags.parsed(flag)?),
                 "--etcd-root" => options.etcd_root = flags.value(flag)?.to_owned(),
@@ -185,14 +204,25 @@ impl ServeOptions {
                 "--metrics-need-key" => options.http.metrics_need_key = true,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other if options.tls.take(other, &mut flags, true)? => {}
+                other if options.engines.take(other, &mut flags)? => {}
                 other => return Err(CliError::Usage(format!("unknown serve option `{other}`"))),
             }
         }
         options.tls.check_client()?;
-        options.discovery =
-            discovery.ok_or_else(|| CliError::Usage("serve needs --discovery".into()))?;
-        options.namespace =
-            namespace.ok_or_else(|| CliError::Usage("serve needs --namespace".into()))?;
+        options.engines.check()?;
+        let engines = options.engines.given();
+        options.discovery_given = discovery.is_some();
+        options.discovery = match discovery {
+            Some(spec) => spec,
+            // Static engines: an in-process store (the placeholder is never opened).
+            None if engines => options.discovery,
+            None => return Err(CliError::Usage("serve needs --discovery".into())),
+        };
+        options.namespace = match namespace {
+            Some(ns) => ns,
+            None if engines => "engines".to_owned(),
+            None => return Err(CliError::Usage("serve needs --namespace".into())),
+        };
         if options.namespace.is_empty() || options.namespace.contains('/') {
             return Err(CliError::Usage(
                 "--namespace must be non-empty, without `/`".into(),
@@ -276,10 +306,21 @@ async fn serve(mut options: ServeOptions) -> Result<(), String> {
     let api_keys = options.http.api_keys.as_ref().map_or(0, ApiKeys::len);
     // Read first: a bad certificate file fails the start, not every request.
     let tls = options.tls.client().map_err(|e| format!("TLS: {e}"))?;
-    let discovery = options
-        .discovery
-        .open(options.ttl, &options.etcd_root)
-        .await?;
+    let discovery: Arc<dyn Discovery> = if options.discovery_given || !options.engines.given() {
+        options
+            .discovery
+            .open(options.ttl, &options.etcd_root)
+            .await?
+    } else {
+        Arc::new(MemoryDiscovery::new(MemoryConfig::with_ttl(options.ttl)))
+    };
+    if options.engines.given() && !options.model_given {
+        if let Some(model) = options.engines.model().await {
+            options.http.model = model;
+        }
+    }
+    // Held to the end: the engines' registrars stop with it.
+    let _engines = options.engines.start(&discovery, &options.namespace);
     // Each leg's own deadline is the request's: the HTTP layer answers 504 at the same time.
     let mut push = PushConfig {
         request_timeout: Some(options.http.request_timeout),
