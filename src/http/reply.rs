@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use super::openai::{ApiError, Usage};
 use super::state::{Disconnect, Kind, Limits};
-use super::tokenizer::render;
+use super::tokenizer::Detokenizer;
 use crate::decode::DecodeStream;
 use crate::request::{FinishReason, GenerateResponse};
 
@@ -24,6 +24,9 @@ pub(super) struct Reply {
     /// `stream_options.include_usage`: every chunk has `"usage": null`, and a last chunk
     /// with empty `choices` carries the usage.
     pub(super) include_usage: bool,
+    /// Output tokens to text (the configured tokenizer's; a model's holds back incomplete
+    /// characters between chunks).
+    pub(super) text: Detokenizer,
 }
 
 pub(super) fn finish_reason(finish: Option<FinishReason>) -> Option<&'static str> {
@@ -31,10 +34,6 @@ pub(super) fn finish_reason(finish: Option<FinishReason>) -> Option<&'static str
         FinishReason::Length => "length",
         FinishReason::Stop | FinishReason::Cancelled => "stop",
     })
-}
-
-pub(super) fn text_of(tokens: &[u32]) -> String {
-    tokens.iter().map(|&t| render(t)).collect()
 }
 
 impl Reply {
@@ -157,7 +156,7 @@ pub(super) async fn collect(
         total_tokens: prompt_tokens + tokens.len(),
     };
     let body = reply.whole(
-        text_of(&tokens),
+        reply.text.whole(&tokens),
         finish_reason(finish).unwrap_or("stop"),
         usage,
     );
@@ -224,7 +223,10 @@ pub(super) fn sse_events(
         };
         let out = match item {
             Some(Ok(response)) => {
-                let text = text_of(&response.token_ids);
+                let text = s
+                    .reply
+                    .text
+                    .push(&response.token_ids, response.finish.is_some());
                 s.completion_tokens += response.token_ids.len();
                 let finish = finish_reason(response.finish);
                 let chunk = s.reply.chunk(&text, !s.sent_any, finish);
