@@ -22,6 +22,7 @@ mod serve;
 mod simulate;
 mod store;
 mod tls;
+mod tokenizer_check;
 mod worker;
 
 use args::CliError;
