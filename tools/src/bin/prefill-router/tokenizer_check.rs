@@ -243,6 +243,56 @@ mod tests {
         assert!(load(&fixture(), None).await.is_ok());
     }
 
+    /// A fake engine's `/tokenize` under `/v1`: the model folder's own ids (so they agree),
+    /// or with `wrong_chat` other ids for chat requests.
+    async fn fake_engine(wrong_chat: bool) -> String {
+        let model = Arc::new(ModelTokenizer::from_dir(fixture()).unwrap());
+        let tokenize = move |axum::Json(body): axum::Json<serde_json::Value>| {
+            let model = Arc::clone(&model);
+            async move {
+                let tokens = match body["prompt"].as_str() {
+                    Some(prompt) => model.encode_prompt(prompt).unwrap(),
+                    None if wrong_chat => vec![1, 2, 3],
+                    None => {
+                        let messages = body["messages"].as_array().unwrap();
+                        let turns: Vec<Turn<'_>> = messages
+                            .iter()
+                            .map(|m| Turn {
+                                role: m["role"].as_str().unwrap(),
+                                content: m["content"].as_str().unwrap(),
+                            })
+                            .collect();
+                        model.encode_chat(&turns).unwrap()
+                    }
+                };
+                axum::Json(serde_json::json!({"count": tokens.len(), "tokens": tokens}))
+            }
+        };
+        let app = axum::Router::new().route("/v1/tokenize", axum::routing::post(tokenize));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        format!("http://{addr}/v1")
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_tokenizes_otherwise_is_refused_naming_the_prompt() {
+        let agreeing = fake_engine(false).await;
+        assert!(load(&fixture(), Some(&agreeing)).await.is_ok());
+        let disagreeing = fake_engine(true).await;
+        let error = load(&fixture(), Some(&disagreeing)).await.unwrap_err();
+        assert!(
+            matches!(&error, TokenizerCheckError::Mismatch { prompt, engine, .. }
+                if prompt.contains("You are terse.") && engine == &[1, 2, 3]),
+            "{error}"
+        );
+        // Nothing listening: an engine error naming the URL, not a hang.
+        let error = load(&fixture(), Some("http://127.0.0.1:1"))
+            .await
+            .unwrap_err();
+        assert!(error.to_string().contains("http://127.0.0.1:1"), "{error}");
+    }
+
     /// With a live engine serving the fixture's model (PREFILL_VLLM_URL, e.g.
     /// http://127.0.0.1:8100): every check prompt agrees.
     #[tokio::test]
