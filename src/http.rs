@@ -6,8 +6,8 @@
 //! `GET /ready` (200 only when a request would be served), `GET /metrics` (the router's
 //! Prometheus metrics and the HTTP counters). Errors are OpenAI-style JSON bodies. Prompts go
 //! through [`HttpConfig::tokenizer`]: the built-in word [`tokenizer`], or (feature
-//! `model-tokenizer`) a real model's [`ModelTokenizer`](tokenizer::ModelTokenizer). [`serve`] runs its own accept loop over hyper's
-//! HTTP/1.1 connections: header, body, idle and request timeouts, a connection cap, and an
+//! `model-tokenizer`) a real model's `ModelTokenizer`. [`serve`] runs its own accept loop over
+//! hyper's HTTP/1.1 connections: header, body, idle and request timeouts, a connection cap, and an
 //! ordered shutdown (drain delay with `/ready` 503, then a bounded drain). With
 //! [`HttpConfig::api_keys`], every route but `/health`, `/ready` and (optionally) `/metrics`
 //! asks for `Authorization: Bearer KEY`, checked in constant time ([`ApiKeys`]). See

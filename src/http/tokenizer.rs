@@ -12,7 +12,7 @@
 //! fixed vocabulary ([`render`]); nothing here is a real model's tokenizer.
 //!
 //! The frontend holds a [`Tokenizer`]: these words by default, or (feature `model-tokenizer`)
-//! a [`ModelTokenizer`] read from a model folder, whose ids are a real engine's.
+//! a `ModelTokenizer` read from a model folder, whose ids are a real engine's.
 
 #[cfg(feature = "model-tokenizer")]
 mod incremental;
