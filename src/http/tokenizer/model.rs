@@ -196,7 +196,7 @@ impl ModelTokenizer {
 
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
         self.tokenizer
-            .encode(text, add_special_tokens)
+            .encode_fast(text, add_special_tokens)
             .map(|encoding| encoding.get_ids().to_vec())
             .map_err(|e| PromptError::Encode {
                 message: e.to_string(),
