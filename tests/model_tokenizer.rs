@@ -299,3 +299,31 @@ fn a_failing_template_is_a_typed_400_not_a_panic() {
     let error = bare.encode_chat(&system).unwrap_err();
     assert!(matches!(error, PromptError::NoTemplate { .. }), "{error:?}");
 }
+
+/// Answers of the live vLLM engine (0.32.0, serving tiny-llama) to `POST /tokenize`, recorded
+/// by hand with curl: ours must stay equal to them.
+#[test]
+fn ids_equal_the_recorded_answers_of_the_live_engine() {
+    let model = load();
+    assert_eq!(
+        model.encode_prompt("Hello, world! <s> héllo").unwrap(),
+        [43, 72, 79, 361, 15, 317, 274, 477, 4, 224, 1, 417, 131, 106, 79, 361]
+    );
+    let chat = [
+        Turn {
+            role: "system",
+            content: "Be brief.",
+        },
+        Turn {
+            role: "user",
+            content: "Hi",
+        },
+    ];
+    assert_eq!(
+        model.encode_chat(&chat).unwrap(),
+        [
+            1, 86, 92, 278, 72, 80, 29, 748, 72, 299, 394, 72, 73, 17, 202, 1, 88, 499, 29, 224,
+            43, 76, 202, 68, 335, 76, 498, 87, 29, 224
+        ]
+    );
+}
