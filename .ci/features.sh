@@ -2,15 +2,15 @@
 # Default features serve embedders: a dependent that writes `prefill-router = "..."` in its
 # Cargo.toml gets the library and its tokio runtime, and none of the CLI, the simulator, the mock
 # engines, tokio's test clock, tracing-subscriber, the HTTP frontend's axum (feature `http`),
-# rustls (feature `tls`), kube and k8s-openapi (feature `kubernetes`) or the fuzz support
-# (`arbitrary`). The CLI, the simulator and the mocks
+# rustls (feature `tls`), kube and k8s-openapi (feature `kubernetes`), tokenizers and minijinja
+# (feature `model-tokenizer`) or the fuzz support (`arbitrary`). The CLI, the simulator and the mocks
 # are the tools package (`tools/`), the fuzz support the testkit package (`testkit/`); the library
 # depends on neither. This reads the feature graph of a default (non-dev) build from
 # `cargo tree -e features` and fails if any of them shows up. It also proves the detector bites:
 # the tools package's build must show them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-forbidden='tokio feature "test-util"|^tracing-subscriber |^arbitrary |^axum |^rustls |^kube |^k8s-openapi |^hyper |^hyper-util '
+forbidden='tokio feature "test-util"|^tracing-subscriber |^arbitrary |^axum |^rustls |^kube |^k8s-openapi |^hyper |^hyper-util |^tokenizers |^minijinja '
 
 # -e normal,build: what a dependent compiles (dev-dependencies are the package's own tests').
 # The crates come from the plain tree, tokio's enabled features from the tree inverted on it.
@@ -28,7 +28,7 @@ if [ -n "$found" ]; then
     exit 1
 fi
 tools="$(tree prefill-router-tools)"
-for crate in '^tracing-subscriber ' '^axum ' '^rustls ' 'tokio feature "test-util"'; do
+for crate in '^tracing-subscriber ' '^axum ' '^rustls ' '^tokenizers ' '^minijinja ' 'tokio feature "test-util"'; do
     if ! grep -qE "$crate" <<<"$tools"; then
         echo "features: the detector is blind to $crate: the tools package's build should show it"
         exit 1
@@ -61,4 +61,10 @@ if cargo tree -p prefill-router-model -e normal,build --prefix none | grep -qE '
     echo "features: the model crate compiles tokio; it should depend on the library without its runtime"
     exit 1
 fi
-echo "features: a default build of the library has no test-util, tracing-subscriber, axum, rustls, kube or arbitrary; the model has no tokio"
+# The model tokenizer builds with a Rust toolchain alone: no onig (C), no esaxx's C++ (`cpp`, for
+# training; tokenizers always depends on esaxx-rs), no hf-hub downloads and their TLS stacks.
+if grep -qE '^(onig|onig_sys|hf-hub|reqwest|ureq|openssl-sys) |^esaxx-rs feature "cpp"' <<<"$tools"; then
+    echo "features: the model-tokenizer build pulls in onig, esaxx, hf-hub or an HTTP client stack"
+    exit 1
+fi
+echo "features: a default build of the library has no test-util, tracing-subscriber, axum, rustls, kube, tokenizers, minijinja or arbitrary; the model has no tokio"

@@ -17,7 +17,7 @@ use super::conn::RequestStart;
 use super::openai::{max_tokens_field, ApiError, ChatRequest, CompletionRequest, Content};
 use super::reply::*;
 use super::state::*;
-use super::tokenizer::{chat_prompt, tokenize, Turn};
+use super::tokenizer::Turn;
 use crate::request::GenerateRequest;
 
 /// A parsed request.
@@ -99,7 +99,8 @@ impl App {
                     serde_json::from_slice(body).map_err(|e| json_error(&e))?;
                 let max_tokens =
                     max_tokens_field("max_tokens", request.max_tokens.as_ref(), limit)?;
-                let token_ids = super::openai::prompt_tokens(&request.prompt)?;
+                let token_ids =
+                    super::openai::prompt_tokens(&request.prompt, &self.0.config.tokenizer)?;
                 Ok(Parsed {
                     model: request.model,
                     token_ids,
@@ -148,13 +149,18 @@ impl App {
                         }
                     });
                 }
-                let prompt = chat_prompt(request.messages.iter().zip(&texts).map(|(m, t)| Turn {
-                    role: &m.role,
-                    content: t,
-                }));
+                let turns: Vec<Turn<'_>> = request
+                    .messages
+                    .iter()
+                    .zip(&texts)
+                    .map(|(m, t)| Turn {
+                        role: &m.role,
+                        content: t,
+                    })
+                    .collect();
                 Ok(Parsed {
+                    token_ids: self.0.config.tokenizer.encode_chat(&turns)?,
                     model: request.model,
-                    token_ids: tokenize(&prompt),
                     max_tokens: self.max_tokens(max_tokens),
                     stream: request.stream,
                     include_usage: request.stream_options.is_some_and(|o| o.include_usage),
@@ -212,6 +218,7 @@ impl App {
             Err(error) => return error.into_response(),
         };
         let prompt_tokens = parsed.token_ids.len();
+        let text = self.0.config.tokenizer.detokenizer(&parsed.token_ids);
         let mut request = GenerateRequest::new(parsed.token_ids, parsed.max_tokens);
         request.session = session;
         request.engine_fields = engine_fields;
@@ -247,6 +254,7 @@ impl App {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             include_usage: parsed.include_usage,
+            text,
         };
         let worker = first.prefill.as_ref().map(|p| p.worker);
         let mut response = if parsed.stream {

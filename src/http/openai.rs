@@ -4,6 +4,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
+use super::tokenizer::Tokenizer;
 use crate::binding::PrefillError;
 use crate::decode::DecodeError;
 use crate::push::PushError;
@@ -13,7 +14,7 @@ use crate::router::GenerateError;
 /// array of token ids, or an array of token-id arrays. One prompt per request is served.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Prompt {
-    /// Text, tokenized by the built-in tokenizer.
+    /// Text, tokenized by the configured tokenizer.
     Text(String),
     /// An array of texts (exactly one is supported).
     Texts(Vec<String>),
@@ -78,9 +79,9 @@ impl Prompt {
         }
     }
 
-    /// The one prompt's token ids (text through the built-in tokenizer); several prompts are
+    /// The one prompt's token ids (text through `tokenizer`); several prompts are
     /// `unsupported_prompt`.
-    pub fn into_tokens(self) -> Result<Vec<u32>, ApiError> {
+    pub fn into_tokens(self, tokenizer: &Tokenizer) -> Result<Vec<u32>, ApiError> {
         let several = |n: usize| {
             ApiError::bad_request(
                 "unsupported_prompt",
@@ -88,10 +89,10 @@ impl Prompt {
             )
         };
         match self {
-            Prompt::Text(text) => Ok(super::tokenizer::tokenize(&text)),
+            Prompt::Text(text) => Ok(tokenizer.encode_prompt(&text)?),
             Prompt::Tokens(ids) => Ok(ids),
             Prompt::Texts(texts) => match <[String; 1]>::try_from(texts) {
-                Ok([text]) => Ok(super::tokenizer::tokenize(&text)),
+                Ok([text]) => Ok(tokenizer.encode_prompt(&text)?),
                 Err(texts) => Err(several(texts.len())),
             },
             Prompt::TokenLists(lists) => match <[Vec<u32>; 1]>::try_from(lists) {
@@ -103,8 +104,11 @@ impl Prompt {
 }
 
 /// The token ids of a completion request's `prompt` (see [`Prompt`]).
-pub(crate) fn prompt_tokens(value: &serde_json::Value) -> Result<Vec<u32>, ApiError> {
-    Prompt::from_json(value)?.into_tokens()
+pub(crate) fn prompt_tokens(
+    value: &serde_json::Value,
+    tokenizer: &Tokenizer,
+) -> Result<Vec<u32>, ApiError> {
+    Prompt::from_json(value)?.into_tokens(tokenizer)
 }
 
 /// A `max_tokens`-like field (`name`): absent or null is `None`; an integer from 1 to `limit`
@@ -463,7 +467,7 @@ mod tests {
     #[test]
     fn every_openai_prompt_form_is_read_and_several_prompts_are_refused() {
         use serde_json::json;
-        let tokens = |v: serde_json::Value| prompt_tokens(&v);
+        let tokens = |v: serde_json::Value| prompt_tokens(&v, &Tokenizer::Words);
         assert_eq!(tokens(json!([1, 2, 3])).unwrap(), vec![1, 2, 3]);
         assert_eq!(tokens(json!([[1, 2, 3]])).unwrap(), vec![1, 2, 3]);
         assert_eq!(

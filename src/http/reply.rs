@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use super::openai::{ApiError, Usage};
 use super::state::{Disconnect, Kind, Limits};
-use super::tokenizer::render;
+use super::tokenizer::Detokenizer;
 use crate::decode::DecodeStream;
 use crate::request::{FinishReason, GenerateResponse};
 
@@ -24,6 +24,9 @@ pub(super) struct Reply {
     /// `stream_options.include_usage`: every chunk has `"usage": null`, and a last chunk
     /// with empty `choices` carries the usage.
     pub(super) include_usage: bool,
+    /// Output tokens to text (the configured tokenizer's; a model's holds back incomplete
+    /// characters between chunks).
+    pub(super) text: Detokenizer,
 }
 
 pub(super) fn finish_reason(finish: Option<FinishReason>) -> Option<&'static str> {
@@ -33,16 +36,17 @@ pub(super) fn finish_reason(finish: Option<FinishReason>) -> Option<&'static str
     })
 }
 
-/// The text of one response: the engine's own rendering when it gave one, else ours.
-pub(super) fn response_text(response: &GenerateResponse) -> String {
-    match &response.text {
-        Some(text) => text.clone(),
-        None => text_of(&response.token_ids),
-    }
-}
+/// An engine's own rendering of a response, gathered over a reply: when an engine says what
+/// its tokens read as, that text is the answer (the configured tokenizer renders the rest).
+#[derive(Default)]
+struct EngineText(Option<String>);
 
-pub(super) fn text_of(tokens: &[u32]) -> String {
-    tokens.iter().map(|&t| render(t)).collect()
+impl EngineText {
+    fn add(&mut self, response: &GenerateResponse) {
+        if let Some(text) = &response.text {
+            self.0.get_or_insert_with(String::new).push_str(text);
+        }
+    }
 }
 
 impl Reply {
@@ -146,7 +150,8 @@ pub(super) async fn collect(
     timeout: Duration,
     prompt_tokens: usize,
 ) -> Response {
-    let mut text = response_text(&first);
+    let mut text = EngineText::default();
+    text.add(&first);
     let mut engine_usage = first.usage;
     let mut tokens = first.token_ids;
     let mut finish = first.finish;
@@ -156,7 +161,7 @@ pub(super) async fn collect(
             Ok(None) => break,
             Ok(Some(Err(error))) => return ApiError::from(&error).into_response(),
             Ok(Some(Ok(response))) => {
-                text.push_str(&response_text(&response));
+                text.add(&response);
                 engine_usage = response.usage.or(engine_usage);
                 tokens.extend_from_slice(&response.token_ids);
                 finish = response.finish;
@@ -164,6 +169,7 @@ pub(super) async fn collect(
         }
     }
     let usage = Usage::of(engine_usage, prompt_tokens, tokens.len());
+    let text = text.0.unwrap_or_else(|| reply.text.whole(&tokens));
     let body = reply.whole(text, finish_reason(finish).unwrap_or("stop"), usage);
     Json(body).into_response()
 }
@@ -231,7 +237,13 @@ pub(super) fn sse_events(
         };
         let out = match item {
             Some(Ok(response)) => {
-                let text = response_text(&response);
+                let text = match &response.text {
+                    Some(text) => text.clone(),
+                    None => s
+                        .reply
+                        .text
+                        .push(&response.token_ids, response.finish.is_some()),
+                };
                 s.engine_usage = response.usage.or(s.engine_usage);
                 s.completion_tokens += response.token_ids.len();
                 let finish = finish_reason(response.finish);

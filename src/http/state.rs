@@ -18,6 +18,7 @@ use prometheus_client::registry::Registry;
 use tokio::time::Instant;
 
 use super::auth::ApiKeys;
+use super::tokenizer::Tokenizer;
 use crate::hop::PrefillHop;
 
 /// Settings of the HTTP frontend.
@@ -57,6 +58,9 @@ pub struct HttpConfig {
     pub api_keys: Option<ApiKeys>,
     /// With [`HttpConfig::api_keys`]: `/metrics` asks for a key too.
     pub metrics_need_key: bool,
+    /// What turns prompts into token ids and output tokens into text: the built-in word
+    /// tokenizer by default (mock engines), or a real model's (feature `model-tokenizer`).
+    pub tokenizer: Tokenizer,
 }
 
 impl Default for HttpConfig {
@@ -75,6 +79,7 @@ impl Default for HttpConfig {
             shutdown_timeout: Duration::from_secs(20),
             api_keys: None,
             metrics_need_key: false,
+            tokenizer: Tokenizer::Words,
         }
     }
 }

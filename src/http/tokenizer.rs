@@ -10,6 +10,21 @@
 //! So the tokens of a text that ends at a piece boundary (whitespace or punctuation) are a
 //! prefix of the tokens of any text extending it. Output tokens are rendered as words of a
 //! fixed vocabulary ([`render`]); nothing here is a real model's tokenizer.
+//!
+//! The frontend holds a [`Tokenizer`]: these words by default, or (feature `model-tokenizer`)
+//! a `ModelTokenizer` read from a model folder, whose ids are a real engine's.
+
+#[cfg(feature = "model-tokenizer")]
+mod incremental;
+mod kind;
+#[cfg(feature = "model-tokenizer")]
+mod model;
+#[cfg(feature = "model-tokenizer")]
+mod template;
+
+pub use kind::{Detokenizer, PromptError, Tokenizer};
+#[cfg(feature = "model-tokenizer")]
+pub use model::{LoadError, ModelTokenizer};
 
 /// FNV-1a, 32 bits.
 fn fnv1a(bytes: &[u8]) -> u32 {

@@ -25,6 +25,7 @@ mod simulate;
 mod static_engines;
 mod store;
 mod tls;
+mod tokenizer_check;
 mod worker;
 
 use args::CliError;

@@ -65,6 +65,12 @@ options:
   --max-tokens N           max_tokens when a request does not say (default 16)
   --max-tokens-limit N     largest max_tokens accepted (default 4096)
   --model NAME             the model /v1/models lists (default mock-llm)
+  --tokenizer DIR          tokenize prompts and detokenize output with the model folder's
+                           tokenizer.json and chat template (chat_template.jinja or
+                           tokenizer_config.json) instead of the built-in word tokenizer
+                           (which mock workers need); a folder that does not load stops serve
+  --check-tokenizer URL    with --tokenizer: compare a few fixed prompts with the engine's
+                           POST URL/tokenize (vLLM) and refuse to start on a difference
   --name NAME              the router's name in logs and metrics (default prefill)
   --ttl-ms N               discovery lease TTL in milliseconds (default 10000)
   --etcd-root PREFIX       etcd key root (default prefill-router/v1/instances/)
@@ -109,6 +115,8 @@ pub struct ServeOptions {
     discovery_given: bool,
     /// Whether `--model` was given (static engines default to the engines' model).
     model_given: bool,
+    /// `--tokenizer DIR` and `--check-tokenizer URL` (loaded and checked when serve starts).
+    tokenizer: Option<(PathBuf, Option<String>)>,
 }
 
 fn fallback(raw: &str) -> Result<FallbackPolicy, CliError> {
@@ -162,7 +170,9 @@ impl ServeOptions {
             engines: StaticEngines::default(),
             discovery_given: false,
             model_given: false,
+            tokenizer: None,
         };
+        let mut check_tokenizer = None;
         let mut flags = Flags::new(args);
         while let Some(flag) = flags.next_flag() {
             match flag {
@@ -202,6 +212,8 @@ impl ServeOptions {
                     options.api_key_file = Some((flags.value(flag)?.into(), "--api-key-file"))
                 }
                 "--metrics-need-key" => options.http.metrics_need_key = true,
+                "--tokenizer" => options.tokenizer = Some((flags.value(flag)?.into(), None)),
+                "--check-tokenizer" => check_tokenizer = Some(flags.value(flag)?.to_owned()),
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other if options.tls.take(other, &mut flags, true)? => {}
                 other if options.engines.take(other, &mut flags)? => {}
@@ -209,6 +221,15 @@ impl ServeOptions {
             }
         }
         options.tls.check_client()?;
+        match (&mut options.tokenizer, check_tokenizer) {
+            (Some((_, check)), url) => *check = url,
+            (None, Some(_)) => {
+                return Err(CliError::Usage(
+                    "--check-tokenizer needs --tokenizer".into(),
+                ))
+            }
+            (None, None) => {}
+        }
         options.engines.check()?;
         let engines = options.engines.given();
         options.discovery_given = discovery.is_some();
@@ -304,6 +325,19 @@ async fn serve(mut options: ServeOptions) -> Result<(), String> {
         options.http.api_keys = Some(keys);
     }
     let api_keys = options.http.api_keys.as_ref().map_or(0, ApiKeys::len);
+    // Before listening: a frontend tokenizing differently from its engine must not start.
+    if let Some((dir, check)) = &options.tokenizer {
+        options.http.tokenizer = crate::tokenizer_check::load(dir, check.as_deref())
+            .await
+            .map_err(|e| e.to_string())?;
+        eprintln!(
+            "serve: tokenizer of {}{}",
+            dir.display(),
+            check
+                .as_ref()
+                .map_or(String::new(), |url| format!(", matching {url}/tokenize"))
+        );
+    }
     // Read first: a bad certificate file fails the start, not every request.
     let tls = options.tls.client().map_err(|e| format!("TLS: {e}"))?;
     let discovery: Arc<dyn Discovery> = if options.discovery_given || !options.engines.given() {
@@ -412,6 +446,7 @@ mod tests {
             "--discovery file:///tmp/x --namespace ns --tls-cert c.pem --tls-key k.pem",
             "--discovery file:///tmp/x --namespace ns --tls-ca ca.pem --tls-cert c.pem",
             "--discovery file:///tmp/x --namespace ns --tls-client-ca ca.pem",
+            "--discovery file:///tmp/x --namespace ns --check-tokenizer http://e:8100",
         ] {
             assert!(
                 matches!(ServeOptions::parse(&args(line)), Err(CliError::Usage(_))),
