@@ -52,9 +52,9 @@ impl EngineUrl {
             .strip_prefix("http://")
             .filter(|r| !r.is_empty() && !r.contains('/'))
             .ok_or_else(|| EngineUrlError::Shape(url.to_owned()))?;
-        if !rest
+        if rest
             .rsplit_once(':')
-            .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+            .is_none_or(|(_, p)| p.parse::<u16>().is_err())
         {
             return Err(EngineUrlError::Shape(url.to_owned()));
         }
