@@ -227,10 +227,15 @@ try:
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
     models = [m.id for m in client.models.list().data]
     check("static: /v1/models lists the engine's model", args.model in models, models)
-    compare_with_decode_alone(client, alone, "static")
+    # A prompt the decode engine has never seen: its KV must come over the connector.
+    fresh = [random.randrange(4, 1000) for _ in range(200)]  # unseeded: new on every run
+    got = client.completions.create(model=args.model, prompt=fresh, max_tokens=4, **GREEDY)
     hits = metric(D, "vllm:external_prefix_cache_hits_total") - hits_before
-    check("static: the decode engine pulled the prompts over the connector "
-          "(external prefix cache hits)", hits >= 120, hits)
+    check("static: the decode engine pulled the prompt over the connector "
+          "(external prefix cache hits)", hits >= 200, hits)
+    check("static: usage of a pulled prompt", got.usage.prompt_tokens == 200
+          and got.usage.completion_tokens == 4, got.usage)
+    compare_with_decode_alone(client, alone, "static")
     issued = metric(base, "prefill_router_handoffs_total", 'ending="issued"')
     delivered = metric(base, "prefill_router_handoffs_total", 'ending="delivered"')
     check("static: every handoff delivered", issued >= 5 and issued == delivered,
