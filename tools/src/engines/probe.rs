@@ -48,7 +48,13 @@ async fn get(addr: SocketAddr, path: &str) -> Result<(u16, Vec<u8>), ProbeError>
     socket.write_all(request.as_bytes()).await.map_err(io)?;
     let mut answer = Vec::new();
     let mut chunk = [0u8; 16384];
+    // Read until the body is complete by its own framing (a server may keep the connection
+    // open despite `Connection: close`), or to the end of the connection.
     loop {
+        if let Some(done) = complete(&answer) {
+            answer.truncate(done);
+            break;
+        }
         let n = socket.read(&mut chunk).await.map_err(io)?;
         if n == 0 {
             break;
@@ -76,6 +82,29 @@ async fn get(addr: SocketAddr, path: &str) -> Result<(u16, Vec<u8>), ProbeError>
         body = unchunk(&body)?;
     }
     Ok((status, body))
+}
+
+/// The length of a complete response in `answer`, when its framing says it is complete: a
+/// `Content-Length` body read whole, or a chunked body's last chunk seen.
+fn complete(answer: &[u8]) -> Option<usize> {
+    let head_end = answer.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let head = String::from_utf8_lossy(&answer[..head_end]).to_ascii_lowercase();
+    if let Some(length) = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        return (answer.len() >= head_end + length).then_some(head_end + length);
+    }
+    if head.contains("transfer-encoding: chunked") {
+        let body = &answer[head_end..];
+        return body
+            .windows(5)
+            .position(|w| w == b"0\r\n\r\n")
+            .filter(|&i| i == 0 || body[..i].ends_with(b"\r\n"))
+            .map(|i| head_end + i + 5);
+    }
+    None
 }
 
 /// A chunked body, joined.
