@@ -19,7 +19,7 @@ use std::time::Duration;
 mod card;
 pub use card::{
     parse_cards, EngineCard, EngineProtocol, KvRouterConfig, ModelCard, ParsedCards, RouterConfig,
-    RuntimeConfig, SelectionMode, UnknownProtocol,
+    RuntimeConfig, SelectionMode, SetLink, UnknownProtocol,
 };
 
 /// What the decode side contributes when the prefill card is silent.

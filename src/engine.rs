@@ -1,11 +1,11 @@
-//! Engines behind the hop over HTTP (feature `engine`): [`EngineLink`], a
-//! [`WorkerLink`](crate::push::WorkerLink) that carries a dispatcher's attempts to
+//! Engines behind the hop over HTTP (feature `engine`): [`EngineLink`], which carries a
+//! dispatcher's attempts (it is a [`WorkerLink`](crate::push::WorkerLink)) to
 //! OpenAI-compatible engines in their disaggregated protocol (today vLLM's, docs/engines.md).
 //!
 //! An engine is one more worker behind the seams the hop already has: discovery finds it (its
 //! card says [`EngineProtocol`](crate::advert::EngineProtocol)), the dispatcher picks it, and
 //! this link only translates one attempt into HTTP and the engine's answer into
-//! [`GenerateResponse`](crate::request::GenerateResponse)s. It decides nothing: no retry, no
+//! [`GenerateResponse`]s. It decides nothing: no retry, no
 //! pick, no breaker (the dispatcher does all three from the error's class).
 //!
 //! - `client.rs`: the pooled keep-alive HTTP/1.1 client and its connect, first-byte and idle
@@ -14,22 +14,23 @@
 //!   JSON, the decode's server-sent events).
 
 mod client;
+mod stream;
 mod vllm;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use futures_util::stream::BoxStream;
 use tokio::time::Instant;
 
-use crate::discovery::InstanceId;
-use crate::push::{Dispatch, WorkerLink};
-use crate::request::{GenerateRequest, GenerateResponse};
+use crate::discovery::{Instance, InstanceId};
+use crate::request::GenerateRequest;
+#[cfg(doc)]
+use crate::request::GenerateResponse;
 use crate::transport::TransportError;
 
-pub use client::EngineLinkConfig;
+pub use client::{EngineLinkConfig, DEFAULT_CONNECT_TIMEOUT};
+pub use stream::EngineStream;
 
 /// Which leg of the disaggregated protocol a link carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -60,10 +61,7 @@ impl EngineCounts {
     }
 }
 
-/// The responses of one engine request.
-pub type EngineStream = BoxStream<'static, Result<GenerateResponse, TransportError>>;
-
-/// A [`WorkerLink`] to engines over HTTP for one leg (see the module docs).
+/// A [`WorkerLink`](crate::push::WorkerLink) to engines over HTTP for one leg (see the module docs).
 pub struct EngineLink {
     client: client::HttpClient,
     role: EngineRole,
@@ -157,22 +155,19 @@ impl EngineLink {
     }
 }
 
-impl WorkerLink for EngineLink {
-    type Stream = EngineStream;
-
-    async fn open(
+impl EngineLink {
+    /// The link's half of [`WorkerLink::open`](crate::push::WorkerLink::open) (the
+    /// dispatcher's seam is implemented with it): send `request` to `instance` and return its
+    /// responses, or the typed reason it could not be sent. A failure to connect sent nothing;
+    /// every other failure may have reached the engine.
+    pub async fn send_to(
         &self,
-        dispatch: Dispatch<'_>,
+        instance: &Instance,
         request: GenerateRequest,
         deadline: Option<Instant>,
     ) -> Result<EngineStream, TransportError> {
         let sent = self
-            .send(
-                dispatch.instance.instance_id,
-                dispatch.instance.address,
-                request,
-                deadline,
-            )
+            .send(instance.instance_id, instance.address, request, deadline)
             .await;
         if sent.is_err() {
             EngineCounts::bump(&self.counts.failed);
@@ -180,6 +175,3 @@ impl WorkerLink for EngineLink {
         sent
     }
 }
-
-/// The default timeouts of an engine link.
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);

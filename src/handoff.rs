@@ -245,6 +245,36 @@ mod tests {
     }
 
     #[test]
+    fn abandon_reasons_have_stable_labels_and_a_result_after_an_abandon_says_so() {
+        let labels: Vec<&str> = AbandonReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(
+            labels,
+            ["prefill_finished", "decode_unreachable", "client_gone"]
+        );
+        let mut h = Handoff::default();
+        assert_eq!(h.state(), HandoffState::Held);
+        h.handle_send().unwrap();
+        assert_eq!(h.state(), HandoffState::Sending);
+        assert_eq!(h.ending(), None);
+        assert_eq!(
+            h.handle_abandon(AbandonReason::ClientGone),
+            Some(Ending::Abandoned(AbandonReason::ClientGone))
+        );
+        assert_eq!(
+            h.handle_send_result(SendOutcome::Answered),
+            Err(HandoffError::Abandoned(AbandonReason::ClientGone))
+        );
+        let mut carried = Handoff::new();
+        carried.handle_send().unwrap();
+        carried.handle_send_result(SendOutcome::Answered).unwrap();
+        assert_eq!(carried.state(), HandoffState::Carried { answered: true });
+        assert_eq!(
+            carried.handle_send_result(SendOutcome::Answered),
+            Err(HandoffError::NotSending)
+        );
+    }
+
+    #[test]
     fn results_without_a_send_are_refused() {
         let mut h = Handoff::new();
         assert_eq!(

@@ -28,7 +28,7 @@ mod watcher;
 
 pub use kind::{worker_kind, WorkerKind};
 pub use machine::{
-    Action, Actions, ActionsIntoIter, GenerationId, Machine, SetLink, TargetSpec, MAX_DORMANT_SETS,
+    Action, Actions, ActionsIntoIter, GenerationId, Machine, TargetSpec, MAX_DORMANT_SETS,
 };
 #[cfg(feature = "runtime")]
 pub use watcher::{TargetSink, TopologySnapshot, TopologyWatcher};

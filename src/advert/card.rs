@@ -179,6 +179,35 @@ pub struct EngineCard {
     pub protocol: EngineProtocol,
 }
 
+/// How one worker set is reached, as its instances' cards say (`topology::Machine::set_link`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SetLink {
+    /// Our request plane (no card names an engine).
+    RequestPlane,
+    /// Engines speaking `protocol`, with KV blocks of `block_size` tokens (the first card's).
+    Engine {
+        /// The protocol every card names.
+        protocol: EngineProtocol,
+        /// The cards' KV block size in tokens (0: not declared).
+        block_size: u32,
+    },
+    /// Cards disagree on the protocol: the set is not routed to.
+    Mixed,
+}
+
+impl SetLink {
+    /// How an instance with `card` is reached.
+    pub fn of(card: &ModelCard) -> SetLink {
+        match &card.engine {
+            None => SetLink::RequestPlane,
+            Some(engine) => SetLink::Engine {
+                protocol: engine.protocol,
+                block_size: card.kv_cache_block_size,
+            },
+        }
+    }
+}
+
 /// A worker's model deployment card, as stored in discovery (JSON).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelCard {

@@ -364,3 +364,27 @@ fn a_routed_card_carries_its_name_mode_and_block_size() {
         .expect("a routed card advertises a router config");
     assert_eq!(config.router_mode, SelectionMode::KV);
 }
+
+#[test]
+fn an_engine_card_round_trips_and_names_its_protocol() {
+    use std::str::FromStr;
+    assert_eq!(EngineProtocol::from_str("vllm"), Ok(EngineProtocol::Vllm));
+    assert_eq!(
+        EngineProtocol::from_str("sglang"),
+        Err(UnknownProtocol("sglang".into()))
+    );
+    assert_eq!(EngineProtocol::Vllm.to_string(), "vllm");
+    let card = ModelCard {
+        engine: Some(EngineCard {
+            protocol: EngineProtocol::Vllm,
+        }),
+        ..ModelCard::named("m")
+    };
+    let json = String::from_utf8(card.to_json()).unwrap();
+    assert!(json.contains(r#""engine":{"protocol":"vllm"}"#), "{json}");
+    assert_eq!(ModelCard::from_json(json.as_bytes()).unwrap(), card);
+    // A card of our own workers says nothing of engines, and an unknown protocol is no card.
+    let plain = String::from_utf8(ModelCard::named("m").to_json()).unwrap();
+    assert!(!plain.contains("engine"), "{plain}");
+    assert!(ModelCard::from_json(br#"{"name":"m","engine":{"protocol":"x"}}"#).is_err());
+}

@@ -11,11 +11,11 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::DecodePool;
 use super::{Decode, DecodeError, DecodeStream};
+use crate::advert::SetLink;
 use crate::binding::PrefillOutcome;
 use crate::discovery::{Discovery, EndpointId};
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::request::GenerateRequest;
-use crate::topology::SetLink;
 
 /// One decode endpoint's dispatcher and the guard of its discovery feed.
 struct Slot {

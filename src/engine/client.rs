@@ -14,7 +14,10 @@ use tokio::time::Instant;
 
 use crate::transport::{HttpError, TransportError};
 
-/// Timeouts and limits of an [`EngineLink`](super::EngineLink).
+/// The default connect timeout of an engine link.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Timeouts and limits of an engine link.
 #[derive(Clone, Debug)]
 pub struct EngineLinkConfig {
     /// Connecting to an engine (a failure here is a refused connection: nothing was sent).
@@ -34,7 +37,7 @@ pub struct EngineLinkConfig {
 impl Default for EngineLinkConfig {
     fn default() -> Self {
         EngineLinkConfig {
-            connect_timeout: super::DEFAULT_CONNECT_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             first_byte_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(30),
             pool_idle_timeout: Duration::from_secs(60),

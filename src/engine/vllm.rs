@@ -19,7 +19,7 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 
 use super::client::Answer;
-use super::EngineStream;
+use super::stream::EngineStream;
 use crate::discovery::InstanceId;
 use crate::request::{EngineUsage, FinishReason, GenerateRequest, GenerateResponse, PrefillInfo};
 use crate::transport::{HttpError, TransportError};

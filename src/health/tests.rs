@@ -529,3 +529,14 @@ fn jitter_is_deterministic_per_seed_and_differs_across_seeds() {
 }
 
 mod proptests;
+
+#[test]
+fn only_a_refused_connection_proves_a_request_unsent() {
+    for class in FailureClass::ALL {
+        assert_eq!(
+            class.request_unsent(),
+            class == FailureClass::ConnectionRefused,
+            "{class}"
+        );
+    }
+}

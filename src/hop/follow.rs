@@ -7,9 +7,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::advert::SetLink;
 use crate::decode::FollowingDecode;
 use crate::discovery::{Discovery, EndpointId};
-use crate::topology::{SetLink, TopologySnapshot};
+use crate::topology::TopologySnapshot;
 
 /// The follower task: retarget on every change of the topology's decode endpoint.
 pub(crate) async fn follow(

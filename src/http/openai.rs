@@ -1,5 +1,6 @@
 //! The OpenAI wire shapes the frontend reads and writes, and its error bodies.
 
+use super::tokenizer::PromptError;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -458,6 +459,18 @@ pub(crate) fn engine_fields(body: &[u8]) -> Option<String> {
         .filter(|(k, v)| ENGINE_FIELDS.contains(&k.as_str()) && !v.is_null())
         .collect();
     (!kept.is_empty()).then(|| serde_json::Value::Object(kept).to_string())
+}
+
+/// A prompt the tokenizer refused is the request's fault: 400, with the template's or the
+/// tokenizer's own words.
+impl From<PromptError> for ApiError {
+    fn from(error: PromptError) -> Self {
+        let code = match error {
+            PromptError::Template { .. } | PromptError::NoTemplate { .. } => "chat_template_error",
+            PromptError::Encode { .. } => "invalid_prompt",
+        };
+        ApiError::bad_request(code, error.to_string())
+    }
 }
 
 #[cfg(test)]

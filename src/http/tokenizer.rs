@@ -14,6 +14,7 @@
 //! The frontend holds a [`Tokenizer`]: these words by default, or (feature `model-tokenizer`)
 //! a `ModelTokenizer` read from a model folder, whose ids are a real engine's.
 
+mod error;
 #[cfg(feature = "model-tokenizer")]
 mod incremental;
 mod kind;
@@ -22,7 +23,8 @@ mod model;
 #[cfg(feature = "model-tokenizer")]
 mod template;
 
-pub use kind::{Detokenizer, PromptError, Tokenizer};
+pub use error::PromptError;
+pub use kind::{Detokenizer, Tokenizer};
 #[cfg(feature = "model-tokenizer")]
 pub use model::{LoadError, ModelTokenizer};
 

@@ -60,7 +60,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::kind::{worker_kind, WorkerKind};
-use crate::advert::ModelCard;
+use crate::advert::{ModelCard, SetLink};
 use crate::batch::{Batch, IntoIter};
 use crate::discovery::{EndpointId, Instance, InstanceId, NamespaceEvent};
 use crate::hooks::Seam;
@@ -136,34 +136,6 @@ pub(crate) enum TopologyMutant {
     /// is left pointing at an empty admission set while the batch is applied (caught by
     /// `the_ordering_check_catches_shrinks_before_the_target` and the proptest).
     ShrinksBeforeTarget,
-}
-
-/// How one worker set is reached, as its instances' cards say ([`Machine::set_link`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum SetLink {
-    /// Our request plane (no card names an engine).
-    RequestPlane,
-    /// Engines speaking `protocol`, with KV blocks of `block_size` tokens (the first card's).
-    Engine {
-        /// The protocol every card names.
-        protocol: crate::advert::EngineProtocol,
-        /// The cards' KV block size in tokens (0: not declared).
-        block_size: u32,
-    },
-    /// Cards disagree on the protocol: the set is not routed to.
-    Mixed,
-}
-
-impl SetLink {
-    fn of(card: &ModelCard) -> SetLink {
-        match &card.engine {
-            None => SetLink::RequestPlane,
-            Some(engine) => SetLink::Engine {
-                protocol: engine.protocol,
-                block_size: card.kv_cache_block_size,
-            },
-        }
-    }
 }
 
 /// The selected card of a prefill set and the admission set last published for it.

@@ -14,7 +14,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::machine::{Action, GenerationId, Machine, SetLink, TargetSpec};
+use super::machine::{Action, GenerationId, Machine, TargetSpec};
+use crate::advert::SetLink;
 use crate::binding::{BindingFactory, WorkerSetTarget, WorkerSetTargetId};
 use crate::discovery::{Discovery, DiscoveryError, EndpointId, InstanceId, NamespaceEvent};
 use crate::router::PrefillRouter;

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use super::incremental::Incremental;
 #[cfg(feature = "model-tokenizer")]
 use super::ModelTokenizer;
+use super::PromptError;
 use super::{chat_prompt, render, tokenize, Turn};
-use crate::http::ApiError;
 
 /// The frontend's tokenizer.
 #[derive(Clone, Debug, Default)]
@@ -22,42 +22,6 @@ pub enum Tokenizer {
     /// A real model's tokenizer and chat template (feature `model-tokenizer`).
     #[cfg(feature = "model-tokenizer")]
     Model(Arc<ModelTokenizer>),
-}
-
-/// A prompt that could not be turned into token ids: the request's error (400), never a
-/// panic.
-#[derive(Debug, thiserror::Error)]
-pub enum PromptError {
-    /// The chat template failed on these messages (`raise_exception`, a missing field...).
-    #[error("chat template {template}: {message}")]
-    Template {
-        /// Where the template came from.
-        template: String,
-        /// What failed, with the template's line.
-        message: String,
-    },
-    /// The model folder has no chat template, so chat requests cannot be rendered.
-    #[error("the model in {dir} has no chat template")]
-    NoTemplate {
-        /// The model folder.
-        dir: String,
-    },
-    /// The tokenizer failed on the text.
-    #[error("tokenizing the prompt: {message}")]
-    Encode {
-        /// What the tokenizer said.
-        message: String,
-    },
-}
-
-impl From<PromptError> for ApiError {
-    fn from(error: PromptError) -> Self {
-        let code = match error {
-            PromptError::Template { .. } | PromptError::NoTemplate { .. } => "chat_template_error",
-            PromptError::Encode { .. } => "invalid_prompt",
-        };
-        ApiError::bad_request(code, error.to_string())
-    }
 }
 
 impl Tokenizer {

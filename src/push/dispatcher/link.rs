@@ -276,6 +276,21 @@ impl WorkerLink for TcpLink {
     }
 }
 
+/// An engine link is a worker link: the dispatcher's seam, carried by the link's own `open`.
+#[cfg(feature = "engine")]
+impl WorkerLink for crate::engine::EngineLink {
+    type Stream = crate::engine::EngineStream;
+
+    async fn open(
+        &self,
+        dispatch: Dispatch<'_>,
+        request: GenerateRequest,
+        deadline: Option<Instant>,
+    ) -> Result<Self::Stream, TransportError> {
+        self.send_to(dispatch.instance, request, deadline).await
+    }
+}
+
 /// The production dispatchers' link: the request plane to our own workers ([`TcpLink`]) or,
 /// with feature `engine`, HTTP to engines ([`EngineLink`](crate::engine::EngineLink)). Which
 /// one a dispatcher gets is decided once, from its set's card, where it is built (the binding

@@ -363,3 +363,41 @@ fn the_status_accessors_report_the_sets_and_what_was_published() {
         "the emptied set is remembered, dormant"
     );
 }
+
+fn engine_card(block: u32) -> ModelCard {
+    ModelCard {
+        engine: Some(crate::advert::EngineCard {
+            protocol: crate::advert::EngineProtocol::Vllm,
+        }),
+        ..card(block)
+    }
+}
+
+#[test]
+fn a_set_is_reached_as_its_cards_say_and_a_mix_is_refused() {
+    let mut w = World::default();
+    assert_eq!(w.m.set_link(&ep("decode")), None, "an unknown set");
+    w.up("decode", 100, 16);
+    assert_eq!(w.m.set_link(&ep("decode")), Some(SetLink::RequestPlane));
+    w.down("decode", 100);
+    assert_eq!(w.m.set_link(&ep("decode")), None, "an empty set");
+    w.apply(NamespaceEvent::Upserted(
+        inst("decode", 101),
+        engine_card(32),
+    ))
+    .unwrap();
+    w.apply(NamespaceEvent::Upserted(
+        inst("decode", 102),
+        engine_card(32),
+    ))
+    .unwrap();
+    assert_eq!(
+        w.m.set_link(&ep("decode")),
+        Some(SetLink::Engine {
+            protocol: crate::advert::EngineProtocol::Vllm,
+            block_size: 32
+        })
+    );
+    w.up("decode", 103, 32);
+    assert_eq!(w.m.set_link(&ep("decode")), Some(SetLink::Mixed));
+}

@@ -213,6 +213,8 @@ def figures(client, alone, n):
                 hop_total += total
             else:
                 direct_total += total
+    with open(os.path.join(args.work, "ttft.json"), "w") as f:
+        json.dump({"hop": hop, "decode_alone": direct}, f)
     q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]
     print(f"FIGURE ttft_ms hop p50={q(hop, .5)*1e3:.1f} p99={q(hop, .99)*1e3:.1f} "
           f"decode_alone p50={q(direct, .5)*1e3:.1f} p99={q(direct, .99)*1e3:.1f} n={n}")
