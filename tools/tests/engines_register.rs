@@ -125,7 +125,8 @@ async fn an_engine_is_registered_while_it_answers_and_withdrawn_when_it_does_not
     assert_eq!(card.engine.as_ref().unwrap().protocol, EngineProtocol::Vllm);
     assert_eq!(
         card.router_config.as_ref().unwrap().router_mode,
-        SelectionMode::KV
+        SelectionMode::RoundRobin,
+        "engines publish no KV events to our routers: round robin unless asked"
     );
     // Stops answering: withdrawn after the failures; answers again: registered again.
     engine.status.store(503, Ordering::Relaxed);
@@ -151,22 +152,41 @@ async fn junk_answers_never_panic_and_what_was_told_wins() {
     let engine = stub().await;
     engine.junk.store(true, Ordering::Relaxed);
     let url = EngineUrl::parse(&format!("http://{}", engine.addr)).unwrap();
-    let card = prefill_router_tools::engines::engine_card(&url, &fast("decode", 100)).await;
-    assert_eq!(
-        (card.name.as_str(), card.kv_cache_block_size),
-        ("unknown", 0)
-    );
+    // No made-up card: junk is a typed error and the engine stays unregistered.
+    let error = prefill_router_tools::engines::engine_card(&url, &fast("decode", 100))
+        .await
+        .unwrap_err();
     assert!(
-        card.router_config.is_none(),
-        "decode cards carry no routing"
+        matches!(error, prefill_router_tools::engines::CardError::Model(_)),
+        "{error}"
+    );
+    let named = RegistrarConfig {
+        model: Some("m".into()),
+        ..fast("decode", 100)
+    };
+    let error = prefill_router_tools::engines::engine_card(&url, &named)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            prefill_router_tools::engines::CardError::BlockSize(_)
+        ),
+        "{error}"
     );
     let told = RegistrarConfig {
         model: Some("m".into()),
         block_size: Some(32),
         ..fast("decode", 100)
     };
-    let card = prefill_router_tools::engines::engine_card(&url, &told).await;
+    let card = prefill_router_tools::engines::engine_card(&url, &told)
+        .await
+        .unwrap();
     assert_eq!((card.name.as_str(), card.kv_cache_block_size), ("m", 32));
+    assert!(
+        card.router_config.is_none(),
+        "decode cards carry no routing"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -48,13 +48,7 @@ async fn get(addr: SocketAddr, path: &str) -> Result<(u16, Vec<u8>), ProbeError>
     socket.write_all(request.as_bytes()).await.map_err(io)?;
     let mut answer = Vec::new();
     let mut chunk = [0u8; 16384];
-    // Read until the body is complete by its own framing (a server may keep the connection
-    // open despite `Connection: close`), or to the end of the connection.
     loop {
-        if let Some(done) = complete(&answer) {
-            answer.truncate(done);
-            break;
-        }
         let n = socket.read(&mut chunk).await.map_err(io)?;
         if n == 0 {
             break;
@@ -63,11 +57,15 @@ async fn get(addr: SocketAddr, path: &str) -> Result<(u16, Vec<u8>), ProbeError>
             return Err(ProbeError::Malformed("answer too large".into()));
         }
         answer.extend_from_slice(&chunk[..n]);
+        // A server that keeps the connection open despite `Connection: close` is done once
+        // its Content-Length is in: waiting for the close would turn a good answer into a
+        // timeout.
+        if complete_by_length(&answer) {
+            break;
+        }
     }
-    let head_end = answer
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| ProbeError::Malformed("no end of headers".into()))?;
+    let head_end =
+        head_end(&answer).ok_or_else(|| ProbeError::Malformed("no end of headers".into()))?;
     let head = String::from_utf8_lossy(&answer[..head_end]).into_owned();
     let status = head
         .split_whitespace()
@@ -84,27 +82,22 @@ async fn get(addr: SocketAddr, path: &str) -> Result<(u16, Vec<u8>), ProbeError>
     Ok((status, body))
 }
 
-/// The length of a complete response in `answer`, when its framing says it is complete: a
-/// `Content-Length` body read whole, or a chunked body's last chunk seen.
-fn complete(answer: &[u8]) -> Option<usize> {
-    let head_end = answer.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
-    let head = String::from_utf8_lossy(&answer[..head_end]).to_ascii_lowercase();
-    if let Some(length) = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse::<usize>().ok())
-    {
-        return (answer.len() >= head_end + length).then_some(head_end + length);
-    }
-    if head.contains("transfer-encoding: chunked") {
-        let body = &answer[head_end..];
-        return body
-            .windows(5)
-            .position(|w| w == b"0\r\n\r\n")
-            .filter(|&i| i == 0 || body[..i].ends_with(b"\r\n"))
-            .map(|i| head_end + i + 5);
-    }
-    None
+/// Where the head of `answer` ends (the blank line), if it has arrived.
+fn head_end(answer: &[u8]) -> Option<usize> {
+    answer.windows(4).position(|w| w == b"\r\n\r\n")
+}
+
+/// Whether `answer` holds a head with a Content-Length and that many body bytes.
+fn complete_by_length(answer: &[u8]) -> bool {
+    let Some(end) = head_end(answer) else {
+        return false;
+    };
+    let head = String::from_utf8_lossy(&answer[..end]).to_ascii_lowercase();
+    let length = head.lines().find_map(|line| {
+        let value = line.strip_prefix("content-length:")?;
+        value.trim().parse::<usize>().ok()
+    });
+    length.is_some_and(|n| answer.len() - (end + 4) >= n)
 }
 
 /// A chunked body, joined.
@@ -121,7 +114,8 @@ fn unchunk(mut body: &[u8]) -> Result<Vec<u8>, ProbeError> {
         if size == 0 {
             return Ok(out);
         }
-        if body.len() < size + 2 {
+        // A chunk size is the peer's word: checked, never trusted to add without overflow.
+        if size.checked_add(2).is_none_or(|needed| body.len() < needed) {
             return Err(bad());
         }
         out.extend_from_slice(&body[..size]);
@@ -164,11 +158,34 @@ pub(super) async fn block_size(addr: SocketAddr, timeout: Duration) -> Result<u3
 fn block_size_of(metrics: &str) -> Option<u32> {
     metrics
         .lines()
-        .filter(|l| l.starts_with("vllm:cache_config_info{"))
-        .find_map(|l| {
-            let rest = &l[l.find("block_size=\"")? + "block_size=\"".len()..];
-            rest[..rest.find('"')?].parse().ok()
-        })
+        .filter_map(|line| line.strip_prefix("vllm:cache_config_info{"))
+        .find_map(|labels| label(labels, "block_size")?.parse().ok())
+}
+
+/// The value of label `name` in a Prometheus label list (`a="1",b="x\"y"} 1.0`, after the
+/// `{`). Names are matched whole: vLLM's line also carries `mamba_block_size`,
+/// `hash_block_size` and `effective_attention_block_size`, in an order it does not promise.
+fn label(mut labels: &str, name: &str) -> Option<String> {
+    loop {
+        labels = labels.trim_start_matches([',', ' ']);
+        let (key, rest) = labels.split_once("=\"")?;
+        if key.contains(['}', '"']) {
+            return None;
+        }
+        let mut value = String::new();
+        let mut chars = rest.char_indices();
+        let end = loop {
+            match chars.next()? {
+                (_, '\\') => value.push(chars.next()?.1),
+                (i, '"') => break i,
+                (_, c) => value.push(c),
+            }
+        };
+        if key.trim() == name {
+            return Some(value);
+        }
+        labels = &rest[end + 1..];
+    }
 }
 
 #[cfg(test)]
@@ -184,6 +201,33 @@ mod tests {
             None
         );
         assert_eq!(block_size_of("garbage\n\u{0}"), None);
+        // vLLM 0.32's line: look-alike labels before and after the real one, in any order.
+        let real = "vllm:cache_config_info{_block_size_resolved=\"True\",mamba_block_size=\"None\",block_size=\"32\",hash_block_size=\"None\",effective_attention_block_size=\"16\"} 1.0";
+        assert_eq!(block_size_of(real), Some(32));
+        let escaped = "vllm:cache_config_info{note=\"a \\\"block_size=\\\"9\",block_size=\"64\"} 1";
+        assert_eq!(block_size_of(escaped), Some(64));
+        for junk in [
+            "vllm:cache_config_info{block_size=\"32",
+            "vllm:cache_config_info{block_size=32} 1",
+            "vllm:cache_config_info{} 1",
+            "vllm:cache_config_info{",
+            "vllm:cache_config_info{block_size=\"99999999999\"} 1",
+            "vllm:cache_config_info{a=\"\\",
+        ] {
+            assert_eq!(block_size_of(junk), None, "{junk}");
+        }
+    }
+
+    #[test]
+    fn an_answer_is_complete_once_its_content_length_is_in() {
+        assert!(complete_by_length(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        ));
+        assert!(!complete_by_length(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nok"
+        ));
+        assert!(!complete_by_length(b"HTTP/1.1 200 OK\r\n\r\nok"));
+        assert!(!complete_by_length(b"HTTP/1.1 200 OK\r\nContent-Length: 2"));
     }
 
     #[test]
@@ -194,5 +238,7 @@ mod tests {
         );
         assert!(unchunk(b"zz\r\nabc").is_err());
         assert!(unchunk(b"10\r\nabc").is_err());
+        assert!(unchunk(b"ffffffffffffffff\r\nabc").is_err(), "no overflow");
+        assert!(unchunk(b"").is_err());
     }
 }

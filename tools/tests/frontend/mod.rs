@@ -122,6 +122,11 @@ impl Proc {
             .count()
     }
 
+    /// Whether the process has exited (reaping it if so).
+    pub fn has_exited(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_some()
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id()

@@ -129,6 +129,16 @@ mod tests {
                 "{line}"
             );
         }
+        for line in [
+            "register --help",
+            "help register",
+            "register --engine vllm -h",
+        ] {
+            assert!(
+                help(line).starts_with("usage: prefill-router register"),
+                "{line}"
+            );
+        }
         for line in ["", "help", "--help", "-h", "help --help", "help help"] {
             assert_eq!(help(line), USAGE, "{line:?}");
         }

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prefill_router::advert::{EngineProtocol, SelectionMode};
-use prefill_router_tools::engines::{run_registrar, EngineUrl, RegistrarConfig, RegistrarEvent};
+use prefill_router_tools::engines::{
+    run_registrar, EngineUrl, RegistrarConfig, RegistrarEvent, DEFAULT_ENGINE_ROUTER_MODE,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::args::{CliError, Flags};
@@ -17,29 +19,38 @@ use crate::store::{terminated, StoreSpec, DEFAULT_ETCD_ROOT};
 pub const USAGE: &str = "\
 usage: prefill-router register --engine vllm --role prefill|decode --url http://HOST:PORT
                                --discovery file://DIR|etcd://HOST:PORT[,...] --namespace NS
-                               [--id N] [options]
+                               [--id N] [--model NAME] [--block-size N] [options]
 
 A sidecar for one engine (a vLLM OpenAI server): while the engine answers GET /health it is
-registered in discovery as endpoint NS/ROLE/generate with a card saying what it is (protocol,
-model from /v1/models, block size from /metrics); after 3 failed probes it is withdrawn, and
-registered again when it answers. Prints one JSON line per change on stdout
-({\"event\":\"registered\",...}, {\"event\":\"withdrawn\",...}). SIGTERM (or Ctrl-C): the engine
-is withdrawn first (frontends stop routing to it), then the sidecar waits --drain-ms for the
-requests already routed there, prints {\"event\":\"stopped\"} and exits 0 (docs/engines.md).
+registered in discovery as endpoint NS/ROLE/generate, at the engine's address, with a card
+saying what it is (protocol, model from /v1/models, KV block size from /metrics); after
+--failures failed probes in a row it is withdrawn, and registered again (its card read again)
+when it answers. An engine whose model or block size cannot be read is not registered (it is
+still probed; give --model or --block-size). Prints one JSON line per change on stdout:
+{\"event\":\"registered\",...}, {\"event\":\"withdrawn\",\"reason\":\"unhealthy\",...}.
+SIGTERM (or Ctrl-C): the engine is withdrawn first ({\"event\":\"withdrawn\",\"reason\":
+\"stopping\"}: frontends stop routing to it), then the sidecar waits --drain-ms for the
+requests already routed there, prints {\"event\":\"stopped\",...} and exits 0; a second
+signal ends the wait. On Kubernetes (k8s://) frontends find pods by their readiness and
+annotations; register does not support it yet (docs/engines.md).
 
 options:
-  --engine PROTOCOL    the engine's protocol: vllm
-  --role ROLE          prefill or decode
-  --url URL            the engine's HTTP address, http://HOST:PORT
-  --discovery SPEC     file://DIR or etcd://HOST:PORT[,HOST:PORT...]
-  --namespace NS       the deployment's namespace
-  --id N               the instance id (default: the engine's port)
-  --model NAME         the card's model name (default: the engine's /v1/models)
-  --block-size N       the card's KV block size (default: the engine's /metrics)
-  --router-mode MODE   the prefill set's routing: kv (default), round-robin or random
-  --ttl-ms N           discovery lease TTL in milliseconds (default 10000)
-  --drain-ms N         on SIGTERM, wait this long after withdrawing (default 2000)
-  --etcd-root PREFIX   etcd key root (default prefill-router/v1/instances/)";
+  --engine PROTOCOL      the engine's protocol: vllm
+  --role ROLE            prefill or decode
+  --url URL              the engine's base URL, http://HOST:PORT (no https, no path)
+  --discovery SPEC       file://DIR or etcd://HOST:PORT[,HOST:PORT...]
+  --namespace NS         the deployment's namespace
+  --id N                 the instance id (default: the engine's port)
+  --model NAME           the card's model name (default: the engine's /v1/models data[0].id)
+  --block-size N         the card's KV block size (default: the block_size label of the
+                         engine's vllm:cache_config_info metric)
+  --router-mode MODE     prefill only: how routers pick among the prefill engines:
+                         round-robin (default), random or kv
+  --probe-interval-ms N  between probes of /health (default 1000; each bounded by 2000)
+  --failures N           failed probes in a row before the engine is withdrawn (default 3)
+  --ttl-ms N             discovery lease TTL in milliseconds (default 10000)
+  --drain-ms N           on SIGTERM, wait this long after withdrawing (default 2000)
+  --etcd-root PREFIX     etcd key root (default prefill-router/v1/instances/)";
 
 /// Parsed `register` options.
 #[derive(Clone, Debug)]
@@ -76,7 +87,8 @@ impl RegisterOptions {
         let (mut protocol_, mut role, mut url, mut discovery, mut namespace) =
             (None, None, None, None, None);
         let (mut id, mut model, mut block_size) = (None, None, None);
-        let mut router_mode = SelectionMode::KV;
+        let mut router_mode = None;
+        let (mut interval, mut failures) = (None, None);
         let (mut ttl, mut drain) = (Duration::from_secs(10), Duration::from_secs(2));
         let mut etcd_root = DEFAULT_ETCD_ROOT.to_owned();
         while let Some(flag) = flags.next_flag() {
@@ -96,22 +108,33 @@ impl RegisterOptions {
                 "--model" => model = Some(flags.value(flag)?.to_owned()),
                 "--block-size" => block_size = Some(flags.parsed::<u32>(flag)?),
                 "--router-mode" => {
-                    router_mode = match flags.value(flag)? {
+                    router_mode = Some(match flags.value(flag)? {
                         "kv" => SelectionMode::KV,
                         "round-robin" => SelectionMode::RoundRobin,
                         "random" => SelectionMode::Random,
                         other => {
                             return Err(CliError::Usage(format!(
-                                "--router-mode: expected kv, round-robin or random, got `{other}`"
+                                "--router-mode: expected round-robin, random or kv, got `{other}`"
                             )))
                         }
-                    }
+                    })
                 }
+                "--probe-interval-ms" => {
+                    interval = Some(positive_millis(flag, flags.parsed(flag)?)?);
+                }
+                "--failures" => match flags.parsed::<u32>(flag)? {
+                    0 => return Err(CliError::Usage("--failures must be positive".into())),
+                    n => failures = Some(n),
+                },
                 "--ttl-ms" => ttl = Duration::from_millis(flags.parsed(flag)?),
                 "--drain-ms" => drain = Duration::from_millis(flags.parsed(flag)?),
                 "--etcd-root" => etcd_root = flags.value(flag)?.to_owned(),
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
-                other => return Err(CliError::Usage(format!("unknown flag `{other}`"))),
+                other => {
+                    return Err(CliError::Usage(format!(
+                        "unknown register option `{other}`"
+                    )))
+                }
             }
         }
         let need = |what: &str| CliError::Usage(format!("register needs {what}"));
@@ -127,7 +150,15 @@ impl RegisterOptions {
         }
         if matches!(discovery, StoreSpec::Kubernetes { .. }) {
             return Err(CliError::Usage(
-                "register --discovery k8s:// is not supported: on Kubernetes the engine's pod is found by its readiness (docs/kubernetes.md)".into(),
+                "register does not support --discovery k8s:// yet: on Kubernetes frontends find \
+                 workers as ready pods with the card in an annotation, not as registrations \
+                 (docs/kubernetes.md); use file:// or etcd://"
+                    .into(),
+            ));
+        }
+        if role == "decode" && router_mode.is_some() {
+            return Err(CliError::Usage(
+                "--router-mode is for prefill engines (decode cards carry no routing)".into(),
             ));
         }
         if ttl < Duration::from_millis(300) {
@@ -141,7 +172,9 @@ impl RegisterOptions {
         config.protocol = protocol_;
         config.model = model;
         config.block_size = block_size;
-        config.router_mode = router_mode;
+        config.router_mode = router_mode.unwrap_or(DEFAULT_ENGINE_ROUTER_MODE);
+        config.interval = interval.unwrap_or(config.interval);
+        config.failures_to_withdraw = failures.unwrap_or(config.failures_to_withdraw);
         Ok(RegisterOptions {
             engine,
             discovery,
@@ -164,17 +197,34 @@ pub async fn run(options: RegisterOptions) -> ExitCode {
     }
 }
 
-fn event_line(event: &RegistrarEvent, url: &str, id: u64) {
-    let line = match event {
+/// A positive duration in milliseconds.
+fn positive_millis(flag: &str, ms: u64) -> Result<Duration, CliError> {
+    match ms {
+        0 => Err(CliError::Usage(format!("{flag} must be positive"))),
+        ms => Ok(Duration::from_millis(ms)),
+    }
+}
+
+/// Print `line` as one line on stdout, the sidecar's event stream.
+fn emit(line: &serde_json::Value) {
+    println!("{line}");
+}
+
+/// The event line of a registrar event.
+fn event_line(event: &RegistrarEvent, url: &str, id: u64) -> serde_json::Value {
+    match event {
         RegistrarEvent::Registered(card) => serde_json::json!({
             "event": "registered", "url": url, "id": id, "model": card.name,
-            "block_size": card.kv_cache_block_size, "pid": std::process::id(),
+            "block_size": card.kv_cache_block_size,
+            "protocol": card.engine.as_ref().map(|e| e.protocol.to_string()),
+            "router_mode": card.router_config.as_ref().map(|r| r.router_mode.to_string()),
+            "pid": std::process::id(),
         }),
-        RegistrarEvent::Withdrawn { reason } => serde_json::json!({
-            "event": "withdrawn", "url": url, "id": id, "reason": reason,
+        RegistrarEvent::Withdrawn { failures, error } => serde_json::json!({
+            "event": "withdrawn", "reason": "unhealthy", "url": url, "id": id,
+            "failures": failures, "error": error.to_string(),
         }),
-    };
-    println!("{line}");
+    }
 }
 
 async fn register(options: RegisterOptions) -> Result<(), String> {
@@ -185,19 +235,22 @@ async fn register(options: RegisterOptions) -> Result<(), String> {
     let cancel = CancellationToken::new();
     let url = options.engine.url.clone();
     let id = options.config.id;
+    let events_url = url.clone();
     let registrar = tokio::spawn(run_registrar(
         Arc::clone(&discovery),
         options.engine,
         options.config,
         cancel.clone(),
-        move |event| event_line(event, &url, id),
+        move |event| emit(&event_line(event, &events_url, id)),
     ));
     terminated().await;
+    // Withdraw first: frontends stop routing here before the drain starts. Cancelling
+    // interrupts a probe in flight, so this does not wait for a probe's timeout.
     cancel.cancel();
-    // The loop stops between probes; what it holds is withdrawn first.
     let held = registrar
         .await
         .map_err(|e| format!("the registrar stopped: {e}"))?;
+    let was_registered = held.is_some();
     let withdrawn = match held {
         Some(registration) => registration
             .deregister()
@@ -205,14 +258,19 @@ async fn register(options: RegisterOptions) -> Result<(), String> {
             .map_err(|e| format!("withdrawing: {e}")),
         None => Ok(()),
     };
+    if was_registered {
+        emit(&serde_json::json!({
+            "event": "withdrawn", "reason": "stopping", "url": url, "id": id,
+            "deregistered": withdrawn.is_ok(),
+        }));
+    }
     tracing::info!(drain = ?options.drain, "withdrawn; waiting for requests routed before");
     tokio::select! {
         () = tokio::time::sleep(options.drain) => {}
-        () = terminated() => {}
+        () = terminated() => tracing::warn!("second signal: not waiting for the drain"),
     }
-    println!(
-        "{}",
-        serde_json::json!({"event": "stopped", "id": id, "withdrawn": withdrawn.is_ok()})
+    emit(
+        &serde_json::json!({"event": "stopped", "url": url, "id": id, "withdrawn": withdrawn.is_ok()}),
     );
     withdrawn
 }
@@ -232,6 +290,20 @@ mod tests {
         ))
         .unwrap_or_else(|_| panic!("valid"));
         assert_eq!((ok.config.id, ok.config.component), (8100, "prefill"));
+        assert_eq!(ok.config.router_mode, SelectionMode::RoundRobin);
+        assert_eq!(ok.config.failures_to_withdraw, 3);
+        assert_eq!(ok.drain, Duration::from_secs(2));
+        let tuned = RegisterOptions::parse(&args(
+            "--engine vllm --role prefill --url http://127.0.0.1:8100 --discovery file:///tmp/x --namespace ns --id 7 --model m --block-size 16 --router-mode kv --failures 5 --probe-interval-ms 100 --drain-ms 10",
+        ))
+        .unwrap_or_else(|_| panic!("valid"));
+        assert_eq!(tuned.config.id, 7);
+        assert_eq!(tuned.config.model.as_deref(), Some("m"));
+        assert_eq!(tuned.config.block_size, Some(16));
+        assert_eq!(tuned.config.router_mode, SelectionMode::KV);
+        assert_eq!(tuned.config.failures_to_withdraw, 5);
+        assert_eq!(tuned.config.interval, Duration::from_millis(100));
+        assert_eq!(tuned.drain, Duration::from_millis(10));
         for bad in [
             "--role prefill --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace ns",
             "--engine sglang --role prefill --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace ns",
@@ -239,7 +311,15 @@ mod tests {
             "--engine vllm --role decode --url https://127.0.0.1:1 --discovery file:///tmp/x --namespace ns",
             "--engine vllm --role decode --url http://127.0.0.1:1 --namespace ns",
             "--engine vllm --role decode --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace a/b",
-            "--engine vllm --role decode --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace ns --router-mode best",
+            "--engine vllm --role prefill --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace ns --router-mode best",
+            "--engine vllm --role decode --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace ns --router-mode kv",
+            "--engine vllm --role decode --url http://127.0.0.1:1/v1 --discovery file:///tmp/x --namespace ns",
+            "--engine vllm --role decode --url http://127.0.0.1:1 --discovery k8s://prod --namespace ns",
+            "--engine vllm --role decode --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace ns --failures 0",
+            "--engine vllm --role decode --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace ns --probe-interval-ms 0",
+            "--engine vllm --role decode --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace ns --ttl-ms 10",
+            "--engine vllm --role decode --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace ns --bogus",
+            "--engine vllm --url http://127.0.0.1:1 --discovery file:///tmp/x --namespace ns",
         ] {
             assert!(
                 matches!(RegisterOptions::parse(&args(bad)), Err(CliError::Usage(_))),

@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use prefill_router::advert::EngineProtocol;
 use prefill_router::discovery::Discovery;
-use prefill_router_tools::engines::{run_registrar, EngineUrl, RegistrarConfig, RegistrarEvent};
+use prefill_router_tools::engines::{
+    run_registrar, served_model, EngineUrl, RegistrarConfig, RegistrarEvent,
+};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::args::{CliError, Flags};
@@ -65,11 +67,11 @@ impl StaticEngines {
     /// The model the first answering engine serves (for `/v1/models` when `--model` is not
     /// given).
     pub async fn model(&self) -> Option<String> {
+        let timeout = RegistrarConfig::new("decode", "engines", 0).timeout;
         for engine in self.prefill.iter().chain(&self.decode) {
-            let config = RegistrarConfig::new("decode", "engines", 0);
-            let card = prefill_router_tools::engines::engine_card(engine, &config).await;
-            if card.name != "unknown" {
-                return Some(card.name);
+            match served_model(engine, timeout).await {
+                Ok(name) => return Some(name),
+                Err(error) => tracing::debug!(url = %engine.url, %error, "no model name yet"),
             }
         }
         None
@@ -93,14 +95,16 @@ impl StaticEngines {
                     engine.clone(),
                     config,
                     cancel.clone(),
-                    move |event| match event {
+                    move |event| {
+                        match event {
                         RegistrarEvent::Registered(card) => eprintln!(
                             "serve: engine {url} ({component}) registered: model {}, block size {}",
                             card.name, card.kv_cache_block_size
                         ),
-                        RegistrarEvent::Withdrawn { reason } => {
-                            eprintln!("serve: engine {url} ({component}) withdrawn: {reason}")
-                        }
+                        RegistrarEvent::Withdrawn { failures, error } => eprintln!(
+                            "serve: engine {url} ({component}) withdrawn after {failures} failed probes: {error}"
+                        ),
+                    }
                     },
                 ));
             }
