@@ -38,6 +38,9 @@ cleanup() {
             pkill -9 -P "$pid" 2>/dev/null || true
             kill -9 "$pid" 2>/dev/null || true
         done
+        # The engine processes of a server killed outright (the SIGKILL test) were orphaned:
+        # they carry vLLM's process titles.
+        pkill -9 -f '^VLLM::' 2>/dev/null || true
     fi
     if [ -n "${VLLM_KEEP_LOGS:-}" ]; then
         echo "logs in $work"
@@ -105,6 +108,16 @@ if [ -f tools/tests/engines/vllm_e2e.py ]; then
     "$ENGINE_DIR/venv/bin/python" tools/tests/engines/vllm_e2e.py \
         --bin "$root/target/release/prefill-router" --prefill "127.0.0.1:$P_PORT" \
         --decode "127.0.0.1:$D_PORT" --model-dir "$ENGINE_DIR/tiny-llama" --work "$work"
+fi
+
+if [ -f tools/tests/engines/vllm_two_prefill.py ] && [ -z "${VLLM_ONE_PAIR:-}" ]; then
+    say "a second prefill engine; then one prefill engine SIGKILLed under serve"
+    P2_PORT=$(free_port); P2_SIDE=$(free_port)
+    engine prefill2 P "$P2_PORT" "$P2_SIDE"
+    "$ENGINE_DIR/venv/bin/python" tools/tests/engines/vllm_two_prefill.py \
+        --bin "$root/target/release/prefill-router" \
+        --prefill "127.0.0.1:$P_PORT,127.0.0.1:$P2_PORT" --decode "127.0.0.1:$D_PORT" \
+        --kill-pid "${pids[-1]}" --model-dir "$ENGINE_DIR/tiny-llama" --work "$work"
 fi
 
 if [ -n "${KEEP_ENGINES:-}" ]; then

@@ -74,6 +74,18 @@ pub fn component(role: &str) -> Result<&'static str, CliError> {
     }
 }
 
+/// The `--router-mode` value (`serve --engine` takes it too).
+pub fn router_mode_of(raw: &str) -> Result<SelectionMode, CliError> {
+    match raw {
+        "kv" => Ok(SelectionMode::KV),
+        "round-robin" => Ok(SelectionMode::RoundRobin),
+        "random" => Ok(SelectionMode::Random),
+        other => Err(CliError::Usage(format!(
+            "--router-mode: expected round-robin, random or kv, got `{other}`"
+        ))),
+    }
+}
+
 /// The `--engine` value.
 pub fn protocol(raw: &str) -> Result<EngineProtocol, CliError> {
     raw.parse()
@@ -107,18 +119,7 @@ impl RegisterOptions {
                 "--id" => id = Some(flags.parsed::<u64>(flag)?),
                 "--model" => model = Some(flags.value(flag)?.to_owned()),
                 "--block-size" => block_size = Some(flags.parsed::<u32>(flag)?),
-                "--router-mode" => {
-                    router_mode = Some(match flags.value(flag)? {
-                        "kv" => SelectionMode::KV,
-                        "round-robin" => SelectionMode::RoundRobin,
-                        "random" => SelectionMode::Random,
-                        other => {
-                            return Err(CliError::Usage(format!(
-                                "--router-mode: expected round-robin, random or kv, got `{other}`"
-                            )))
-                        }
-                    })
-                }
+                "--router-mode" => router_mode = Some(router_mode_of(flags.value(flag)?)?),
                 "--probe-interval-ms" => {
                     interval = Some(positive_millis(flag, flags.parsed(flag)?)?);
                 }

@@ -36,6 +36,8 @@ bound. A second SIGTERM or Ctrl-C exits at once (status 130).
 options:
   --engine vllm            the workers are engines speaking this protocol, given by URL:
   --prefill-url URL[,...]  the prefill engines (http://HOST:PORT; none: decode runs all)
+  --router-mode MODE       how the prefill engines are picked: round-robin (default), random,
+                           or kv (prefix-aware, predicted from the router's own picks)
   --decode-url URL[,...]   the decode engines; each engine is probed on /health and leaves
                            the routable set while it does not answer (docs/engines.md); then
                            --discovery and --namespace are optional (an in-process store)

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use prefill_router::advert::EngineProtocol;
+use prefill_router::advert::{EngineProtocol, SelectionMode};
 use prefill_router::discovery::Discovery;
 use prefill_router_tools::engines::{
     run_registrar, served_model, EngineUrl, RegistrarConfig, RegistrarEvent,
@@ -14,7 +14,7 @@ use prefill_router_tools::engines::{
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::args::{CliError, Flags};
-use crate::register::protocol;
+use crate::register::{protocol, router_mode_of};
 
 /// First instance id of the prefill engines (then 2, 3, ...); decode engines start at 100.
 const FIRST_PREFILL_ID: u64 = 1;
@@ -26,6 +26,8 @@ pub struct StaticEngines {
     protocol: Option<EngineProtocol>,
     prefill: Vec<EngineUrl>,
     decode: Vec<EngineUrl>,
+    /// `--router-mode`: how routers pick among the prefill engines (`None`: the default).
+    router_mode: Option<SelectionMode>,
 }
 
 fn urls(flag: &str, raw: &str) -> Result<Vec<EngineUrl>, CliError> {
@@ -42,6 +44,7 @@ impl StaticEngines {
             "--engine" => self.protocol = Some(protocol(flags.value(flag)?)?),
             "--prefill-url" => self.prefill.extend(urls(flag, flags.value(flag)?)?),
             "--decode-url" => self.decode.extend(urls(flag, flags.value(flag)?)?),
+            "--router-mode" => self.router_mode = Some(router_mode_of(flags.value(flag)?)?),
             _ => return Ok(false),
         }
         Ok(true)
@@ -89,6 +92,9 @@ impl StaticEngines {
             for (engine, id) in engines.iter().zip(first..) {
                 let mut config = RegistrarConfig::new(component, namespace, id);
                 config.protocol = protocol;
+                if let (Some(mode), "prefill") = (self.router_mode, component) {
+                    config.router_mode = mode;
+                }
                 let url = engine.url.clone();
                 tokio::spawn(run_registrar(
                     Arc::clone(discovery),
