@@ -38,8 +38,19 @@ impl Decode for DecodePool {
                 // The router already sets it; keep the outcome authoritative either way.
                 request.handoff = outcome.handoff.or(request.handoff);
             }
+            // The first response says where the prefill ran when the decode worker does not
+            // (an engine's stream never does), so the frontend can tell its client.
+            let mut handoff = request.handoff.clone();
             let stream = self.dispatcher.generate(request).await?;
-            let stream: DecodeStream = Box::pin(stream.map(|item| item.map_err(DecodeError::from)));
+            let stream: DecodeStream = Box::pin(stream.map(move |item| {
+                item.map(|mut response| {
+                    if let Some(info) = handoff.take() {
+                        response.prefill.get_or_insert(info);
+                    }
+                    response
+                })
+                .map_err(DecodeError::from)
+            }));
             Ok(stream)
         }
         .boxed()
