@@ -97,14 +97,16 @@ export PREFILL_VLLM_PREFILL="127.0.0.1:$P_PORT" PREFILL_VLLM_DECODE="127.0.0.1:$
 export PREFILL_VLLM_MODEL_DIR="$ENGINE_DIR/tiny-llama"
 
 say "the hop over the pair (library)"
-cargo test --release -p prefill-router --features engine --test engine_link \
+# From the root with the default members, as the README's test command builds them (the tools
+# package turns on the library's `engine`): no second build of the library.
+cargo test --release --test engine_link \
     live_vllm_pair_delivers_the_handoff -- --exact --nocapture 2>&1 \
     | tee "$work/live.log" | grep -E "^live|^test |test result|panicked" || true
 grep -q "test result: ok. 1 passed" "$work/live.log"
 
 if [ -f tools/tests/engines/vllm_e2e.py ]; then
     say "serve in front of the pair, checked with the openai client"
-    cargo build --release -p prefill-router-tools
+    cargo build --release
     "$ENGINE_DIR/venv/bin/python" tools/tests/engines/vllm_e2e.py \
         --bin "$root/target/release/prefill-router" --prefill "127.0.0.1:$P_PORT" \
         --decode "127.0.0.1:$D_PORT" --model-dir "$ENGINE_DIR/tiny-llama" --work "$work"
