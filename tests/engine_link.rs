@@ -19,7 +19,11 @@ use prefill_router::handoff::AbandonReason;
 use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse};
 use prefill_router::router::HandoffCounts;
 use prefill_router::{PrefillHop, PrefillHopConfig};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+#[path = "support/http_request.rs"]
+mod http_request;
+
+use http_request::next_request;
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 /// What the stub answers on `/v1/completions`.
@@ -75,32 +79,7 @@ async fn stub(act: Act) -> Stub {
 /// One connection: requests until it closes (keep-alive), each answered per `act`.
 async fn serve_one(mut socket: TcpStream, act: Act, seen: Arc<Mutex<Vec<String>>>) {
     let mut buffer = Vec::new();
-    loop {
-        let head_end = loop {
-            if let Some(i) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i + 4;
-            }
-            let mut chunk = [0u8; 4096];
-            match socket.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buffer.extend_from_slice(&chunk[..n]),
-            }
-        };
-        let head = String::from_utf8_lossy(&buffer[..head_end]).to_lowercase();
-        let length: usize = head
-            .lines()
-            .find_map(|l| l.strip_prefix("content-length:"))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0);
-        while buffer.len() < head_end + length {
-            let mut chunk = [0u8; 4096];
-            match socket.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buffer.extend_from_slice(&chunk[..n]),
-            }
-        }
-        let body = String::from_utf8_lossy(&buffer[head_end..head_end + length]).into_owned();
-        buffer.drain(..head_end + length);
+    while let Some((_, body)) = next_request(&mut socket, &mut buffer).await {
         seen.lock().push(body);
         if !answer(&mut socket, &act).await {
             return;

@@ -5,13 +5,17 @@
 
 #[path = "frontend/mod.rs"]
 mod frontend;
+#[path = "../../tests/support/http_request.rs"]
+mod http_request;
+
+use http_request::next_request;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use frontend::{get, post, Proc};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 /// How a stub answers `POST /v1/completions`.
@@ -58,32 +62,7 @@ async fn stub(act: Act) -> Stub {
 
 async fn connection(mut socket: TcpStream, act: Arc<Mutex<Act>>, bodies: Arc<Mutex<Vec<String>>>) {
     let mut buffer = Vec::new();
-    loop {
-        let end = loop {
-            if let Some(i) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i + 4;
-            }
-            let mut chunk = [0u8; 4096];
-            match socket.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buffer.extend_from_slice(&chunk[..n]),
-            }
-        };
-        let head = String::from_utf8_lossy(&buffer[..end]).to_lowercase();
-        let length: usize = head
-            .lines()
-            .find_map(|l| l.strip_prefix("content-length:"))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0);
-        while buffer.len() < end + length {
-            let mut chunk = [0u8; 4096];
-            match socket.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buffer.extend_from_slice(&chunk[..n]),
-            }
-        }
-        let body = String::from_utf8_lossy(&buffer[end..end + length]).into_owned();
-        buffer.drain(..end + length);
+    while let Some((head, body)) = next_request(&mut socket, &mut buffer).await {
         let path = head.split_whitespace().nth(1).unwrap_or("").to_owned();
         let json = |code: u16, body: &str| {
             format!(
