@@ -17,6 +17,7 @@ use prefill_router::discovery::Discovery;
 use prefill_router::lifecycle::Lifecycle;
 use prefill_router::push::PushMode;
 use prefill_router::request::GenerateRequest;
+use prefill_router::topology::TopologySnapshot;
 use tokio::sync::watch;
 
 const GROUP: &str = "e2e/prefill/generate";
@@ -29,6 +30,20 @@ fn active_on(router: &Router, generation: u64) -> bool {
             .held
             .as_ref()
             .is_some_and(|id| id.generation == generation)
+}
+
+/// Wait (bounded) until the hop's topology view satisfies `check`. The watcher publishes its
+/// view right after it retargets the router, so a router already retargeted may briefly sit
+/// next to the previous view.
+async fn view_reaches(
+    view: &mut watch::Receiver<TopologySnapshot>,
+    what: &str,
+    check: impl FnMut(&TopologySnapshot) -> bool,
+) {
+    tokio::time::timeout(WAIT, view.wait_for(check))
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+        .expect("the topology watcher is running");
 }
 
 /// Upstream's integration scenario for committed targets: a committed KV card at block size 64
@@ -117,7 +132,7 @@ async fn committed_targets_scenario(discovery: Arc<dyn Discovery>) {
 async fn first_wins_scenario(discovery: Arc<dyn Discovery>) {
     let _decode = start_decode(&discovery).await;
     let fe = frontend(&discovery).await;
-    let topology = fe.hop.topology();
+    let mut topology = fe.hop.topology();
     let mut w1 = start_prefill(&discovery, 1, card(SelectionMode::KV, 16)).await;
     fe.until("generation 1 active", |r| active_on(r, 1)).await;
     let _w2 = start_prefill(&discovery, 2, card(SelectionMode::KV, 32)).await;
@@ -126,11 +141,12 @@ async fn first_wins_scenario(discovery: Arc<dyn Discovery>) {
     }
     w1.deregister().await;
     fe.until("generation 2 active", |r| active_on(r, 2)).await;
-    assert_eq!(
-        topology.borrow().target,
-        Some(WorkerSetTargetId::new(GROUP, 2)),
-        "the view follows set_target"
-    );
+    // The view is published just after the router is retargeted: wait for it, bounded.
+    let gen2 = Some(WorkerSetTargetId::new(GROUP, 2));
+    view_reaches(&mut topology, "the view follows set_target", |t| {
+        t.target == gen2
+    })
+    .await;
     for seed in 20..30 {
         assert_eq!(fe.request(seed).await.unwrap(), Some(2));
     }
@@ -144,7 +160,7 @@ async fn first_wins_scenario(discovery: Arc<dyn Discovery>) {
 async fn pool_removal_and_return_scenario(discovery: Arc<dyn Discovery>) {
     let _decode = start_decode(&discovery).await;
     let fe = frontend(&discovery).await;
-    let topology = fe.hop.topology();
+    let mut topology = fe.hop.topology();
     assert_eq!(fe.request(0).await.unwrap(), None, "no pool: bypass");
     let mut w1 = start_prefill(&discovery, 1, card(SelectionMode::KV, 16)).await;
     let mut w2 = start_prefill(&discovery, 2, card(SelectionMode::KV, 16)).await;
@@ -158,7 +174,10 @@ async fn pool_removal_and_return_scenario(discovery: Arc<dyn Discovery>) {
         r.status().lifecycle == Lifecycle::Unavailable
     })
     .await;
-    assert_eq!(topology.borrow().target, None);
+    view_reaches(&mut topology, "the view drops the target", |t| {
+        t.target.is_none()
+    })
+    .await;
     assert_eq!(fe.request(10).await.unwrap(), None, "pool gone: bypass");
 
     let _w1 = start_prefill(&discovery, 1, card(SelectionMode::KV, 16)).await;
