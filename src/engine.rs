@@ -14,6 +14,7 @@
 //!   JSON, the decode's server-sent events).
 
 mod client;
+pub mod kv_events;
 mod stream;
 mod vllm;
 
@@ -30,6 +31,7 @@ use crate::request::GenerateResponse;
 use crate::transport::TransportError;
 
 pub use client::{EngineLinkConfig, DEFAULT_CONNECT_TIMEOUT};
+pub use kv_events::{EngineKvBoard, EngineKvStatus, FeedState};
 pub use stream::EngineStream;
 
 /// Which leg of the disaggregated protocol a link carries.
@@ -63,13 +65,17 @@ impl EngineCounts {
 
 /// A [`WorkerLink`](crate::push::WorkerLink) to engines over HTTP for one leg (see the module docs).
 pub struct EngineLink {
-    client: client::HttpClient,
+    client: Arc<client::HttpClient>,
     role: EngineRole,
     /// The engines' KV block size in tokens (the card's), to report cached blocks.
     block_size: u32,
     counts: Arc<EngineCounts>,
     /// Request ids sent as `X-Request-Id` (the engine logs them; unique per process).
     next_id: AtomicU64,
+    /// The engines' KV event feeds, as the operator reads them.
+    kv_board: Arc<EngineKvBoard>,
+    /// Stops the feeds when the link (its dispatcher) drops (KV mode only).
+    _feeds: Option<tokio_util::sync::DropGuard>,
 }
 
 impl std::fmt::Debug for EngineLink {
@@ -85,12 +91,46 @@ impl EngineLink {
     /// A link for `role` to engines whose KV blocks hold `block_size` tokens.
     pub fn new(role: EngineRole, block_size: u32, config: EngineLinkConfig) -> Self {
         EngineLink {
-            client: client::HttpClient::new(config),
+            client: Arc::new(client::HttpClient::new(config)),
             role,
             block_size,
             counts: Arc::default(),
             next_id: AtomicU64::new(0),
+            kv_board: Arc::default(),
+            _feeds: None,
         }
+    }
+
+    /// Report the engines' KV event feeds on `board` (shared, e.g. by every link of one
+    /// frontend) instead of the link's own.
+    #[must_use]
+    pub fn with_kv_board(mut self, board: Arc<EngineKvBoard>) -> Self {
+        self.kv_board = board;
+        self
+    }
+
+    /// The engines' KV event feeds (KV mode only; empty otherwise).
+    pub fn kv_board(&self) -> &Arc<EngineKvBoard> {
+        &self.kv_board
+    }
+
+    /// In KV mode, subscribe to the KV events of every engine of `view` and feed the
+    /// dispatcher's index (`kv_events`).
+    pub(crate) fn with_kv_events(
+        mut self,
+        view: &crate::push::RoutableView,
+        feed: Option<&Arc<crate::push::KvFeed>>,
+    ) -> Self {
+        if let Some(feed) = feed {
+            self._feeds = kv_events::spawn(
+                view.clone(),
+                Arc::clone(feed),
+                self.block_size,
+                Arc::clone(&self.kv_board),
+                Arc::clone(&self.client),
+            );
+        }
+        self
     }
 
     /// Count in `counts` (shared, e.g. by every link of one frontend) instead of its own.

@@ -10,14 +10,18 @@
 //!
 //! - [`wire`]: the versioned, bounded wire format ([`encode_events`], [`decode_events`]).
 //! - [`index`]: the index of real caches ([`KvIndex`]) and its sequence rule.
+//! - [`engine_mirror`]: an engine's (vLLM's, SGLang's) published events kept exact and
+//!   translated into our own content hashes ([`EngineMirror`]).
 //! - [`snapshot`]: a worker's whole cache at one point of its stream ([`KvSnapshot`]), in
 //!   bounded chunks.
 //! - [`EventPublisher`]: the worker side, which numbers batches and keeps them bounded.
 
+pub mod engine_mirror;
 pub mod index;
 pub mod snapshot;
 pub mod wire;
 
+pub use engine_mirror::{EngineMirror, MirrorAction, MirrorCounts, MirrorError, Picture};
 pub use index::{Applied, KvIndex, DEFAULT_MAX_BLOCKS_PER_WORKER};
 pub use snapshot::{KvSnapshot, SnapshotAssembler, SnapshotError, SNAPSHOT_CHUNK_BLOCKS};
 pub use wire::{
@@ -40,16 +44,24 @@ pub fn block_hashes(token_ids: &[u32], block_size: u32) -> Vec<u64> {
         return Vec::new();
     }
     let mut hashes = Vec::with_capacity(token_ids.len() / size);
-    let mut parent = crate::rng::GAMMA;
+    let mut parent = None;
     for block in token_ids.chunks_exact(size) {
-        let mut h = parent;
-        for &t in block {
-            h = mix(h ^ u64::from(t));
-        }
+        let h = extend_hash(parent, block);
         hashes.push(h);
-        parent = h;
+        parent = Some(h);
     }
     hashes
+}
+
+/// The chained hash of `block` extending the block hashed `parent` (`None`: the prompt's first
+/// block): the step of [`block_hashes`], for a consumer that learns blocks one chain at a time
+/// (an engine's events, [`engine_mirror`]).
+pub fn extend_hash(parent: Option<u64>, block: &[u32]) -> u64 {
+    let mut h = parent.unwrap_or(crate::rng::GAMMA);
+    for &t in block {
+        h = mix(h ^ u64::from(t));
+    }
+    h
 }
 
 /// Hasher for keys that are `u64`s: one splitmix step instead of SipHash. Keys here are

@@ -76,6 +76,51 @@ impl HttpClient {
         HttpClient { client, config }
     }
 
+    /// GET `http://addr{path}` within the first-byte timeout; the body of a 2xx answer.
+    pub(super) async fn get(&self, addr: SocketAddr, path: &str) -> Result<Vec<u8>, TransportError> {
+        let request = hyper::Request::get(format!("http://{addr}{path}"))
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| {
+                http(
+                    addr,
+                    HttpError::Malformed {
+                        reason: format!("building the request: {e}"),
+                    },
+                )
+            })?;
+        let response = tokio::time::timeout(self.config.first_byte_timeout, self.client.request(request))
+            .await
+            .map_err(|_| {
+                http(
+                    addr,
+                    HttpError::FirstByteTimeout {
+                        millis: millis(self.config.first_byte_timeout),
+                    },
+                )
+            })?
+            .map_err(|e| TransportError::Connect {
+                addr,
+                reason: error_chain(&e),
+            })?;
+        let status = response.status();
+        let answer = Answer {
+            body: response.into_body(),
+            idle: self.config.idle_timeout,
+            max: self.config.max_body_bytes,
+        };
+        let body = answer.collect(addr, None).await?;
+        if !status.is_success() {
+            return Err(http(
+                addr,
+                HttpError::Status {
+                    status: status.as_u16(),
+                    message: error_message(&body),
+                },
+            ));
+        }
+        Ok(body)
+    }
+
     /// POST `body` (JSON) to `http://addr{path}` with `X-Request-Id: id`; the answer of a 2xx
     /// status, or the typed error (a non-2xx carries the engine's own message).
     pub(super) async fn post_json(

@@ -193,8 +193,8 @@ impl Dispatcher<Link> {
     }
 
     /// A dispatcher over `view` in `mode` whose workers are engines reached through `link`
-    /// (feature `engine`). Its KV mode predicts from its own picks (engine KV events are not
-    /// read yet).
+    /// (feature `engine`). In KV mode the link subscribes to every engine's KV events and the
+    /// index scores each engine by what it caches (an engine without events, by prediction).
     #[cfg(feature = "engine")]
     pub fn with_engine(
         view: RoutableView,
@@ -202,7 +202,9 @@ impl Dispatcher<Link> {
         config: PushConfig,
         link: crate::engine::EngineLink,
     ) -> Self {
-        Self::build(view, mode, config, |_, _| Link::Engine(Box::new(link)))
+        Self::build(view, mode, config, |view, feed| {
+            Link::Engine(Box::new(link.with_kv_events(view, feed)))
+        })
     }
 
     /// A dispatcher running a deliberate mutant (see [`DispatchMutant`]).

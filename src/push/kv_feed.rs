@@ -125,7 +125,7 @@ impl KvEventCounts {
 }
 
 /// The dispatcher's side of every worker connection's event stream.
-pub(super) struct KvFeed {
+pub(crate) struct KvFeed {
     kv: Arc<Mutex<KvSelector>>,
     view: RoutableView,
     /// The dispatcher's mutant (`KeepKvOnReconnect` acts here).
@@ -346,6 +346,15 @@ impl KvFeed {
             generation,
         };
         (Arc::new(sink), generation)
+    }
+
+    /// A sink for an engine's event feed (`engine::kv_events`), adopted at once: the feed is
+    /// `worker`'s only source of events, and what an earlier feed said is dropped.
+    #[cfg(feature = "engine")]
+    pub(crate) fn engine_sink(self: &Arc<Self>, worker: InstanceId) -> Arc<dyn KvEventSink> {
+        let (sink, generation) = self.sink(worker);
+        self.adopt(worker, generation);
+        sink
     }
 
     /// The connection of `generation` is now `worker`'s pooled one: what the index knew from an

@@ -1,0 +1,309 @@
+//! One engine's event feed: the driver loop around its [`EngineMirror`]. Reader tasks (one per
+//! data-parallel rank, ZMQ SUB) and replay tasks (ZMQ DEALER) send what arrives into one
+//! channel; the loop hands it to the mirror and carries out the mirror's actions (batches to
+//! the dispatcher's KV index through a [`KvEventSink`], replays to spawn). It decides nothing
+//! itself.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend};
+
+use super::sources::{parse_sources, KvEventSource};
+use super::{EngineKvBoard, FeedState};
+use crate::discovery::Instance;
+use crate::kv_events::engine_wire::decode_engine_batch;
+use crate::kv_events::{EngineMirror, MirrorAction};
+use crate::transport::KvEventSink;
+
+use super::super::client::HttpClient;
+
+/// Inputs waiting for the loop, at most (a full channel holds the readers back; the engine's
+/// publisher then drops at its high-water mark, which the mirror sees as a gap and replays).
+const INPUTS: usize = 1024;
+/// How long a replay may go quiet before it is given up.
+const REPLAY_IDLE: Duration = Duration::from_secs(5);
+/// Replayed batches taken from one request, at most (vLLM buffers 10,000 by default).
+const MAX_REPLAY: usize = 100_000;
+/// Backoff between attempts to read the engine's event sources.
+const SOURCES_BACKOFF: (Duration, Duration) = (Duration::from_millis(250), Duration::from_secs(10));
+
+/// What reaches the loop.
+enum Input {
+    Live { rank: u32, seq: u64, payload: Bytes },
+    Replayed { rank: u32, seq: u64, payload: Bytes },
+    ReplayEnd { rank: u32 },
+    ReplayFailed { rank: u32, reason: String },
+    Connected { rank: u32 },
+    Disconnected { rank: u32 },
+    /// A message that is not `[topic, seq (8 bytes), payload]`.
+    BadFrame { rank: u32 },
+}
+
+/// Everything one engine's feed needs.
+pub(crate) struct Feed {
+    pub(crate) instance: Arc<Instance>,
+    pub(crate) block_size: u32,
+    pub(crate) epoch: u64,
+    pub(crate) sink: Arc<dyn KvEventSink>,
+    pub(crate) board: Arc<EngineKvBoard>,
+    pub(crate) client: Arc<HttpClient>,
+}
+
+impl Feed {
+    /// Run until `cancel`: find the engine's publishers, subscribe, mirror.
+    pub(crate) async fn run(self, cancel: CancellationToken) {
+        let id = self.instance.instance_id;
+        let sources = tokio::select! {
+            () = cancel.cancelled() => return,
+            s = self.sources() => s,
+        };
+        let (tx, mut rx) = mpsc::channel(INPUTS);
+        for source in &sources {
+            tokio::spawn(read(source.clone(), tx.clone(), cancel.clone()));
+        }
+        let mut mirror = EngineMirror::new(self.block_size, self.epoch);
+        self.board.update(id, |s| s.state = FeedState::Subscribed);
+        loop {
+            let input = tokio::select! {
+                () = cancel.cancelled() => break,
+                input = rx.recv() => match input {
+                    Some(input) => input,
+                    None => break,
+                },
+            };
+            let actions = match input {
+                Input::Live { rank, seq, payload } => match decode_engine_batch(&payload) {
+                    Ok(batch) => {
+                        self.board.update(id, |s| s.live(tokio::time::Instant::now()));
+                        mirror.handle_live(rank, seq, batch)
+                    }
+                    Err(error) => {
+                        // Lost: the next batch shows the gap, and the replay sends it again
+                        // (undecodable again, it is rebuilt around).
+                        tracing::warn!(engine = id, rank, seq, %error, "KV event batch undecodable");
+                        self.board.update(id, |s| s.undecodable += 1);
+                        Vec::new()
+                    }
+                },
+                Input::Replayed { rank, seq, payload } => match decode_engine_batch(&payload) {
+                    Ok(batch) => mirror.handle_replayed(rank, seq, batch),
+                    Err(error) => {
+                        tracing::warn!(engine = id, rank, seq, %error, "replayed KV event batch undecodable");
+                        self.board.update(id, |s| s.undecodable += 1);
+                        Vec::new()
+                    }
+                },
+                Input::ReplayEnd { rank } => mirror.handle_replay_end(rank),
+                Input::ReplayFailed { rank, reason } => {
+                    tracing::warn!(engine = id, rank, %reason, "KV event replay failed: the engine's entries are rebuilt");
+                    mirror.handle_replay_failed(rank)
+                }
+                Input::Connected { rank } => mirror.handle_reconnected(rank),
+                Input::Disconnected { rank } => {
+                    tracing::info!(engine = id, rank, "KV event stream lost; reconnecting");
+                    self.board.update(id, |s| s.disconnects += 1);
+                    Vec::new()
+                }
+                Input::BadFrame { rank } => {
+                    tracing::debug!(engine = id, rank, "KV event message is not [topic, seq, payload]");
+                    self.board.update(id, |s| s.undecodable += 1);
+                    Vec::new()
+                }
+            };
+            for action in actions {
+                match action {
+                    MirrorAction::Apply(batch) => self.sink.batch(batch),
+                    MirrorAction::Replay { rank, from } => {
+                        let endpoint = sources
+                            .iter()
+                            .find(|s| s.rank == rank)
+                            .and_then(|s| s.replay.clone());
+                        tokio::spawn(replay(rank, endpoint, from, tx.clone(), cancel.clone()));
+                    }
+                }
+            }
+            let (picture, counts, error) =
+                (mirror.picture(), mirror.counts(), mirror.last_error().cloned());
+            self.board.update(id, |s| {
+                s.picture = picture;
+                s.counts = counts;
+                if let Some(error) = error {
+                    s.last_error = Some(error);
+                }
+            });
+        }
+        self.sink.closed();
+    }
+
+    /// The engine's publishers, asked until it answers (backoff); an engine that publishes
+    /// nothing is said so once, then asked again slowly.
+    async fn sources(&self) -> Vec<KvEventSource> {
+        let addr = self.instance.address;
+        let id = self.instance.instance_id;
+        let mut backoff = SOURCES_BACKOFF.0;
+        let mut warned = false;
+        loop {
+            let answer = self.client.get(addr, "/kv_event_sources").await;
+            let parsed = answer
+                .map_err(|e| e.to_string())
+                .and_then(|body| parse_sources(&body, addr.ip()).map_err(|e| e.to_string()));
+            match parsed {
+                Ok(sources) => {
+                    tracing::info!(engine = id, %addr, ?sources, "subscribing to the engine's KV events");
+                    return sources;
+                }
+                Err(reason) => {
+                    if !warned {
+                        tracing::warn!(engine = id, %addr, %reason, "no KV events from the engine yet: it is scored by load");
+                        warned = true;
+                    }
+                    self.board.update(id, |s| {
+                        s.state = FeedState::NoSources(reason.clone());
+                    });
+                }
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(SOURCES_BACKOFF.1);
+        }
+    }
+}
+
+/// One rank's live stream: SUB, subscribed to its topic; the socket reconnects by itself, and
+/// its monitor tells the loop when the stream broke and came back.
+async fn read(source: KvEventSource, tx: mpsc::Sender<Input>, cancel: CancellationToken) {
+    let rank = source.rank;
+    let mut sub = zeromq::SubSocket::new();
+    let mut monitor = sub.monitor();
+    loop {
+        let connected = tokio::select! {
+            () = cancel.cancelled() => return,
+            c = sub.connect(&source.endpoint) => c,
+        };
+        match connected {
+            Ok(()) => break,
+            Err(error) => {
+                tracing::debug!(rank, endpoint = source.endpoint, %error, "KV event connect failed");
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        }
+    }
+    if let Err(error) = sub.subscribe(&source.topic).await {
+        tracing::warn!(rank, %error, "KV event subscribe failed");
+        return;
+    }
+    // The first Connected event is this connect's; later ones are reconnects.
+    let mut lost = false;
+    loop {
+        let input = tokio::select! {
+            () = cancel.cancelled() => return,
+            event = futures_util::StreamExt::next(&mut monitor) => match event {
+                Some(SocketEvent::Disconnected(_)) => {
+                    lost = true;
+                    Input::Disconnected { rank }
+                }
+                Some(SocketEvent::Connected(..)) if lost => {
+                    lost = false;
+                    Input::Connected { rank }
+                }
+                Some(_) => continue,
+                None => return,
+            },
+            message = sub.recv() => match message {
+                Ok(message) => parse_frames(rank, message.into_vec(), false),
+                Err(error) => {
+                    tracing::debug!(rank, %error, "KV event receive failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        if tx.send(input).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// `[topic, seq, payload]` (live) or `["", topic, seq, payload]` (replayed).
+fn parse_frames(rank: u32, mut frames: Vec<Bytes>, replayed: bool) -> Input {
+    if replayed && !frames.is_empty() && frames[0].is_empty() {
+        frames.remove(0);
+    }
+    if frames.len() != 3 {
+        return Input::BadFrame { rank };
+    }
+    let Ok(seq) = <[u8; 8]>::try_from(&frames[1][..]) else {
+        return Input::BadFrame { rank };
+    };
+    let seq = u64::from_be_bytes(seq);
+    let payload = frames.pop().unwrap_or_default();
+    if replayed {
+        Input::Replayed { rank, seq, payload }
+    } else {
+        Input::Live { rank, seq, payload }
+    }
+}
+
+/// Ask `endpoint` (ROUTER) for the batches from `from` on: `["", from (8 bytes BE)]`; it
+/// answers each as `["", topic, seq, payload]` and ends with `["", "", 0xff x 8, ""]`.
+async fn replay(
+    rank: u32,
+    endpoint: Option<String>,
+    from: u64,
+    tx: mpsc::Sender<Input>,
+    cancel: CancellationToken,
+) {
+    let outcome = tokio::select! {
+        () = cancel.cancelled() => return,
+        outcome = replay_from(rank, endpoint, from, &tx) => outcome,
+    };
+    let input = match outcome {
+        Ok(()) => Input::ReplayEnd { rank },
+        Err(reason) => Input::ReplayFailed { rank, reason },
+    };
+    let _ = tx.send(input).await;
+}
+
+async fn replay_from(
+    rank: u32,
+    endpoint: Option<String>,
+    from: u64,
+    tx: &mpsc::Sender<Input>,
+) -> Result<(), String> {
+    let endpoint = endpoint.ok_or("the engine has no replay endpoint")?;
+    let mut options = zeromq::SocketOptions::default();
+    options.connect_timeout(REPLAY_IDLE);
+    let mut dealer = zeromq::DealerSocket::with_options(options);
+    dealer
+        .connect(&endpoint)
+        .await
+        .map_err(|e| format!("connect {endpoint}: {e}"))?;
+    let request = zeromq::ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&from.to_be_bytes()),
+    ])
+    .map_err(|e| e.to_string())?;
+    dealer.send(request).await.map_err(|e| e.to_string())?;
+    for _ in 0..MAX_REPLAY {
+        let message = tokio::time::timeout(REPLAY_IDLE, dealer.recv())
+            .await
+            .map_err(|_| format!("no replay answer for {}s", REPLAY_IDLE.as_secs()))?
+            .map_err(|e| e.to_string())?;
+        let frames = message.into_vec();
+        // The end marker: an empty topic and seq -1.
+        if frames.len() == 4 && frames[1].is_empty() && frames[2][..] == [0xff; 8] {
+            return Ok(());
+        }
+        let input = parse_frames(rank, frames, true);
+        if tx.send(input).await.is_err() {
+            return Ok(());
+        }
+    }
+    Err(format!("more than {MAX_REPLAY} replayed batches"))
+}
