@@ -9,15 +9,23 @@
 //! [`decode_events`] is driven by the fuzzer, the index by property tests.
 //!
 //! - [`wire`]: the versioned, bounded wire format ([`encode_events`], [`decode_events`]).
+//! - [`engine_wire`]: vLLM's and SGLang's own msgpack event batches ([`decode_engine_batch`],
+//!   [`encode_engine_batch`]), pure and bounded like [`wire`].
 //! - [`index`]: the index of real caches ([`KvIndex`]) and its sequence rule.
 //! - [`snapshot`]: a worker's whole cache at one point of its stream ([`KvSnapshot`]), in
 //!   bounded chunks.
 //! - [`EventPublisher`]: the worker side, which numbers batches and keeps them bounded.
 
+pub mod engine_wire;
 pub mod index;
 pub mod snapshot;
 pub mod wire;
 
+pub use engine_wire::{
+    decode_engine_batch, encode_engine_batch, EngineBatch, EngineDecodeError, EngineEncoding,
+    EngineEvent, EngineEventKind, InvalidEvent, Skipped, StoredBlocks, MAX_ENGINE_BATCH_BYTES,
+    MAX_ENGINE_EVENTS, MAX_ENGINE_HASHES, MAX_ENGINE_TOKENS,
+};
 pub use index::{Applied, KvIndex, DEFAULT_MAX_BLOCKS_PER_WORKER};
 pub use snapshot::{KvSnapshot, SnapshotAssembler, SnapshotError, SNAPSHOT_CHUNK_BLOCKS};
 pub use wire::{
