@@ -6,7 +6,7 @@
 # testkit/tests/fuzz_corpus_replay.rs replays it on every `cargo test`.
 #
 # Cost on 2 shared cores: cargo-fuzz install ~50 s (skipped when installed), build 1-2.5 min,
-# then FUZZ_SECONDS (default 30) per target: 8 targets (kv_events and topology_events included), about 7 min in all
+# then FUZZ_SECONDS (default 30) per target: 9 targets (kv_events, topology_events and engine_batch included), about 8 min in all
 # from clean.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -9,6 +9,8 @@
 //! [`decode_events`] is driven by the fuzzer, the index by property tests.
 //!
 //! - [`wire`]: the versioned, bounded wire format ([`encode_events`], [`decode_events`]).
+//! - [`engine_wire`]: vLLM's and SGLang's own msgpack event batches ([`decode_engine_batch`],
+//!   [`encode_engine_batch`]), pure and bounded like [`wire`].
 //! - [`index`]: the index of real caches ([`KvIndex`]) and its sequence rule.
 //! - [`engine_mirror`]: an engine's (vLLM's, SGLang's) published events kept exact and
 //!   translated into our own content hashes ([`EngineMirror`]).
@@ -17,11 +19,17 @@
 //! - [`EventPublisher`]: the worker side, which numbers batches and keeps them bounded.
 
 pub mod engine_mirror;
+pub mod engine_wire;
 pub mod index;
 pub mod snapshot;
 pub mod wire;
 
 pub use engine_mirror::{EngineMirror, MirrorAction, MirrorCounts, MirrorError, Picture};
+pub use engine_wire::{
+    decode_engine_batch, encode_engine_batch, EngineBatch, EngineDecodeError, EngineEncoding,
+    EngineEvent, EngineEventKind, InvalidEvent, Skipped, StoredBlocks, MAX_ENGINE_BATCH_BYTES,
+    MAX_ENGINE_EVENTS, MAX_ENGINE_HASHES, MAX_ENGINE_TOKENS,
+};
 pub use index::{Applied, KvIndex, DEFAULT_MAX_BLOCKS_PER_WORKER};
 pub use snapshot::{KvSnapshot, SnapshotAssembler, SnapshotError, SNAPSHOT_CHUNK_BLOCKS};
 pub use wire::{

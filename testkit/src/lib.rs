@@ -8,7 +8,7 @@
 //! - [`reference`](mod@reference): a reference model of the lifecycle machine, written from the transition
 //!   rules of `docs/design.md`, and [`MachineView`], the observable state both expose;
 //! - [`ledger`]: the history invariants I1..I6 checked after every step;
-//! - [`machine_fuzz`], [`card_fuzz`], [`control_fuzz`], [`frame_fuzz`], [`record_fuzz`], [`health_fuzz`], [`kv_events_fuzz`], [`topology_fuzz`]: the fuzz harnesses, plain functions over bytes;
+//! - [`machine_fuzz`], [`card_fuzz`], [`control_fuzz`], [`frame_fuzz`], [`record_fuzz`], [`health_fuzz`], [`kv_events_fuzz`], [`engine_batch_fuzz`], [`topology_fuzz`]: the fuzz harnesses, plain functions over bytes;
 //! - [`alloc_probe`]: peak-allocation measurement for the decoder's memory bound;
 //! - [`branches`]: which branches of `Machine::handle` a step exercised (coverage of a corpus);
 //! - [`mutants`]: deliberately broken code under test that the checks must reject (the topology
@@ -23,6 +23,7 @@ pub mod alloc_probe;
 pub mod branches;
 pub mod card_fuzz;
 pub mod control_fuzz;
+pub mod engine_batch_fuzz;
 pub mod frame_fuzz;
 pub mod health_fuzz;
 pub mod kv_events_fuzz;
@@ -75,6 +76,10 @@ pub const TARGETS: &[FuzzTarget] = &[
     FuzzTarget {
         name: "kv_events",
         run: kv_events_fuzz::kv_events,
+    },
+    FuzzTarget {
+        name: "engine_batch",
+        run: engine_batch_fuzz::engine_batch,
     },
     FuzzTarget {
         name: "topology_events",

@@ -329,6 +329,21 @@ fn kv_events_checks_reject_the_parent_dropping_decoder_on_the_seed_corpus() {
     );
 }
 
+/// The `engine_batch` seeds are the five captured vLLM payloads: each decodes (within the
+/// allocation bound) and its events survive both re-encodings.
+#[test]
+fn engine_batch_seed_corpus_is_real_payloads_that_decode_and_round_trip() {
+    use prefill_router_testkit::engine_batch_fuzz::check_payload_with;
+    let seeds = corpus("engine_batch");
+    assert!(seeds.len() >= 5);
+    for (path, bytes) in &seeds {
+        let batch = check_payload_with(bytes, prefill_router::kv_events::decode_engine_batch)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let batch = batch.unwrap_or_else(|| panic!("{} does not decode", path.display()));
+        assert!(!batch.events.is_empty(), "{}", path.display());
+    }
+}
+
 #[test]
 fn topology_corpus_exercises_every_action_and_the_shrinks_first_driver_fails_it() {
     use prefill_router::topology::{Action, Machine};
