@@ -58,12 +58,18 @@ free_port() {
 # engine NAME ROLE(P|D|A) HTTP_PORT SIDE_PORT: one vLLM OpenAI server, NixlConnector for P and D
 # (A: aggregated, no connector), block 32, eager, one process less (uni). Waits for /health.
 engine() {
-    local name="$1" role="$2" port="$3" side="$4"
-    local kvt=()
+    local name="$1" role="$2" port="$3" side="$4" events="${5:-}"
+    local kvt=() kve=()
     case "$role" in
         P) kvt=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}') ;;
         D) kvt=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"cpu"}') ;;
     esac
+    # KV events on two free ports (publisher, replay). vLLM binds only an endpoint with `*`
+    # (one without it connects out), so the publisher listens on every interface.
+    if [ -n "$events" ]; then
+        local replay; replay=$(free_port)
+        kve=(--kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$events\",\"replay_endpoint\":\"tcp://*:$replay\",\"topic\":\"kv-events\"}")
+    fi
     (
         # shellcheck source=/dev/null
         source .ci/engines/env.sh
@@ -73,7 +79,7 @@ engine() {
             --served-model-name tiny-llama --dtype float32 --host 127.0.0.1 --port "$port" \
             --max-model-len 1024 --enable-prefix-caching --block-size 32 \
             --prefix-caching-hash-algo sha256_cbor --enable-prompt-tokens-details \
-            --enforce-eager --distributed-executor-backend uni "${kvt[@]}"
+            --enforce-eager --distributed-executor-backend uni "${kvt[@]}" "${kve[@]}"
     ) >"$work/$name.log" 2>&1 &
     pids+=("$!")
     local pid=$! i
@@ -91,18 +97,18 @@ engine() {
 }
 
 P_PORT=$(free_port); D_PORT=$(free_port); P_SIDE=$(free_port); D_SIDE=$(free_port)
-engine prefill P "$P_PORT" "$P_SIDE"
+engine prefill P "$P_PORT" "$P_SIDE" "$(free_port)"
 engine decode D "$D_PORT" "$D_SIDE"
 export PREFILL_VLLM_PREFILL="127.0.0.1:$P_PORT" PREFILL_VLLM_DECODE="127.0.0.1:$D_PORT"
+export PREFILL_VLLM_EVENTS="127.0.0.1:$P_PORT"
 export PREFILL_VLLM_MODEL_DIR="$ENGINE_DIR/tiny-llama"
 
-say "the hop over the pair (library)"
+say "the hop over the pair, and the prefill engine's KV events (library)"
 # From the root with the default members, as the README's test command builds them (the tools
 # package turns on the library's `engine`): no second build of the library.
-cargo test --release --test engine_link \
-    live_vllm_pair_delivers_the_handoff -- --exact --nocapture 2>&1 \
+cargo test --release --test engine_link live_vllm -- --nocapture --test-threads 1 2>&1 \
     | tee "$work/live.log" | grep -E "^live|^test |test result|panicked" || true
-grep -q "test result: ok. 1 passed" "$work/live.log"
+grep -q "test result: ok. 2 passed" "$work/live.log"
 
 if [ -f tools/tests/engines/vllm_e2e.py ]; then
     say "serve in front of the pair, checked with the openai client"

@@ -467,3 +467,170 @@ async fn live_vllm_pair_delivers_the_handoff() {
     assert_eq!((counts.issued, counts.delivered), (1, 1), "{counts:?}");
     println!("live: tokens {through_hop:?}, usage {usage:?}, handoffs {counts:?}");
 }
+
+/// Against a real vLLM prefill engine publishing its KV events when `PREFILL_VLLM_EVENTS`
+/// names its `HOST:PORT` (`.ci/vllm.sh`; skipped, saying so, otherwise): after prompts with
+/// shared prefixes, the blocks the router's index credits the engine with for the next prompt
+/// equal the cached tokens the engine reports for it (to the block); a second router that joins
+/// late rebuilds the same picture from the engine's replay; a router whose card says another
+/// block size reports the mismatch instead of routing around it silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_vllm_events_index_what_the_engine_caches() {
+    use prefill_router::advert::{RouterConfig, SelectionMode};
+    use prefill_router::binding::Binding;
+    use prefill_router::engine::FeedState;
+    use prefill_router::kv_events::{MirrorError, Picture};
+
+    let Ok(e) = std::env::var("PREFILL_VLLM_EVENTS") else {
+        eprintln!("skipped: set PREFILL_VLLM_EVENTS to a vLLM prefill engine with KV events on");
+        return;
+    };
+    let addr: SocketAddr = e.parse().unwrap();
+    let kv_card = |block_size| ModelCard {
+        kv_cache_block_size: block_size,
+        router_config: Some(RouterConfig {
+            router_mode: SelectionMode::KV,
+            ..RouterConfig::default()
+        }),
+        ..card()
+    };
+    let start = |block_size: u32| async move {
+        let discovery = MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(30)));
+        let instance = Instance {
+            endpoint: EndpointId::new("engines", "prefill", "generate"),
+            instance_id: 1,
+            address: addr,
+        };
+        // The topology needs a decode set to name a prefill one; only prefills are sent here.
+        let registration = [
+            discovery
+                .register(instance, kv_card(block_size))
+                .await
+                .unwrap(),
+            register(&discovery, "decode", 100, addr).await,
+        ];
+        let mut config = PrefillHopConfig::default();
+        config.push.request_timeout = Some(Duration::from_secs(120));
+        let discovery: Arc<dyn Discovery> = Arc::new(discovery);
+        let hop = PrefillHop::start(discovery, "engines", config)
+            .await
+            .unwrap();
+        hop.router()
+            .wait_active(Duration::from_secs(10))
+            .await
+            .map_err(|e| format!("{e:?} {:?}", hop.router().status()))
+            .unwrap();
+        (hop, registration)
+    };
+    let subscribed = |hop: &PrefillHop| {
+        hop.binding_stats()
+            .engine_kv
+            .status(1)
+            .is_some_and(|s| s.state == FeedState::Subscribed && s.picture != Picture::Unknown)
+    };
+    let (hop, _r) = start(32).await;
+    // A fresh subscriber learns the engine's whole history (a replay from 0) before its first
+    // picture; bounded wait.
+    for _ in 0..300 {
+        if subscribed(&hop) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = hop.binding_stats().engine_kv.status(1).unwrap();
+    assert_eq!(status.state, FeedState::Subscribed, "{status:?}");
+
+    // A family of prompts sharing a 160-token prefix (5 blocks of 32), salted per run so the
+    // engine's cache from earlier tests does not answer.
+    let salt = (std::process::id() % 500) * 2;
+    let shared: Vec<u32> = (0..160u32).map(|i| 5 + (salt + i * 13) % 900).collect();
+    let prompt = |n: u32, len: usize| -> Vec<u32> {
+        let mut p = shared.clone();
+        p.extend((0..len as u32).map(|i| 7 + (n * 31 + i * 7) % 900));
+        p
+    };
+    let binding = hop.router().route().binding().cloned().unwrap();
+    let mut compared = 0;
+    for n in 0..6u32 {
+        let tokens = prompt(n, 40 + 8 * n as usize);
+        // What the index says the engine holds of this prompt, once the events of every earlier
+        // prefill are in (bounded wait for them to settle).
+        let mut predicted = None;
+        for _ in 0..50 {
+            predicted = binding.dispatcher().kv_indexed_overlap(&tokens, 1);
+            if n == 0 || predicted.unwrap_or(0) >= 5 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let info = binding
+            .prefill(GenerateRequest::new(tokens.clone(), 1))
+            .await
+            .unwrap();
+        let reported = info
+            .handoff
+            .as_ref()
+            .map_or(0, |h| h.cached_blocks as usize);
+        println!("live events: prompt {n}: index {predicted:?} blocks, engine reports {reported} cached blocks");
+        assert_eq!(
+            predicted.unwrap_or(0),
+            reported,
+            "prompt {n}: index vs engine"
+        );
+        if n > 0 {
+            assert!(reported >= 5, "the shared prefix was cached");
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, 5);
+    let status = hop.binding_stats().engine_kv.status(1).unwrap();
+    println!("live events: {status:?}");
+    assert_eq!(status.picture, Picture::Exact, "{status:?}");
+    assert_eq!(status.undecodable, 0);
+
+    // A second router joining late: its subscriber replays the engine's history and credits
+    // the same prefix.
+    let (late, _r2) = start(32).await;
+    for _ in 0..300 {
+        if subscribed(&late) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let late_binding = late.router().route().binding().cloned().unwrap();
+    let probe = prompt(99, 8);
+    let ours = binding.dispatcher().kv_indexed_overlap(&probe, 1);
+    let theirs = late_binding.dispatcher().kv_indexed_overlap(&probe, 1);
+    println!("live events: late joiner credits {theirs:?}, first router {ours:?}");
+    assert_eq!(theirs, ours);
+    assert!(ours.unwrap_or(0) >= 5);
+    late.shutdown().await;
+
+    // A card with another block size: reported, nothing credited.
+    let (wrong, _r3) = start(16).await;
+    let wrong_binding = wrong.router().route().binding().cloned().unwrap();
+    let _ = wrong_binding
+        .prefill(GenerateRequest::new(prompt(7, 300), 1))
+        .await
+        .unwrap();
+    let mut status = None;
+    for _ in 0..100 {
+        status = wrong.binding_stats().engine_kv.status(1);
+        if status.as_ref().is_some_and(|s| s.last_error.is_some()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = status.unwrap();
+    println!("live events: card at 16 over an engine at 32: {status:?}");
+    assert_eq!(
+        status.last_error,
+        Some(MirrorError::BlockSizeMismatch {
+            card: 16,
+            engine: 32
+        })
+    );
+    assert!(status.counts.block_size_mismatches >= 1);
+    wrong.shutdown().await;
+    hop.shutdown().await;
+}

@@ -62,6 +62,10 @@ pub struct BindingStats {
     /// Requests queued and shed because every worker was over the busy threshold (every
     /// binding's dispatcher counts here).
     pub overload: Arc<crate::push::OverloadCounts>,
+    /// What every engine binding knows of its engines' KV events (feature `engine`; KV mode
+    /// only): per engine, its feed's state, picture, counts and freshness.
+    #[cfg(feature = "engine")]
+    pub engine_kv: Arc<crate::engine::EngineKvBoard>,
 }
 
 /// Builds [`PrefillBinding`]s over a discovery backend and dispatchers.
@@ -160,7 +164,8 @@ impl DefaultBindingFactory {
                 crate::engine::EngineRole::Prefill,
                 resolved.block_size,
                 self.config.engine.clone(),
-            );
+            )
+            .with_kv_board(Arc::clone(&self.stats.engine_kv));
             let dispatcher = Dispatcher::with_engine(view, mode, self.config.push.clone(), link);
             Ok(self.equip(dispatcher, resolved))
         }

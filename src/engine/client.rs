@@ -77,7 +77,11 @@ impl HttpClient {
     }
 
     /// GET `http://addr{path}` within the first-byte timeout; the body of a 2xx answer.
-    pub(super) async fn get(&self, addr: SocketAddr, path: &str) -> Result<Vec<u8>, TransportError> {
+    pub(super) async fn get(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+    ) -> Result<Vec<u8>, TransportError> {
         let request = hyper::Request::get(format!("http://{addr}{path}"))
             .body(Full::new(Bytes::new()))
             .map_err(|e| {
@@ -88,20 +92,21 @@ impl HttpClient {
                     },
                 )
             })?;
-        let response = tokio::time::timeout(self.config.first_byte_timeout, self.client.request(request))
-            .await
-            .map_err(|_| {
-                http(
+        let response =
+            tokio::time::timeout(self.config.first_byte_timeout, self.client.request(request))
+                .await
+                .map_err(|_| {
+                    http(
+                        addr,
+                        HttpError::FirstByteTimeout {
+                            millis: millis(self.config.first_byte_timeout),
+                        },
+                    )
+                })?
+                .map_err(|e| TransportError::Connect {
                     addr,
-                    HttpError::FirstByteTimeout {
-                        millis: millis(self.config.first_byte_timeout),
-                    },
-                )
-            })?
-            .map_err(|e| TransportError::Connect {
-                addr,
-                reason: error_chain(&e),
-            })?;
+                    reason: error_chain(&e),
+                })?;
         let status = response.status();
         let answer = Answer {
             body: response.into_body(),

@@ -230,7 +230,10 @@ impl EngineMirror {
 
     /// The engine's picture: the worst of its ranks' (`Unknown` before any rank was seen).
     pub fn picture(&self) -> Picture {
-        let mut pictures = self.ranks.values().map(|r| r.picture.unwrap_or(Picture::Unknown));
+        let mut pictures = self
+            .ranks
+            .values()
+            .map(|r| r.picture.unwrap_or(Picture::Unknown));
         let Some(first) = pictures.next() else {
             return Picture::Unknown;
         };
@@ -266,6 +269,18 @@ impl EngineMirror {
                 })
                 .collect(),
         }
+    }
+
+    /// `rank`'s live stream is subscribed: its history is asked for (a replay from 0), so the
+    /// picture is there before the engine's next batch. An engine that published nothing yet
+    /// answers with nothing: its cache is empty, exactly.
+    pub fn handle_subscribed(&mut self, rank: u32) -> Vec<MirrorAction> {
+        let r = self.rank(rank);
+        if r.next.is_some() || r.replay.is_some() {
+            return Vec::new();
+        }
+        r.replay = Some(Replay::default());
+        vec![MirrorAction::Replay { rank, from: 0 }]
     }
 
     /// A batch `seq` of `rank` from the live stream.
@@ -348,6 +363,11 @@ impl EngineMirror {
             let r = self.rank(rank);
             r.next = None;
             r.picture = Some(Picture::Exact);
+        }
+        if replay.held.is_empty() && self.rank(rank).next.is_none() {
+            // Nothing published, nothing pending: the rank's cache is empty.
+            self.rank(rank).picture = Some(Picture::Exact);
+            self.start(&mut out);
         }
         for (seq, batch) in replay.held {
             self.drain(rank, seq, batch, &mut out);
@@ -505,14 +525,18 @@ impl EngineMirror {
         }
     }
 
-    /// Apply batch `seq` of `rank` in order.
-    fn apply(&mut self, rank: u32, seq: u64, batch: EngineBatch, out: &mut Out) {
+    /// The index hears of the engine with the mirror's first batch, which opens with `Cleared`:
+    /// from then on the engine is scored by its cache, starting empty.
+    fn start(&mut self, out: &mut Out) {
         if !self.started {
-            // The index hears of the engine with its first batch: from then on it is scored
-            // by its cache, starting empty.
             self.started = true;
             out.events.push(KvEvent::Cleared);
         }
+    }
+
+    /// Apply batch `seq` of `rank` in order.
+    fn apply(&mut self, rank: u32, seq: u64, batch: EngineBatch, out: &mut Out) {
+        self.start(out);
         let r = self.rank(rank);
         r.next = Some(seq.saturating_add(1));
         r.last_ts = batch.ts.to_bits();
@@ -595,7 +619,11 @@ impl EngineMirror {
                 }
             },
         };
-        for (h, tokens) in stored.hashes.iter().zip(stored.token_ids.chunks_exact(size)) {
+        for (h, tokens) in stored
+            .hashes
+            .iter()
+            .zip(stored.token_ids.chunks_exact(size))
+        {
             let ours = extend_hash(parent, tokens);
             parent = Some(ours);
             let r = self.rank(rank);

@@ -141,8 +141,15 @@ mod tests {
         assert_eq!(parse_sources(b"{}", LOCAL), Err(SourceError::NotPublishing));
         let off = br#"{"0":{"enable_kv_cache_events":false,"publisher":"null","endpoint":"tcp://*:5557"}}"#;
         assert_eq!(parse_sources(off, LOCAL), Err(SourceError::NotPublishing));
-        assert!(matches!(parse_sources(b"[1]", LOCAL), Err(SourceError::Malformed(_))));
-        let ipc = br#"{"0":{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"ipc:///tmp/x"}}"#;
-        assert!(matches!(parse_sources(ipc, LOCAL), Err(SourceError::Unsupported(_))));
+        assert!(matches!(
+            parse_sources(b"[1]", LOCAL),
+            Err(SourceError::Malformed(_))
+        ));
+        let ipc =
+            br#"{"0":{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"ipc:///tmp/x"}}"#;
+        assert!(matches!(
+            parse_sources(ipc, LOCAL),
+            Err(SourceError::Unsupported(_))
+        ));
     }
 }

@@ -33,14 +33,37 @@ const SOURCES_BACKOFF: (Duration, Duration) = (Duration::from_millis(250), Durat
 
 /// What reaches the loop.
 enum Input {
-    Live { rank: u32, seq: u64, payload: Bytes },
-    Replayed { rank: u32, seq: u64, payload: Bytes },
-    ReplayEnd { rank: u32 },
-    ReplayFailed { rank: u32, reason: String },
-    Connected { rank: u32 },
-    Disconnected { rank: u32 },
+    Live {
+        rank: u32,
+        seq: u64,
+        payload: Bytes,
+    },
+    Replayed {
+        rank: u32,
+        seq: u64,
+        payload: Bytes,
+    },
+    ReplayEnd {
+        rank: u32,
+    },
+    ReplayFailed {
+        rank: u32,
+        reason: String,
+    },
+    /// The live stream is subscribed (its first connect).
+    Subscribed {
+        rank: u32,
+    },
+    Connected {
+        rank: u32,
+    },
+    Disconnected {
+        rank: u32,
+    },
     /// A message that is not `[topic, seq (8 bytes), payload]`.
-    BadFrame { rank: u32 },
+    BadFrame {
+        rank: u32,
+    },
 }
 
 /// Everything one engine's feed needs.
@@ -78,7 +101,8 @@ impl Feed {
             let actions = match input {
                 Input::Live { rank, seq, payload } => match decode_engine_batch(&payload) {
                     Ok(batch) => {
-                        self.board.update(id, |s| s.live(tokio::time::Instant::now()));
+                        self.board
+                            .update(id, |s| s.live(tokio::time::Instant::now()));
                         mirror.handle_live(rank, seq, batch)
                     }
                     Err(error) => {
@@ -102,6 +126,7 @@ impl Feed {
                     tracing::warn!(engine = id, rank, %reason, "KV event replay failed: the engine's entries are rebuilt");
                     mirror.handle_replay_failed(rank)
                 }
+                Input::Subscribed { rank } => mirror.handle_subscribed(rank),
                 Input::Connected { rank } => mirror.handle_reconnected(rank),
                 Input::Disconnected { rank } => {
                     tracing::info!(engine = id, rank, "KV event stream lost; reconnecting");
@@ -109,7 +134,11 @@ impl Feed {
                     Vec::new()
                 }
                 Input::BadFrame { rank } => {
-                    tracing::debug!(engine = id, rank, "KV event message is not [topic, seq, payload]");
+                    tracing::debug!(
+                        engine = id,
+                        rank,
+                        "KV event message is not [topic, seq, payload]"
+                    );
                     self.board.update(id, |s| s.undecodable += 1);
                     Vec::new()
                 }
@@ -126,8 +155,11 @@ impl Feed {
                     }
                 }
             }
-            let (picture, counts, error) =
-                (mirror.picture(), mirror.counts(), mirror.last_error().cloned());
+            let (picture, counts, error) = (
+                mirror.picture(),
+                mirror.counts(),
+                mirror.last_error().cloned(),
+            );
             self.board.update(id, |s| {
                 s.picture = picture;
                 s.counts = counts;
@@ -196,6 +228,11 @@ async fn read(source: KvEventSource, tx: mpsc::Sender<Input>, cancel: Cancellati
     }
     if let Err(error) = sub.subscribe(&source.topic).await {
         tracing::warn!(rank, %error, "KV event subscribe failed");
+        return;
+    }
+    // Subscribed first, then the history: whatever is published in between is either in the
+    // replay or live (or lost, and then the next batch shows the gap).
+    if tx.send(Input::Subscribed { rank }).await.is_err() {
         return;
     }
     // The first Connected event is this connect's; later ones are reconnects.

@@ -74,7 +74,10 @@ impl SimEngine {
             .iter()
             .position(|h| !self.cache.contains_key(&engine_hash(*h)))?;
         let parent = first_missing.checked_sub(1).map(|i| engine_hash(ours[i]));
-        let hashes: Vec<u64> = ours[first_missing..].iter().map(|h| engine_hash(*h)).collect();
+        let hashes: Vec<u64> = ours[first_missing..]
+            .iter()
+            .map(|h| engine_hash(*h))
+            .collect();
         for h in &ours[first_missing..] {
             self.cache.insert(engine_hash(*h), *h);
         }
@@ -268,7 +271,10 @@ impl Harness {
             return Err(format!("indexed block {extra:#x} the engine does not hold"));
         }
         if self.mirror.picture() == Picture::Exact && indexed != truth {
-            return Err(format!("exact picture misses {:?}", truth.difference(&indexed)));
+            return Err(format!(
+                "exact picture misses {:?}",
+                truth.difference(&indexed)
+            ));
         }
         Ok(())
     }
@@ -339,7 +345,11 @@ fn a_lost_removal_is_replayed() {
     assert_eq!(h.mirror.counts().gaps, 1);
     // The lost batch and the one that showed the gap (which came live too: a duplicate).
     assert_eq!(h.mirror.counts().replayed, 2);
-    assert_eq!(h.mirror.picture(), Picture::Exact, "the replay filled the gap");
+    assert_eq!(
+        h.mirror.picture(),
+        Picture::Exact,
+        "the replay filled the gap"
+    );
 }
 
 #[test]
@@ -351,26 +361,62 @@ fn mutant_that_ignores_gaps_is_caught() {
 #[test]
 fn a_restart_is_noticed_and_the_rank_rebuilt() {
     // Restarted and already past our number: only the replay's timestamp check tells.
-    let mut ops = vec![Op::Store(1, 3), Op::Store(2, 3), Op::Restart, Op::Store(3, 1)];
-    ops.extend([Op::Store(4, 1), Op::Store(5, 1), Op::Reconnect, Op::Store(6, 2)]);
+    let mut ops = vec![
+        Op::Store(1, 3),
+        Op::Store(2, 3),
+        Op::Restart,
+        Op::Store(3, 1),
+    ];
+    ops.extend([
+        Op::Store(4, 1),
+        Op::Store(5, 1),
+        Op::Reconnect,
+        Op::Store(6, 2),
+    ]);
     assert_eq!(violation(&ops, 16, None), None);
     // Back before the new process published: the sequence going back tells.
-    let ops = [Op::Store(1, 3), Op::Store(2, 3), Op::Restart, Op::Reconnect, Op::Store(3, 1)];
+    let ops = [
+        Op::Store(1, 3),
+        Op::Store(2, 3),
+        Op::Restart,
+        Op::Reconnect,
+        Op::Store(3, 1),
+    ];
     assert_eq!(violation(&ops, 16, None), None);
     let mut h = Harness::new(16, None);
     for op in &ops {
         h.step(op);
     }
     assert_eq!(h.mirror.counts().restarts, 1);
-    assert_eq!(h.mirror.picture(), Picture::Exact, "a new process starts cold: exact");
+    assert_eq!(
+        h.mirror.picture(),
+        Picture::Exact,
+        "a new process starts cold: exact"
+    );
 }
 
 #[test]
 fn mutant_that_misses_restarts_is_caught() {
-    let ops = [Op::Store(1, 3), Op::Store(2, 3), Op::Restart, Op::Reconnect, Op::Store(3, 1)];
+    let ops = [
+        Op::Store(1, 3),
+        Op::Store(2, 3),
+        Op::Restart,
+        Op::Reconnect,
+        Op::Store(3, 1),
+    ];
     assert!(violation(&ops, 16, Some(MirrorMutant::MissesRestarts)).is_some());
-    let mut ops = vec![Op::Store(1, 3), Op::Store(2, 3), Op::Restart, Op::Store(3, 1)];
-    ops.extend([Op::Store(4, 1), Op::Store(5, 1), Op::Reconnect, Op::Store(6, 2)]);
+    let mut ops = vec![
+        Op::Store(1, 3),
+        Op::Store(2, 3),
+        Op::Restart,
+        Op::Store(3, 1),
+    ];
+    ops.extend([
+        Op::Store(4, 1),
+        Op::Store(5, 1),
+        Op::Reconnect,
+        Op::Store(6, 2),
+    ]);
     assert!(violation(&ops, 16, Some(MirrorMutant::MissesRestarts)).is_some());
 }
 
@@ -433,7 +479,11 @@ fn batch(ts: f64, events: Vec<EngineEvent>) -> EngineBatch {
 #[test]
 fn a_block_size_other_than_the_cards_is_a_typed_counted_error() {
     let mut mirror = EngineMirror::new(16, 1);
-    let _ = mirror.handle_live(0, 0, batch(1.0, vec![stored(vec![7], None, vec![1; 32], 32)]));
+    let _ = mirror.handle_live(
+        0,
+        0,
+        batch(1.0, vec![stored(vec![7], None, vec![1; 32], 32)]),
+    );
     assert_eq!(mirror.counts().block_size_mismatches, 1);
     assert_eq!(
         mirror.last_error(),
@@ -442,7 +492,11 @@ fn a_block_size_other_than_the_cards_is_a_typed_counted_error() {
             engine: 32
         })
     );
-    assert_eq!(mirror.held().count(), 0, "nothing indexed at the wrong size");
+    assert_eq!(
+        mirror.held().count(),
+        0,
+        "nothing indexed at the wrong size"
+    );
 }
 
 #[test]
@@ -453,7 +507,10 @@ fn blocks_are_indexed_under_our_hashes_of_their_tokens() {
     let actions = mirror.handle_live(
         0,
         0,
-        batch(1.0, vec![stored(vec![11, 12, 13], None, tokens[..96].to_vec(), 32)]),
+        batch(
+            1.0,
+            vec![stored(vec![11, 12, 13], None, tokens[..96].to_vec(), 32)],
+        ),
     );
     let mut index = KvIndex::default();
     for a in actions {
@@ -484,7 +541,10 @@ fn other_groups_and_lora_blocks_are_skipped() {
     let _ = mirror.handle_live(
         0,
         0,
-        batch(1.0, vec![EngineEvent::Stored(other), EngineEvent::Stored(lora)]),
+        batch(
+            1.0,
+            vec![EngineEvent::Stored(other), EngineEvent::Stored(lora)],
+        ),
     );
     assert_eq!(mirror.held().count(), 0);
     assert_eq!(mirror.counts().skipped_events, 2);
@@ -499,9 +559,44 @@ fn ranks_share_a_block_until_the_last_one_drops_it() {
     let removed = mirror.handle_live(
         0,
         1,
-        batch(2.0, vec![EngineEvent::Removed { hashes: vec![5], group_idx: 0, medium: None }]),
+        batch(
+            2.0,
+            vec![EngineEvent::Removed {
+                hashes: vec![5],
+                group_idx: 0,
+                medium: None,
+            }],
+        ),
     );
     assert!(removed.is_empty(), "rank 1 still holds it: {removed:?}");
     let _ = mirror.handle_live(1, 1, batch(2.5, vec![EngineEvent::Cleared]));
     assert_eq!(mirror.held().count(), 0);
+}
+
+#[test]
+fn a_subscriber_asks_for_the_history_at_once_and_a_silent_engine_is_exactly_empty() {
+    let mut h = Harness::new(100, None);
+    let actions = h.mirror.handle_subscribed(0);
+    assert_eq!(actions, vec![MirrorAction::Replay { rank: 0, from: 0 }]);
+    h.run(actions);
+    assert_eq!(
+        h.mirror.picture(),
+        Picture::Exact,
+        "nothing published: empty"
+    );
+    assert!(
+        h.index.publishes(WORKER),
+        "scored by its (empty) cache from now on"
+    );
+    // An engine with a history: the replay brings all of it before any live batch.
+    let mut h = Harness::new(100, None);
+    let _ = h.engine.store(1, 3);
+    let _ = h.engine.evict(1);
+    let _ = h.engine.store(2, 2);
+    let actions = h.mirror.handle_subscribed(0);
+    h.run(actions);
+    assert_eq!(h.mirror.picture(), Picture::Exact);
+    assert_eq!(h.check(), Ok(()));
+    let indexed: BTreeSet<u64> = h.index.blocks_of(WORKER).collect();
+    assert_eq!(indexed, h.engine.truth());
 }

@@ -60,6 +60,19 @@ impl<L: WorkerLink> Dispatcher<L> {
             .is_some_and(|kv| kv.lock().index().publishes(worker))
     }
 
+    /// The leading blocks of `token_ids` the KV index credits `worker` with, from its events
+    /// (`None` when not in KV mode or `worker` publishes none): what the router expects the
+    /// worker to find cached, to compare with what it reports.
+    pub fn kv_indexed_overlap(&self, token_ids: &[u32], worker: InstanceId) -> Option<usize> {
+        let kv = self.kv.as_ref()?.lock();
+        let index = kv.index();
+        if !index.publishes(worker) {
+            return None;
+        }
+        let hashes = crate::kv_events::block_hashes(token_ids, kv.block_size());
+        Some(index.overlap(&hashes, worker))
+    }
+
     /// Drop indexed workers that are no longer discovered and admitted.
     pub(super) fn prune_kv_index(&self, kv: &mut KvSelector) {
         kv.retain_indexed(|w| {
