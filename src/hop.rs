@@ -321,6 +321,32 @@ impl PrefillHop {
             .register_collector(Box::new(status::StoreCollector {
                 store: self.store.clone(),
             }));
+        registry
+            .sub_registry_with_prefix("prefill_router")
+            .register_collector(Box::new(status::BindingCollector {
+                stats: Arc::clone(&self.stats),
+            }));
+    }
+
+    /// What an operator should hear about the prefill pool that does not make the hop
+    /// unready: engines whose KV events never started, were lost, are partial, or come at
+    /// another block size than the card's (feature `engine`; `serve` shows them on `/ready`).
+    pub fn warnings(&self) -> Vec<String> {
+        #[cfg(feature = "engine")]
+        {
+            self.stats
+                .engine_kv
+                .statuses()
+                .into_iter()
+                .filter_map(|(engine, status)| {
+                    status
+                        .warning()
+                        .map(|w| format!("prefill engine {engine}: {w}"))
+                })
+                .collect()
+        }
+        #[cfg(not(feature = "engine"))]
+        Vec::new()
     }
 
     /// Stop in order and wait: (1) the topology watcher (no retarget after this), (2) the

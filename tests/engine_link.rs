@@ -587,6 +587,23 @@ async fn live_vllm_events_index_what_the_engine_caches() {
     println!("live events: {status:?}");
     assert_eq!(status.picture, Picture::Exact, "{status:?}");
     assert_eq!(status.undecodable, 0);
+    assert_eq!(hop.warnings(), Vec::<String>::new());
+    let mut registry = prometheus_client::registry::Registry::default();
+    hop.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("prefill_router_engine_kv_exact{engine=\"1\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("prefill_router_kv_overlap_decisions_total 5"),
+        "{text}"
+    );
+    assert!(
+        text.contains("prefill_router_kv_zero_overlap_decisions_total 1"),
+        "{text}"
+    );
 
     // A second router joining late: its subscriber replays the engine's history and credits
     // the same prefix.
@@ -631,6 +648,11 @@ async fn live_vllm_events_index_what_the_engine_caches() {
         })
     );
     assert!(status.counts.block_size_mismatches >= 1);
+    let warnings = wrong.warnings();
+    assert!(
+        warnings.iter().any(|w| w.contains("the card says 16")),
+        "{warnings:?}"
+    );
     wrong.shutdown().await;
     hop.shutdown().await;
 }

@@ -62,6 +62,8 @@ pub struct BindingStats {
     /// Requests queued and shed because every worker was over the busy threshold (every
     /// binding's dispatcher counts here).
     pub overload: Arc<crate::push::OverloadCounts>,
+    /// KV-mode picks with and without overlap (every binding's dispatcher counts here).
+    pub kv_decisions: Arc<crate::push::KvDecisionCounts>,
     /// What every engine binding knows of its engines' KV events (feature `engine`; KV mode
     /// only): per engine, its feed's state, picture, counts and freshness.
     #[cfg(feature = "engine")]
@@ -184,6 +186,7 @@ impl DefaultBindingFactory {
         let dispatcher = dispatcher
             .with_retry_counts(Arc::clone(&self.stats.retries))
             .with_overload_counts(Arc::clone(&self.stats.overload))
+            .with_kv_decision_counts(Arc::clone(&self.stats.kv_decisions))
             .with_session_affinity(
                 resolved.session_affinity_ttl,
                 Arc::clone(&self.stats.affinity),

@@ -8,6 +8,7 @@
 //! - here: the feeds' supervisor (one feed per engine in the routable view) and the
 //!   [`EngineKvBoard`] the operator reads.
 
+pub(crate) mod metrics;
 mod sources;
 mod subscriber;
 
@@ -57,6 +58,36 @@ pub struct EngineKvStatus {
     pub disconnects: u64,
     /// The last reason events could not be indexed (a block size other than the card's...).
     pub last_error: Option<MirrorError>,
+    /// Whether the live stream is connected (false from a loss until it is back).
+    pub connected: bool,
+}
+
+impl EngineKvStatus {
+    /// What an operator should hear about this engine's events, if anything: they never
+    /// started, the stream is lost, the picture is partial, or the block size is wrong. Until
+    /// it clears, the router's picture of the engine is incomplete (an engine without events
+    /// is scored by load and prediction).
+    pub fn warning(&self) -> Option<String> {
+        if let Some(MirrorError::BlockSizeMismatch { card, engine }) = &self.last_error {
+            return Some(format!(
+                "its blocks hold {engine} tokens, the card says {card}: no block can match"
+            ));
+        }
+        match &self.state {
+            FeedState::Starting => Some("KV events not started yet".to_owned()),
+            FeedState::NoSources(reason) => Some(format!("no KV events: {reason}")),
+            FeedState::Subscribed if !self.connected => {
+                Some("KV event stream lost; reconnecting".to_owned())
+            }
+            FeedState::Subscribed => match self.picture {
+                Picture::Unknown => Some("KV events subscribed, no picture yet".to_owned()),
+                Picture::Partial => Some(
+                    "KV event history lost: the index holds part of the engine's cache".to_owned(),
+                ),
+                Picture::Exact => None,
+            },
+        }
+    }
 }
 
 impl EngineKvStatus {

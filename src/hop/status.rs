@@ -172,6 +172,38 @@ impl prometheus_client::collector::Collector for StoreCollector {
     }
 }
 
+/// What the hop's bindings counted, at scrape time: KV-mode picks with and without overlap
+/// (`prefill_router_kv_overlap_decisions_total`, `prefill_router_kv_zero_overlap_decisions_total`)
+/// and, with feature `engine`, every engine's KV event feed (`engine::kv_events::metrics`).
+#[derive(Debug)]
+pub(crate) struct BindingCollector {
+    pub(crate) stats: std::sync::Arc<crate::binding::BindingStats>,
+}
+
+impl prometheus_client::collector::Collector for BindingCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), fmt::Error> {
+        let decisions = &self.stats.kv_decisions;
+        crate::router::metrics::counter(
+            &mut encoder,
+            "kv_overlap_decisions",
+            "KV-mode picks whose worker the index credited with some of the prompt's blocks",
+            decisions.with_overlap(),
+        )?;
+        crate::router::metrics::counter(
+            &mut encoder,
+            "kv_zero_overlap_decisions",
+            "KV-mode picks whose worker the index credited with none of the prompt's blocks",
+            decisions.zero_overlap(),
+        )?;
+        #[cfg(feature = "engine")]
+        crate::engine::kv_events::metrics::encode(&self.stats.engine_kv, &mut encoder)?;
+        Ok(())
+    }
+}
+
 /// Republish the status on every lifecycle, topology, decode or store change, until `cancel`.
 // One argument per source the status is computed from; a struct would only rename them.
 #[allow(clippy::too_many_arguments)]

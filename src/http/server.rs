@@ -177,10 +177,12 @@ pub(super) async fn health(State(app): State<App>) -> Response {
 
 pub(super) async fn ready(State(app): State<App>) -> Response {
     let status = app.0.hop.status();
+    let warnings = app.0.hop.warnings();
     let body = |ready: bool, reason: Option<String>| {
         serde_json::json!({
             "ready": ready,
             "reason": reason,
+            "warnings": warnings,
             "lifecycle": status.lifecycle.to_string(),
             "decode": status.decode.as_ref().map(ToString::to_string),
             "target": status.target.as_ref().map(ToString::to_string),

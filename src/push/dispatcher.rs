@@ -166,6 +166,8 @@ pub struct Dispatcher<L = Link> {
     busy_threshold: AtomicU64,
     overload: Arc<OverloadCounts>,
     retries: Arc<RetryCounts>,
+    /// KV-mode picks with and without overlap.
+    kv_decisions: Arc<super::KvDecisionCounts>,
     /// Where the dispatcher's mutants break the pick, the retry and the KV feed; zero-sized in
     /// normal builds.
     mutant: Seam<DispatchMutant>,
@@ -292,6 +294,7 @@ impl<L: WorkerLink> Dispatcher<L> {
             busy_threshold: AtomicU64::new(threshold.unwrap_or(NO_THRESHOLD)),
             overload: Arc::default(),
             retries: Arc::default(),
+            kv_decisions: Arc::default(),
             mutant,
             affinity: None,
         }
@@ -351,6 +354,19 @@ impl<L: WorkerLink> Dispatcher<L> {
     pub fn with_retry_counts(mut self, counts: Arc<RetryCounts>) -> Self {
         self.retries = counts;
         self
+    }
+
+    /// Count KV-mode picks in `counts` (shared, e.g. by every binding of one factory) instead
+    /// of the dispatcher's own.
+    #[must_use]
+    pub fn with_kv_decision_counts(mut self, counts: Arc<super::KvDecisionCounts>) -> Self {
+        self.kv_decisions = counts;
+        self
+    }
+
+    /// KV-mode picks with and without overlap.
+    pub fn kv_decision_counts(&self) -> &Arc<super::KvDecisionCounts> {
+        &self.kv_decisions
     }
 
     /// The retries this dispatcher counted, by the class of the failure that caused them.

@@ -32,6 +32,38 @@ use crate::kv_events::{Applied, EventBatch, KvSnapshot, SnapshotError};
 use crate::load_report::{self, Load, LoadReport, LoadReportError, ReportedLoad};
 use crate::transport::{KvEventSink, KvStreamError};
 
+/// KV-mode picks by what the index credited the picked worker with: some leading blocks of
+/// the prompt, or none. A pool whose picks all find zero overlap is not KV routing but load
+/// balancing (a block size or tokenizer that differs from the engines', events that stopped):
+/// the ratio says so. Lock-free; shared by every binding of one factory.
+#[derive(Debug, Default)]
+pub struct KvDecisionCounts {
+    overlap: AtomicU64,
+    zero_overlap: AtomicU64,
+}
+
+impl KvDecisionCounts {
+    /// Count one pick that credited `overlap` blocks.
+    pub fn record(&self, overlap: usize) {
+        let counter = if overlap > 0 {
+            &self.overlap
+        } else {
+            &self.zero_overlap
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Picks whose worker was credited with at least one block of the prompt.
+    pub fn with_overlap(&self) -> u64 {
+        self.overlap.load(Ordering::Relaxed)
+    }
+
+    /// Picks whose worker was credited with none.
+    pub fn zero_overlap(&self) -> u64 {
+        self.zero_overlap.load(Ordering::Relaxed)
+    }
+}
+
 /// What the workers' KV event streams delivered to one dispatcher (relaxed counters: read them
 /// in tests and metrics, not for synchronisation).
 #[derive(Debug, Default)]

@@ -89,7 +89,11 @@ impl Feed {
             tokio::spawn(read(source.clone(), tx.clone(), cancel.clone()));
         }
         let mut mirror = EngineMirror::new(self.block_size, self.epoch);
-        self.board.update(id, |s| s.state = FeedState::Subscribed);
+        self.board.update(id, |s| {
+            s.state = FeedState::Subscribed;
+            s.connected = true;
+        });
+        let mut reported: Option<crate::kv_events::MirrorError> = None;
         loop {
             let input = tokio::select! {
                 () = cancel.cancelled() => break,
@@ -127,10 +131,16 @@ impl Feed {
                     mirror.handle_replay_failed(rank)
                 }
                 Input::Subscribed { rank } => mirror.handle_subscribed(rank),
-                Input::Connected { rank } => mirror.handle_reconnected(rank),
+                Input::Connected { rank } => {
+                    self.board.update(id, |s| s.connected = true);
+                    mirror.handle_reconnected(rank)
+                }
                 Input::Disconnected { rank } => {
                     tracing::info!(engine = id, rank, "KV event stream lost; reconnecting");
-                    self.board.update(id, |s| s.disconnects += 1);
+                    self.board.update(id, |s| {
+                        s.disconnects += 1;
+                        s.connected = false;
+                    });
                     Vec::new()
                 }
                 Input::BadFrame { rank } => {
@@ -160,6 +170,13 @@ impl Feed {
                 mirror.counts(),
                 mirror.last_error().cloned(),
             );
+            // Said once per new reason, not per batch.
+            if error.is_some() && error != reported {
+                if let Some(e) = &error {
+                    tracing::warn!(engine = id, error = %e, "engine KV events cannot all be indexed");
+                }
+                reported.clone_from(&error);
+            }
             self.board.update(id, |s| {
                 s.picture = picture;
                 s.counts = counts;

@@ -177,6 +177,9 @@ impl<L: WorkerLink> Dispatcher<L> {
             booking,
         } = pick;
         let id = instance.instance_id;
+        if let Some(overlap) = overlap {
+            self.kv_decisions.record(overlap);
+        }
         let dispatch = Dispatch {
             instance: &instance,
             attempt,
