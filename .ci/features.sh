@@ -3,14 +3,14 @@
 # Cargo.toml gets the library and its tokio runtime, and none of the CLI, the simulator, the mock
 # engines, tokio's test clock, tracing-subscriber, the HTTP frontend's axum (feature `http`),
 # rustls (feature `tls`), kube and k8s-openapi (feature `kubernetes`), tokenizers and minijinja
-# (feature `model-tokenizer`) or the fuzz support (`arbitrary`). The CLI, the simulator and the mocks
+# (feature `model-tokenizer`), zeromq (feature `engine`) or the fuzz support (`arbitrary`). The CLI, the simulator and the mocks
 # are the tools package (`tools/`), the fuzz support the testkit package (`testkit/`); the library
 # depends on neither. This reads the feature graph of a default (non-dev) build from
 # `cargo tree -e features` and fails if any of them shows up. It also proves the detector bites:
 # the tools package's build must show them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-forbidden='tokio feature "test-util"|^tracing-subscriber |^arbitrary |^axum |^rustls |^kube |^k8s-openapi |^hyper |^hyper-util |^tokenizers |^minijinja '
+forbidden='tokio feature "test-util"|^tracing-subscriber |^arbitrary |^axum |^rustls |^kube |^k8s-openapi |^hyper |^hyper-util |^tokenizers |^minijinja |^zeromq '
 
 # -e normal,build: what a dependent compiles (dev-dependencies are the package's own tests').
 # The crates come from the plain tree, tokio's enabled features from the tree inverted on it.
@@ -34,10 +34,12 @@ for crate in '^tracing-subscriber ' '^axum ' '^rustls ' '^tokenizers ' '^minijin
         exit 1
     fi
 done
-if ! tree prefill-router --features engine | grep -qE '^hyper-util '; then
-    echo "features: the detector is blind to hyper-util: the engine build should show it"
-    exit 1
-fi
+for crate in '^hyper-util ' '^zeromq '; do
+    if ! tree prefill-router --features engine | grep -qE "$crate"; then
+        echo "features: the detector is blind to $crate: the engine build should show it"
+        exit 1
+    fi
+done
 if ! tree prefill-router --features tls | grep -qE '^rustls '; then
     echo "features: the detector is blind to rustls: the tls build should show it"
     exit 1
