@@ -114,23 +114,19 @@ impl EngineLink {
         &self.kv_board
     }
 
-    /// In KV mode, subscribe to the KV events of every engine of `view` and feed the
-    /// dispatcher's index (`kv_events`).
-    pub(crate) fn with_kv_events(
-        mut self,
-        view: &crate::push::RoutableView,
-        feed: Option<&Arc<crate::push::KvFeed>>,
-    ) -> Self {
-        if let Some(feed) = feed {
-            self._feeds = kv_events::spawn(
-                view.clone(),
-                Arc::clone(feed),
-                self.block_size,
-                Arc::clone(&self.kv_board),
-                Arc::clone(&self.client),
-            );
+    /// What starts each engine's KV event feed (the dispatcher keeps one per engine of its
+    /// view in KV mode: `push/dispatcher/engine_feeds.rs`).
+    pub(crate) fn kv_feeds(&self) -> kv_events::KvFeeds {
+        kv_events::KvFeeds {
+            client: Arc::clone(&self.client),
+            block_size: self.block_size,
+            board: Arc::clone(&self.kv_board),
         }
-        self
+    }
+
+    /// Keep the feeds' supervisor running as long as the link: it stops when `guard` drops.
+    pub(crate) fn keep_feeds(&mut self, guard: Option<tokio_util::sync::DropGuard>) {
+        self._feeds = guard;
     }
 
     /// Count in `counts` (shared, e.g. by every link of one frontend) instead of its own.

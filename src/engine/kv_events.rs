@@ -5,176 +5,58 @@
 //!
 //! - `sources.rs`: where an engine publishes (`GET /kv_event_sources`);
 //! - `subscriber.rs`: one engine's feed, the driver loop around its mirror;
-//! - here: the feeds' supervisor (one feed per engine in the routable view) and the
-//!   [`EngineKvBoard`] the operator reads.
+//! - `board.rs`: the [`EngineKvBoard`] the feeds write and the operator reads;
+//! - here: [`KvFeeds`], what the dispatcher's side (`push/dispatcher/engine_feeds.rs`, which
+//!   keeps one feed per engine of the routable view) starts each engine's feed with.
 
+mod board;
 pub(crate) mod metrics;
 mod sources;
 mod subscriber;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
-use tokio::time::Instant;
-use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::sync::CancellationToken;
 
+pub use board::{EngineKvBoard, EngineKvStatus, FeedState};
 pub use sources::{parse_sources, KvEventSource, SourceError};
 
 use super::client::HttpClient;
-use crate::discovery::InstanceId;
-use crate::kv_events::{MirrorCounts, MirrorError, Picture};
-use crate::push::{KvFeed, RoutableView};
+use crate::discovery::Instance;
+use crate::transport::KvEventSink;
 
-/// Where one engine's feed is.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum FeedState {
-    /// Starting: asking the engine where it publishes.
-    #[default]
-    Starting,
-    /// The engine says it publishes nothing (or could not be asked): the reason.
-    NoSources(String),
-    /// Subscribed to every rank.
-    Subscribed,
+/// What starts one engine's feed: the link's HTTP client (to ask where the engine publishes),
+/// its block size, and the board to report on. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct KvFeeds {
+    pub(super) client: Arc<HttpClient>,
+    pub(super) block_size: u32,
+    pub(super) board: Arc<EngineKvBoard>,
 }
 
-/// What the router knows of one engine's events (see [`EngineKvBoard`]).
-#[derive(Clone, Debug, Default)]
-pub struct EngineKvStatus {
-    /// Where the feed is.
-    pub state: FeedState,
-    /// How far the index's picture of the engine can be trusted.
-    pub picture: Picture,
-    /// The mirror's counts: batches, events, replays, rebuilds, restarts, refusals.
-    pub counts: MirrorCounts,
-    /// When the last live batch arrived.
-    pub last_event: Option<Instant>,
-    /// Live batches that arrived, decodable or not.
-    pub received: u64,
-    /// Batches (or messages) that could not be decoded.
-    pub undecodable: u64,
-    /// Times the live stream was lost.
-    pub disconnects: u64,
-    /// The last reason events could not be indexed (a block size other than the card's...).
-    pub last_error: Option<MirrorError>,
-    /// Whether the live stream is connected (false from a loss until it is back).
-    pub connected: bool,
-}
-
-impl EngineKvStatus {
-    /// What an operator should hear about this engine's events, if anything: they never
-    /// started, the stream is lost, the picture is partial, or the block size is wrong. Until
-    /// it clears, the router's picture of the engine is incomplete (an engine without events
-    /// is scored by load and prediction).
-    pub fn warning(&self) -> Option<String> {
-        if let Some(MirrorError::BlockSizeMismatch { card, engine }) = &self.last_error {
-            return Some(format!(
-                "its blocks hold {engine} tokens, the card says {card}: no block can match"
-            ));
-        }
-        match &self.state {
-            FeedState::Starting => Some("KV events not started yet".to_owned()),
-            FeedState::NoSources(reason) => Some(format!("no KV events: {reason}")),
-            FeedState::Subscribed if !self.connected => {
-                Some("KV event stream lost; reconnecting".to_owned())
-            }
-            FeedState::Subscribed => match self.picture {
-                Picture::Unknown => Some("KV events subscribed, no picture yet".to_owned()),
-                Picture::Partial => Some(
-                    "KV event history lost: the index holds part of the engine's cache".to_owned(),
-                ),
-                Picture::Exact => None,
-            },
-        }
-    }
-}
-
-impl EngineKvStatus {
-    fn live(&mut self, now: Instant) {
-        self.received += 1;
-        self.last_event = Some(now);
-    }
-}
-
-/// Every engine feed's status, by engine (shared by the feeds and whoever reports them:
-/// `/ready`, metrics, `serve --check-events`).
-#[derive(Debug, Default)]
-pub struct EngineKvBoard {
-    engines: Mutex<BTreeMap<InstanceId, EngineKvStatus>>,
-}
-
-impl EngineKvBoard {
-    /// The status of every engine with a feed.
-    pub fn statuses(&self) -> BTreeMap<InstanceId, EngineKvStatus> {
-        self.engines.lock().clone()
+impl KvFeeds {
+    /// Run `instance`'s feed into `sink` until `cancel`; `epoch` numbers the feed's stream to
+    /// the index (larger than any earlier feed's for the same worker).
+    pub(crate) async fn run(
+        self,
+        instance: Arc<Instance>,
+        epoch: u64,
+        sink: Arc<dyn KvEventSink>,
+        cancel: CancellationToken,
+    ) {
+        let feed = subscriber::Feed {
+            instance,
+            block_size: self.block_size,
+            epoch,
+            sink,
+            board: self.board,
+            client: self.client,
+        };
+        feed.run(cancel).await;
     }
 
-    /// One engine's status.
-    pub fn status(&self, engine: InstanceId) -> Option<EngineKvStatus> {
-        self.engines.lock().get(&engine).cloned()
+    /// The engine left: its status goes from the board.
+    pub(crate) fn forget(&self, engine: crate::discovery::InstanceId) {
+        self.board.remove(engine);
     }
-
-    fn update(&self, engine: InstanceId, change: impl FnOnce(&mut EngineKvStatus)) {
-        change(self.engines.lock().entry(engine).or_default());
-    }
-
-    fn remove(&self, engine: InstanceId) {
-        self.engines.lock().remove(&engine);
-    }
-}
-
-/// Epochs of the feeds' output streams: each new feed for a worker starts above every earlier
-/// one, so the index drops what a previous feed said.
-static EPOCHS: AtomicU64 = AtomicU64::new(1);
-
-/// Keep one feed per engine in `view`'s routable set (started as the engine joins, stopped as
-/// it leaves discovery), feeding `feed`. Runs until the returned guard drops (with the link);
-/// `None` outside a tokio runtime.
-pub(super) fn spawn(
-    view: RoutableView,
-    feed: Arc<KvFeed>,
-    block_size: u32,
-    board: Arc<EngineKvBoard>,
-    client: Arc<HttpClient>,
-) -> Option<DropGuard> {
-    let runtime = tokio::runtime::Handle::try_current().ok()?;
-    let cancel = CancellationToken::new();
-    let stop = cancel.clone();
-    runtime.spawn(async move {
-        let mut feeds: HashMap<InstanceId, CancellationToken> = HashMap::new();
-        loop {
-            let set = view.routable();
-            for instance in set.iter() {
-                let id = instance.instance_id;
-                if feeds.contains_key(&id) {
-                    continue;
-                }
-                let token = stop.child_token();
-                feeds.insert(id, token.clone());
-                let engine = subscriber::Feed {
-                    instance: Arc::clone(instance),
-                    block_size,
-                    epoch: EPOCHS.fetch_add(1, Ordering::Relaxed),
-                    sink: feed.engine_sink(id),
-                    board: Arc::clone(&board),
-                    client: Arc::clone(&client),
-                };
-                tokio::spawn(engine.run(token));
-            }
-            feeds.retain(|id, token| {
-                let keep = view.is_discovered(*id);
-                if !keep {
-                    token.cancel();
-                    board.remove(*id);
-                }
-                keep
-            });
-            tokio::select! {
-                () = stop.cancelled() => break,
-                () = view.wait_for(|now| !std::ptr::addr_eq(now, &*set)) => {}
-            }
-        }
-    });
-    Some(cancel.drop_guard())
 }

@@ -5,6 +5,8 @@
 //! workers' KV events (`kv_events.rs`, with the eager connects that bring them in `warm.rs`).
 
 mod booking;
+#[cfg(feature = "engine")]
+mod engine_feeds;
 mod kv_events;
 mod link;
 mod pick;
@@ -205,7 +207,12 @@ impl Dispatcher<Link> {
         link: crate::engine::EngineLink,
     ) -> Self {
         Self::build(view, mode, config, |view, feed| {
-            Link::Engine(Box::new(link.with_kv_events(view, feed)))
+            let mut link = link;
+            if let Some(feed) = feed {
+                let feeds = link.kv_feeds();
+                link.keep_feeds(engine_feeds::spawn(view.clone(), Arc::clone(feed), feeds));
+            }
+            Link::Engine(Box::new(link))
         })
     }
 

@@ -23,10 +23,11 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
-use super::{EngineKvBoard, EngineKvStatus};
+use super::board::{EngineKvBoard, EngineKvStatus};
 use crate::kv_events::Picture;
 
 type Counter = fn(&EngineKvStatus) -> u64;
+type Gauge = fn(&EngineKvStatus, tokio::time::Instant) -> i64;
 
 const COUNTERS: [(&str, &str, Counter); 10] = [
     (
@@ -94,7 +95,7 @@ pub(crate) fn encode(board: &Arc<EngineKvBoard>, encoder: &mut DescriptorEncoder
     }
     let kind = ConstGauge::new(0i64).metric_type();
     let now = tokio::time::Instant::now();
-    let gauges: [(&str, &str, fn(&EngineKvStatus, tokio::time::Instant) -> i64); 2] = [
+    let gauges: [(&str, &str, Gauge); 2] = [
         (
             "engine_kv_exact",
             "Whether the index holds exactly the engine's cache (1) or not (0)",

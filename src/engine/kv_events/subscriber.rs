@@ -12,8 +12,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend};
 
+use super::board::{EngineKvBoard, FeedState};
 use super::sources::{parse_sources, KvEventSource};
-use super::{EngineKvBoard, FeedState};
 use crate::discovery::Instance;
 use crate::kv_events::engine_wire::decode_engine_batch;
 use crate::kv_events::{EngineMirror, MirrorAction};

@@ -2,7 +2,8 @@
 //! reader of value heads and a writer. Written here rather than pulled in as a dependency so the
 //! decoder's bounds (length prefixes checked against the remaining input, skip depth) are ours.
 
-use super::{EngineDecodeError, MAX_DEPTH};
+use super::error::EngineDecodeError;
+use super::limits::MAX_DEPTH;
 
 /// The head of one msgpack value. Strings and bins borrow their bytes (already consumed);
 /// arrays and maps carry their element count, their elements follow.

@@ -1,0 +1,107 @@
+//! What the router knows of each engine's KV events: the [`EngineKvBoard`] the feeds write and
+//! the operator reads (`/ready`, metrics).
+
+use std::collections::BTreeMap;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use crate::discovery::InstanceId;
+use crate::kv_events::{MirrorCounts, MirrorError, Picture};
+
+/// Where one engine's feed is.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum FeedState {
+    /// Starting: asking the engine where it publishes.
+    #[default]
+    Starting,
+    /// The engine says it publishes nothing (or could not be asked): the reason.
+    NoSources(String),
+    /// Subscribed to every rank.
+    Subscribed,
+}
+
+/// What the router knows of one engine's events (see [`EngineKvBoard`]).
+#[derive(Clone, Debug, Default)]
+pub struct EngineKvStatus {
+    /// Where the feed is.
+    pub state: FeedState,
+    /// How far the index's picture of the engine can be trusted.
+    pub picture: Picture,
+    /// The mirror's counts: batches, events, replays, rebuilds, restarts, refusals.
+    pub counts: MirrorCounts,
+    /// When the last live batch arrived.
+    pub last_event: Option<Instant>,
+    /// Live batches that arrived, decodable or not.
+    pub received: u64,
+    /// Batches (or messages) that could not be decoded.
+    pub undecodable: u64,
+    /// Times the live stream was lost.
+    pub disconnects: u64,
+    /// The last reason events could not be indexed (a block size other than the card's...).
+    pub last_error: Option<MirrorError>,
+    /// Whether the live stream is connected (false from a loss until it is back).
+    pub connected: bool,
+}
+
+impl EngineKvStatus {
+    /// What an operator should hear about this engine's events, if anything: they never
+    /// started, the stream is lost, the picture is partial, or the block size is wrong. Until
+    /// it clears, the router's picture of the engine is incomplete (an engine without events
+    /// is scored by load and prediction).
+    pub fn warning(&self) -> Option<String> {
+        if let Some(MirrorError::BlockSizeMismatch { card, engine }) = &self.last_error {
+            return Some(format!(
+                "its blocks hold {engine} tokens, the card says {card}: no block can match"
+            ));
+        }
+        match &self.state {
+            FeedState::Starting => Some("KV events not started yet".to_owned()),
+            FeedState::NoSources(reason) => Some(format!("no KV events: {reason}")),
+            FeedState::Subscribed if !self.connected => {
+                Some("KV event stream lost; reconnecting".to_owned())
+            }
+            FeedState::Subscribed => match self.picture {
+                Picture::Unknown => Some("KV events subscribed, no picture yet".to_owned()),
+                Picture::Partial => Some(
+                    "KV event history lost: the index holds part of the engine's cache".to_owned(),
+                ),
+                Picture::Exact => None,
+            },
+        }
+    }
+}
+
+impl EngineKvStatus {
+    pub(super) fn live(&mut self, now: Instant) {
+        self.received += 1;
+        self.last_event = Some(now);
+    }
+}
+
+/// Every engine feed's status, by engine (shared by the feeds and whoever reports them:
+/// `/ready`, metrics, `serve --check-events`).
+#[derive(Debug, Default)]
+pub struct EngineKvBoard {
+    engines: Mutex<BTreeMap<InstanceId, EngineKvStatus>>,
+}
+
+impl EngineKvBoard {
+    /// The status of every engine with a feed.
+    pub fn statuses(&self) -> BTreeMap<InstanceId, EngineKvStatus> {
+        self.engines.lock().clone()
+    }
+
+    /// One engine's status.
+    pub fn status(&self, engine: InstanceId) -> Option<EngineKvStatus> {
+        self.engines.lock().get(&engine).cloned()
+    }
+
+    pub(super) fn update(&self, engine: InstanceId, change: impl FnOnce(&mut EngineKvStatus)) {
+        change(self.engines.lock().entry(engine).or_default());
+    }
+
+    pub(crate) fn remove(&self, engine: InstanceId) {
+        self.engines.lock().remove(&engine);
+    }
+}

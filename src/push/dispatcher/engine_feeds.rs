@@ -1,0 +1,55 @@
+//! Engine KV events in KV mode (feature `engine`): one feed per engine of the routable view,
+//! started as the engine joins, stopped as it leaves discovery, each feeding the dispatcher's
+//! index through a sink of its own (`engine::kv_events` does the subscribing and mirroring).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use crate::discovery::InstanceId;
+use crate::engine::kv_events::KvFeeds;
+use crate::push::{KvFeed, RoutableView};
+
+/// Epochs of the feeds' output streams: each new feed for a worker starts above every earlier
+/// one, so the index drops what a previous feed said.
+static EPOCHS: AtomicU64 = AtomicU64::new(1);
+
+/// Keep one feed per engine of `view` running into `feed`, until the returned guard drops
+/// (with the link); `None` outside a tokio runtime.
+pub(super) fn spawn(view: RoutableView, feed: Arc<KvFeed>, feeds: KvFeeds) -> Option<DropGuard> {
+    let runtime = tokio::runtime::Handle::try_current().ok()?;
+    let cancel = CancellationToken::new();
+    let stop = cancel.clone();
+    runtime.spawn(async move {
+        let mut running: HashMap<InstanceId, CancellationToken> = HashMap::new();
+        loop {
+            let set = view.routable();
+            for instance in set.iter() {
+                let id = instance.instance_id;
+                if running.contains_key(&id) {
+                    continue;
+                }
+                let token = stop.child_token();
+                running.insert(id, token.clone());
+                let epoch = EPOCHS.fetch_add(1, Ordering::Relaxed);
+                let sink = feed.engine_sink(id);
+                tokio::spawn(feeds.clone().run(Arc::clone(instance), epoch, sink, token));
+            }
+            running.retain(|id, token| {
+                let keep = view.is_discovered(*id);
+                if !keep {
+                    token.cancel();
+                    feeds.forget(*id);
+                }
+                keep
+            });
+            tokio::select! {
+                () = stop.cancelled() => break,
+                () = view.wait_for(|now| !std::ptr::addr_eq(now, &*set)) => {}
+            }
+        }
+    });
+    Some(cancel.drop_guard())
+}
