@@ -1,12 +1,12 @@
 //! Engine KV events (feature `engine`): each engine's published cache changes (ZMQ, vLLM's
-//! and SGLang's msgpack batches) kept exact by an [`EngineMirror`] per engine and fed into the
+//! and SGLang's msgpack batches) kept exact by an [`EngineMirror`](crate::kv_events::EngineMirror) per engine and fed into the
 //! dispatcher's KV index, so a KV-mode engine pool is scored by what each engine really caches
 //! (docs/kv_events.md, "Engine events").
 //!
 //! - `sources.rs`: where an engine publishes (`GET /kv_event_sources`);
 //! - `subscriber.rs`: one engine's feed, the driver loop around its mirror;
 //! - `board.rs`: the [`EngineKvBoard`] the feeds write and the operator reads;
-//! - here: [`KvFeeds`], what the dispatcher's side (`push/dispatcher/engine_feeds.rs`, which
+//! - here: `KvFeeds`, what the dispatcher's side (`push/dispatcher/engine_feeds.rs`, which
 //!   keeps one feed per engine of the routable view) starts each engine's feed with.
 
 mod board;

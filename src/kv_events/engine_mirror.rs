@@ -7,7 +7,7 @@
 //! index, replay requests to the engine's replay endpoint.
 //!
 //! **Our hashes, not the engine's.** A stored block is indexed under our own chained hash of
-//! its tokens ([`extend_hash`](super::extend_hash)), the hash the router computes for a prompt;
+//! its tokens ([`extend_hash`](super::extend_hash())), the hash the router computes for a prompt;
 //! the engine's hash only links a block to its parent and names it in removals. So a
 //! different hash algorithm or seed in the engine cannot make every lookup miss.
 //!
