@@ -107,7 +107,7 @@ say "the hop over the pair, and the prefill engine's KV events (library)"
 # From the root with the default members, as the README's test command builds them (the tools
 # package turns on the library's `engine`): no second build of the library.
 cargo test --release --test engine_link live_vllm -- --nocapture --test-threads 1 2>&1 \
-    | tee "$work/live.log" | grep -E "^live|^test |test result|panicked" || true
+    | tee "$work/live.log" | grep -E "^live|^FIGURE|^test |test result|panicked" || true
 grep -q "test result: ok. 2 passed" "$work/live.log"
 
 if [ -f tools/tests/engines/vllm_e2e.py ]; then

@@ -604,6 +604,37 @@ async fn live_vllm_events_index_what_the_engine_caches() {
         text.contains("prefill_router_kv_zero_overlap_decisions_total 1"),
         "{text}"
     );
+    // Forty more distinct prompts (three new blocks each, one batch each) time the freshness.
+    for n in 0..40u32 {
+        let tokens: Vec<u32> = (0..100u32)
+            .map(|i| 3 + (salt + n * 211 + i * 17) % 950)
+            .collect();
+        binding
+            .prefill(GenerateRequest::new(tokens, 1))
+            .await
+            .unwrap();
+    }
+    for _ in 0..100 {
+        let received = hop
+            .binding_stats()
+            .engine_kv
+            .status(1)
+            .map_or(0, |s| s.received);
+        if received >= 45 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = hop.binding_stats().engine_kv.status(1).unwrap();
+    let fresh = &status.freshness;
+    println!(
+        "FIGURE engine_kv_freshness_ms samples={} p50={:.2} p99={:.2} max={:.2}",
+        fresh.len(),
+        fresh.quantile(0.5).unwrap_or(f64::NAN),
+        fresh.quantile(0.99).unwrap_or(f64::NAN),
+        fresh.quantile(1.0).unwrap_or(f64::NAN)
+    );
+    assert!(!fresh.is_empty(), "live batches were timed");
 
     // A second router joining late: its subscriber replays the engine's history and credits
     // the same prefix.

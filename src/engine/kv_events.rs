@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-pub use board::{EngineKvBoard, EngineKvStatus, FeedState};
+pub use board::{EngineKvBoard, EngineKvStatus, FeedState, Freshness};
 pub use sources::{parse_sources, KvEventSource, SourceError};
 
 use super::client::HttpClient;

@@ -41,6 +41,10 @@ use crate::hooks::Seam;
 /// is given up: the rank is dropped and rebuilt from the live stream).
 pub const MAX_HELD_BATCHES: usize = 1024;
 
+/// Batches per rank whose `(seq, timestamp)` the mirror remembers, to tell a late live copy of
+/// a replayed batch from a restart.
+const RECENT_BATCHES: usize = 64;
+
 /// Blocks one engine may hold in the mirror by default (past it the engine's blocks are
 /// dropped and it is marked partial: one engine cannot grow the router's memory without bound).
 pub const DEFAULT_MAX_ENGINE_BLOCKS: usize = 1 << 20;
@@ -147,6 +151,10 @@ struct Rank {
     next: Option<u64>,
     /// The timestamp (bits) of the last batch applied: a replay must give it back unchanged.
     last_ts: u64,
+    /// `(seq, timestamp bits)` of the last batches applied: a live batch among them is one the
+    /// replay already brought (the subscription was still reaching the publisher), not a
+    /// restart.
+    recent: std::collections::VecDeque<(u64, u64)>,
     /// A replay in flight.
     replay: Option<Replay>,
     /// What the rank holds: engine hash -> our hash.
@@ -466,6 +474,9 @@ impl EngineMirror {
                     from: next - 1,
                 });
             }
+            Some(_) if r.recent.contains(&(seq, batch.ts.to_bits())) => {
+                self.counts.duplicates += 1;
+            }
             Some(_) => {
                 if self.mutant.is(MirrorMutant::MissesRestarts) {
                     self.counts.duplicates += 1;
@@ -540,6 +551,10 @@ impl EngineMirror {
         let r = self.rank(rank);
         r.next = Some(seq.saturating_add(1));
         r.last_ts = batch.ts.to_bits();
+        if r.recent.len() == RECENT_BATCHES {
+            r.recent.pop_front();
+        }
+        r.recent.push_back((seq, r.last_ts));
         self.counts.batches += 1;
         self.counts.skipped_events += u64::from(batch.skipped.unknown_events);
         self.counts.skipped_fields += u64::from(batch.skipped.unknown_fields);

@@ -32,8 +32,11 @@ pub struct EngineKvStatus {
     pub counts: MirrorCounts,
     /// When the last live batch arrived.
     pub last_event: Option<Instant>,
-    /// Live batches that arrived, decodable or not.
+    /// Live batches that arrived and decoded.
     pub received: u64,
+    /// From the engine's timestamp on a live batch to the index updated with it (the engine's
+    /// wall clock against ours: meaningful on one machine or with synchronised clocks).
+    pub freshness: Freshness,
     /// Batches (or messages) that could not be decoded.
     pub undecodable: u64,
     /// Times the live stream was lost.
@@ -69,6 +72,44 @@ impl EngineKvStatus {
                 Picture::Exact => None,
             },
         }
+    }
+}
+
+/// The last [`Freshness::CAPACITY`] freshness samples of one engine, in milliseconds.
+#[derive(Clone, Debug, Default)]
+pub struct Freshness {
+    samples: std::collections::VecDeque<f64>,
+}
+
+impl Freshness {
+    /// Samples kept, at most (the oldest go first).
+    pub const CAPACITY: usize = 1024;
+
+    pub(super) fn record(&mut self, ms: f64) {
+        if self.samples.len() == Self::CAPACITY {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(ms);
+    }
+
+    /// Samples kept.
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// The `q` quantile (0 to 1) of the kept samples, in milliseconds; `None` without samples.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        let mut sorted: Vec<f64> = self.samples.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        let last = sorted.len().checked_sub(1)?;
+        // Nearest rank: the smallest sample at or above the quantile.
+        let rank = (q.clamp(0.0, 1.0) * last as f64).round() as usize;
+        sorted.get(rank.min(last)).copied()
     }
 }
 

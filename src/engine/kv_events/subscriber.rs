@@ -102,9 +102,12 @@ impl Feed {
                     None => break,
                 },
             };
+            // The engine's timestamp of a live batch, for its freshness once applied.
+            let mut published = None;
             let actions = match input {
                 Input::Live { rank, seq, payload } => match decode_engine_batch(&payload) {
                     Ok(batch) => {
+                        published = Some(batch.ts);
                         self.board
                             .update(id, |s| s.live(tokio::time::Instant::now()));
                         mirror.handle_live(rank, seq, batch)
@@ -163,6 +166,15 @@ impl Feed {
                             .and_then(|s| s.replay.clone());
                         tokio::spawn(replay(rank, endpoint, from, tx.clone(), cancel.clone()));
                     }
+                }
+            }
+            if let Some(ts) = published {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64());
+                let ms = (now - ts) * 1000.0;
+                if ms.is_finite() {
+                    self.board.update(id, |s| s.freshness.record(ms));
                 }
             }
             let (picture, counts, error) = (

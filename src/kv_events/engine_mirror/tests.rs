@@ -600,3 +600,18 @@ fn a_subscriber_asks_for_the_history_at_once_and_a_silent_engine_is_exactly_empt
     let indexed: BTreeSet<u64> = h.index.blocks_of(WORKER).collect();
     assert_eq!(indexed, h.engine.truth());
 }
+
+#[test]
+fn a_live_batch_the_replay_already_brought_is_a_duplicate_not_a_restart() {
+    let mut h = Harness::new(100, None);
+    let early = h.engine.store(1, 3).unwrap();
+    let actions = h.mirror.handle_subscribed(0);
+    h.run(actions);
+    // The subscription reached the publisher late: the batch the replay brought arrives live.
+    let actions = h.mirror.handle_live(0, early.0, early.1);
+    assert!(actions.is_empty(), "{actions:?}");
+    assert_eq!(h.mirror.counts().restarts, 0);
+    assert_eq!(h.mirror.counts().duplicates, 1);
+    assert_eq!(h.mirror.picture(), Picture::Exact);
+    assert_eq!(h.check(), Ok(()));
+}
