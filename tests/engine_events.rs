@@ -35,6 +35,9 @@ struct Stream {
     buffer: VecDeque<(u64, Bytes)>,
 }
 
+/// The fake engine's clock: batch timestamps differ across its restarts, as wall time does.
+static CLOCK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 struct FakeEngine {
     http: SocketAddr,
     publisher: tokio::sync::Mutex<zeromq::PubSocket>,
@@ -128,7 +131,7 @@ impl FakeEngine {
             let seq = stream.next;
             stream.next += 1;
             let batch = EngineBatch {
-                ts: 1000.0 + seq as f64 + stream.buffer.len() as f64 * 1e-3,
+                ts: 1000.0 + CLOCK.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as f64,
                 events,
                 dp_rank: Some(0),
                 skipped: Skipped::default(),

@@ -650,6 +650,10 @@ async fn live_vllm_events_index_what_the_engine_caches() {
     let ours = binding.dispatcher().kv_indexed_overlap(&probe, 1);
     let theirs = late_binding.dispatcher().kv_indexed_overlap(&probe, 1);
     println!("live events: late joiner credits {theirs:?}, first router {ours:?}");
+    println!(
+        "live events: late joiner {:?}",
+        late.binding_stats().engine_kv.status(1)
+    );
     assert_eq!(theirs, ours);
     assert!(ours.unwrap_or(0) >= 5);
     late.shutdown().await;

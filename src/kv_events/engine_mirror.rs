@@ -169,6 +169,9 @@ struct Replay {
     held: Vec<(u64, EngineBatch)>,
     /// Whether its first batch was checked against the last one applied.
     checked: bool,
+    /// Whether it brings the rank's whole history (a first subscription or a late join): until
+    /// it ends, the rank's picture is not there yet.
+    history: bool,
 }
 
 /// One engine's KV cache mirrored from its events (see the module docs).
@@ -238,10 +241,13 @@ impl EngineMirror {
 
     /// The engine's picture: the worst of its ranks' (`Unknown` before any rank was seen).
     pub fn picture(&self) -> Picture {
-        let mut pictures = self
-            .ranks
-            .values()
-            .map(|r| r.picture.unwrap_or(Picture::Unknown));
+        let mut pictures = self.ranks.values().map(|r| {
+            if r.replay.as_ref().is_some_and(|p| p.history) {
+                Picture::Unknown
+            } else {
+                r.picture.unwrap_or(Picture::Unknown)
+            }
+        });
         let Some(first) = pictures.next() else {
             return Picture::Unknown;
         };
@@ -287,7 +293,10 @@ impl EngineMirror {
         if r.next.is_some() || r.replay.is_some() {
             return Vec::new();
         }
-        r.replay = Some(Replay::default());
+        r.replay = Some(Replay {
+            history: true,
+            ..Replay::default()
+        });
         vec![MirrorAction::Replay { rank, from: 0 }]
     }
 
@@ -452,6 +461,7 @@ impl EngineMirror {
                 r.replay = Some(Replay {
                     held: vec![(seq, batch)],
                     checked: false,
+                    history: true,
                 });
                 out.actions.push(MirrorAction::Replay { rank, from: 0 });
             }
@@ -466,6 +476,7 @@ impl EngineMirror {
                 r.replay = Some(Replay {
                     held: vec![(seq, batch)],
                     checked: false,
+                    history: false,
                 });
                 // From the last batch applied: it must come back unchanged, or the engine
                 // restarted behind the gap.

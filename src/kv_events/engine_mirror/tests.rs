@@ -449,6 +449,17 @@ fn a_late_joiner_replays_the_whole_history() {
     h.engine = engine;
     let actions = h.mirror.handle_live(0, seq, batch);
     assert_eq!(actions, vec![MirrorAction::Replay { rank: 0, from: 0 }]);
+    // Until the history is in, there is no picture to trust.
+    let (first_seq, first) = h.engine.buffer[0].clone();
+    let _ = h.mirror.handle_replayed(0, first_seq, first);
+    assert_eq!(h.mirror.picture(), Picture::Unknown, "mid-replay");
+    h.mirror.handle_replay_failed(0);
+    let mut h = Harness::new(100, None);
+    h.engine = SimEngine::new(100);
+    let _ = h.engine.store(1, 3);
+    let _ = h.engine.store(2, 2);
+    let (seq, batch) = h.engine.store(3, 4).unwrap();
+    let actions = h.mirror.handle_live(0, seq, batch);
     h.run(actions);
     assert_eq!(h.mirror.picture(), Picture::Exact);
     assert_eq!(h.check(), Ok(()));
