@@ -294,3 +294,70 @@ async fn engine_events_follow_replay_gaps_and_notice_restarts() {
     assert_eq!(hop.warnings(), Vec::<String>::new());
     hop.shutdown().await;
 }
+
+/// A card whose block size is not the engine's: every stored chain is refused and counted, the
+/// operator is warned, and the engine is scored by prediction (not indexed), as an engine
+/// without events: never an index entry that silently matches nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_card_at_another_block_size_is_reported_and_not_indexed() {
+    let engine = FakeEngine::start().await;
+    // History at the engine's block size (BS), before anyone subscribes.
+    engine.publish(vec![stored(1, 0, 2)], true).await;
+    let discovery = MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(30)));
+    let card = ModelCard {
+        kv_cache_block_size: BS * 2,
+        router_config: Some(RouterConfig {
+            router_mode: SelectionMode::KV,
+            ..RouterConfig::default()
+        }),
+        engine: Some(EngineCard {
+            protocol: EngineProtocol::Vllm,
+        }),
+        ..ModelCard::named("tiny")
+    };
+    let instance = |component: &str, id| Instance {
+        endpoint: EndpointId::new("engines", component, "generate"),
+        instance_id: id,
+        address: engine.http,
+    };
+    let _keep = [
+        discovery
+            .register(instance("prefill", 1), card.clone())
+            .await
+            .unwrap(),
+        discovery
+            .register(instance("decode", 100), card)
+            .await
+            .unwrap(),
+    ];
+    let discovery: Arc<dyn Discovery> = Arc::new(discovery);
+    let hop = PrefillHop::start(discovery, "engines", PrefillHopConfig::default())
+        .await
+        .unwrap();
+    hop.router()
+        .wait_active(Duration::from_secs(10))
+        .await
+        .unwrap();
+    let binding = hop.router().route().binding().cloned().unwrap();
+    let board = Arc::clone(&hop.binding_stats().engine_kv);
+    until("the mismatch reported", || {
+        board
+            .status(1)
+            .is_some_and(|s| s.counts.block_size_mismatches >= 1)
+    })
+    .await;
+    let warnings = hop.warnings();
+    assert!(
+        warnings.iter().any(|w| w.contains("the card says 32")),
+        "{warnings:?}"
+    );
+    // Not indexed: scored by prediction (no entry), not by an empty picture.
+    until("the engine's index entry dropped", || {
+        binding
+            .dispatcher()
+            .kv_indexed_overlap(&prompt(1, 2), 1)
+            .is_none()
+    })
+    .await;
+    hop.shutdown().await;
+}

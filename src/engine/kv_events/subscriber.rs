@@ -16,7 +16,7 @@ use super::board::{EngineKvBoard, FeedState};
 use super::sources::{parse_sources, KvEventSource};
 use crate::discovery::Instance;
 use crate::kv_events::engine_wire::decode_engine_batch;
-use crate::kv_events::{EngineMirror, MirrorAction};
+use crate::kv_events::{EngineMirror, MirrorAction, MirrorError};
 use crate::transport::KvEventSink;
 
 use super::super::client::HttpClient;
@@ -93,7 +93,8 @@ impl Feed {
             s.state = FeedState::Subscribed;
             s.connected = true;
         });
-        let mut reported: Option<crate::kv_events::MirrorError> = None;
+        let mut reported: Option<MirrorError> = None;
+        let mut detached = false;
         loop {
             let input = tokio::select! {
                 () = cancel.cancelled() => break,
@@ -158,6 +159,9 @@ impl Feed {
             };
             for action in actions {
                 match action {
+                    // Detached: the engine is scored by prediction, not by an index that can
+                    // never hold one of its blocks.
+                    MirrorAction::Apply(_) if detached => {}
                     MirrorAction::Apply(batch) => self.sink.batch(batch),
                     MirrorAction::Replay { rank, from } => {
                         let endpoint = sources
@@ -182,6 +186,13 @@ impl Feed {
                 mirror.counts(),
                 mirror.last_error().cloned(),
             );
+            // A block size other than the card's: no block of this engine can match a prompt
+            // hashed at the card's, so its (empty) index entry goes and it is scored by
+            // prediction, as an engine without events; the feed keeps counting for the operator.
+            if !detached && matches!(error, Some(MirrorError::BlockSizeMismatch { .. })) {
+                detached = true;
+                self.sink.closed();
+            }
             // Said once per new reason, not per batch.
             if error.is_some() && error != reported {
                 if let Some(e) = &error {
@@ -197,7 +208,9 @@ impl Feed {
                 }
             });
         }
-        self.sink.closed();
+        if !detached {
+            self.sink.closed();
+        }
     }
 
     /// The engine's publishers, asked until it answers (backoff); an engine that publishes
