@@ -531,12 +531,14 @@ async fn live_vllm_events_index_what_the_engine_caches() {
     let (hop, _r) = start(32).await;
     // A fresh subscriber learns the engine's whole history (a replay from 0) before its first
     // picture; bounded wait.
-    for _ in 0..300 {
+    let began = std::time::Instant::now();
+    for _ in 0..3000 {
         if subscribed(&hop) {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    println!("live events: first picture after {:?}", began.elapsed());
     let status = hop.binding_stats().engine_kv.status(1).unwrap();
     assert_eq!(status.state, FeedState::Subscribed, "{status:?}");
 
