@@ -12,7 +12,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use prefill_router::advert::{EngineCard, EngineProtocol, ModelCard, RouterConfig, SelectionMode};
-use prefill_router::discovery::{Discovery, EndpointId, Instance, MemoryConfig, MemoryDiscovery};
+use prefill_router::discovery::{
+    Discovery, EndpointId, Instance, MemoryConfig, MemoryDiscovery, Registration,
+};
 use prefill_router::engine::FeedState;
 use prefill_router::kv_events::{
     encode_engine_batch, EngineBatch, EngineEncoding, EngineEvent, Picture, Skipped, StoredBlocks,
@@ -200,12 +202,12 @@ async fn until(what: &str, mut check: impl FnMut() -> bool) {
     panic!("timed out waiting for {what}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn engine_events_follow_replay_gaps_and_notice_restarts() {
-    let engine = FakeEngine::start().await;
+/// A hop whose prefill set is the fake engine, its card in KV mode at `block_size` tokens per
+/// block; the registrations live as long as the hop.
+async fn hop_over(engine: &FakeEngine, block_size: u32) -> (PrefillHop, [Registration; 2]) {
     let discovery = MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(30)));
     let card = ModelCard {
-        kv_cache_block_size: BS,
+        kv_cache_block_size: block_size,
         router_config: Some(RouterConfig {
             router_mode: SelectionMode::KV,
             ..RouterConfig::default()
@@ -221,7 +223,7 @@ async fn engine_events_follow_replay_gaps_and_notice_restarts() {
         address: engine.http,
     };
     // The topology needs a decode set to name a prefill one; nothing is sent to it.
-    let _keep = [
+    let keep = [
         discovery
             .register(instance("prefill", 1), card.clone())
             .await
@@ -239,6 +241,13 @@ async fn engine_events_follow_replay_gaps_and_notice_restarts() {
         .wait_active(Duration::from_secs(10))
         .await
         .unwrap();
+    (hop, keep)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_events_follow_replay_gaps_and_notice_restarts() {
+    let engine = FakeEngine::start().await;
+    let (hop, _keep) = hop_over(&engine, BS).await;
     let binding = hop.router().route().binding().cloned().unwrap();
     let board = Arc::clone(&hop.binding_stats().engine_kv);
     let overlap = |p: u32, blocks: u32| {
@@ -303,41 +312,7 @@ async fn a_card_at_another_block_size_is_reported_and_not_indexed() {
     let engine = FakeEngine::start().await;
     // History at the engine's block size (BS), before anyone subscribes.
     engine.publish(vec![stored(1, 0, 2)], true).await;
-    let discovery = MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(30)));
-    let card = ModelCard {
-        kv_cache_block_size: BS * 2,
-        router_config: Some(RouterConfig {
-            router_mode: SelectionMode::KV,
-            ..RouterConfig::default()
-        }),
-        engine: Some(EngineCard {
-            protocol: EngineProtocol::Vllm,
-        }),
-        ..ModelCard::named("tiny")
-    };
-    let instance = |component: &str, id| Instance {
-        endpoint: EndpointId::new("engines", component, "generate"),
-        instance_id: id,
-        address: engine.http,
-    };
-    let _keep = [
-        discovery
-            .register(instance("prefill", 1), card.clone())
-            .await
-            .unwrap(),
-        discovery
-            .register(instance("decode", 100), card)
-            .await
-            .unwrap(),
-    ];
-    let discovery: Arc<dyn Discovery> = Arc::new(discovery);
-    let hop = PrefillHop::start(discovery, "engines", PrefillHopConfig::default())
-        .await
-        .unwrap();
-    hop.router()
-        .wait_active(Duration::from_secs(10))
-        .await
-        .unwrap();
+    let (hop, _keep) = hop_over(&engine, BS * 2).await;
     let binding = hop.router().route().binding().cloned().unwrap();
     let board = Arc::clone(&hop.binding_stats().engine_kv);
     until("the mismatch reported", || {

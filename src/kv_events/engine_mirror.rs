@@ -34,8 +34,12 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::engine_wire::{EngineBatch, EngineEvent, StoredBlocks};
-use super::{extend_hash, EventBatch, KvEvent, KvSnapshot, MixState};
+use super::{extend_hash, EventBatch, EventPublisher, MixState};
 use crate::hooks::Seam;
+
+mod report;
+
+pub use report::{MirrorCounts, MirrorError, Picture};
 
 /// Live batches a rank keeps aside while a replay is in flight, at most (beyond it the replay
 /// is given up: the rank is dropped and rebuilt from the live stream).
@@ -63,76 +67,9 @@ pub enum MirrorAction {
         /// The first sequence number wanted.
         from: u64,
     },
-}
-
-/// How far the router's picture of one rank (or engine) can be trusted.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Picture {
-    /// Nothing seen yet: the engine is scored by load, not by its cache.
-    #[default]
-    Unknown,
-    /// Every block the engine holds is indexed (up to the last batch applied).
-    Exact,
-    /// A subset of what the engine holds (history was lost); never a block it does not hold.
-    Partial,
-}
-
-/// Why an engine's events could not all be indexed (counted in [`MirrorCounts`]).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum MirrorError {
-    /// The engine's blocks have another size than its card says: the router hashes prompts at
-    /// the card's size, so no block of this engine could ever match.
-    #[error("engine block size {engine} differs from the card's {card}")]
-    BlockSizeMismatch {
-        /// The card's block size.
-        card: u32,
-        /// The size in the engine's events.
-        engine: u32,
-    },
-    /// A stored chain's token count is not its blocks times the block size.
-    #[error("{tokens} tokens for {blocks} blocks of {block_size}")]
-    TokenCount {
-        /// Tokens in the event.
-        tokens: usize,
-        /// Blocks in the event.
-        blocks: usize,
-        /// The event's block size.
-        block_size: u32,
-    },
-    /// A stored chain extends a block the mirror does not know (its store was lost).
-    #[error("stored chain extends unknown block {0:#x}")]
-    UnknownParent(u64),
-}
-
-/// What one mirror counted (plain numbers: the subscriber exports them).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct MirrorCounts {
-    /// Engine batches applied (live or replayed).
-    pub batches: u64,
-    /// Events applied.
-    pub events: u64,
-    /// Batches that arrived through a replay and were applied.
-    pub replayed: u64,
-    /// Gaps seen (a sequence number skipped on the live stream).
-    pub gaps: u64,
-    /// Gaps a replay could not fill: the rank was dropped and rebuilt.
-    pub rebuilds: u64,
-    /// Restarts seen (a rank's sequence number went back).
-    pub restarts: u64,
-    /// Duplicate batches ignored (already applied, e.g. both replayed and live).
-    pub duplicates: u64,
-    /// Events not indexed: unknown types, other attention groups, LoRA blocks, invalid ones.
-    pub skipped_events: u64,
-    /// Unknown fields the decoder skipped.
-    pub skipped_fields: u64,
-    /// Stored chains refused for a block size that is not the card's.
-    pub block_size_mismatches: u64,
-    /// Stored chains refused for a token count that does not fit their blocks.
-    pub token_mismatches: u64,
-    /// Stored chains refused because their parent was unknown.
-    pub unknown_parents: u64,
-    /// Removals of blocks the mirror did not hold (harmless: never credited).
-    pub unknown_removals: u64,
+    /// Drop the engine from the index for good (its blocks come at another size than the
+    /// card's): it is scored by prediction; no batch follows.
+    Withdraw,
 }
 
 /// A deliberately broken variant of the mirror, caught by its property tests.
@@ -178,15 +115,18 @@ struct Replay {
 #[derive(Debug)]
 pub struct EngineMirror {
     block_size: u32,
-    /// Our output stream to the index: one epoch, `next_seq` the next batch's number.
-    epoch: u64,
-    next_seq: u64,
+    /// Our output stream to the index: the worker side's own publisher (merged changes,
+    /// numbered batches within the wire bounds, the first opening with `Cleared`).
+    publisher: EventPublisher,
     ranks: BTreeMap<u32, Rank>,
     /// Our hash -> ranks holding it.
     held: HashMap<u64, u32, MixState>,
     max_blocks: usize,
-    /// Whether the first batch went out (it opens with `Cleared`).
+    /// Whether the index may hear of the engine yet (its first batch opens with `Cleared`):
+    /// not before there is a picture.
     started: bool,
+    /// Whether the engine was withdrawn from the index for good (its blocks can never match).
+    withdrawn: bool,
     counts: MirrorCounts,
     /// The last error seen, for the operator (cleared by nothing: it is history).
     last_error: Option<MirrorError>,
@@ -200,12 +140,12 @@ impl EngineMirror {
     pub fn new(block_size: u32, epoch: u64) -> Self {
         EngineMirror {
             block_size,
-            epoch,
-            next_seq: 0,
+            publisher: EventPublisher::new(epoch),
             ranks: BTreeMap::new(),
             held: HashMap::default(),
             max_blocks: DEFAULT_MAX_ENGINE_BLOCKS,
             started: false,
+            withdrawn: false,
             counts: MirrorCounts::default(),
             last_error: None,
             mutant: Seam::off(),
@@ -266,23 +206,6 @@ impl EngineMirror {
     /// Our hashes of the blocks the engine holds (any rank).
     pub fn held(&self) -> impl Iterator<Item = u64> + '_ {
         self.held.keys().copied()
-    }
-
-    /// The whole picture as a snapshot at the output stream's current position: for an index
-    /// that lost the engine's entries (the next [`MirrorAction::Apply`] follows it in order).
-    pub fn snapshot(&self) -> KvSnapshot {
-        KvSnapshot {
-            epoch: self.epoch,
-            seq: self.next_seq.checked_sub(1),
-            chains: self
-                .held
-                .keys()
-                .map(|&h| KvEvent::Stored {
-                    parent: None,
-                    blocks: vec![h],
-                })
-                .collect(),
-        }
     }
 
     /// `rank`'s live stream is subscribed: its history is asked for (a replay from 0), so the
@@ -350,7 +273,7 @@ impl EngineMirror {
                         self.counts.restarts += 1;
                     }
                     // A restart behind the gap, or a buffer that no longer reaches back.
-                    self.rebuild(rank, &mut out);
+                    self.rebuild(rank);
                     self.apply(rank, seq, batch, &mut out);
                     self.counts.replayed += 1;
                 }
@@ -358,7 +281,7 @@ impl EngineMirror {
             Some(next) if seq < next => self.counts.duplicates += 1,
             Some(next) => {
                 if seq > next {
-                    self.rebuild(rank, &mut out);
+                    self.rebuild(rank);
                 }
                 self.apply(rank, seq, batch, &mut out);
                 self.counts.replayed += 1;
@@ -376,7 +299,7 @@ impl EngineMirror {
             // Not even the last batch applied came back: the engine is a new process that
             // has published nothing yet, so its cache is empty (exactly known).
             self.counts.restarts += 1;
-            self.drop_rank(rank, &mut out);
+            self.drop_rank(rank);
             let r = self.rank(rank);
             r.next = None;
             r.picture = Some(Picture::Exact);
@@ -384,7 +307,7 @@ impl EngineMirror {
         if replay.held.is_empty() && self.rank(rank).next.is_none() {
             // Nothing published, nothing pending: the rank's cache is empty.
             self.rank(rank).picture = Some(Picture::Exact);
-            self.start(&mut out);
+            self.start();
         }
         for (seq, batch) in replay.held {
             self.drain(rank, seq, batch, &mut out);
@@ -398,7 +321,7 @@ impl EngineMirror {
         let mut out = Out::default();
         let held = self.rank(rank).replay.take().unwrap_or_default().held;
         if self.rank(rank).next.is_some() || !held.is_empty() {
-            self.rebuild(rank, &mut out);
+            self.rebuild(rank);
         }
         self.rank(rank).next = None;
         for (seq, batch) in held {
@@ -440,7 +363,7 @@ impl EngineMirror {
                 // The replay takes too long: give up on it, keep what is live.
                 let held = std::mem::take(&mut replay.held);
                 r.replay = None;
-                self.rebuild(rank, out);
+                self.rebuild(rank);
                 self.rank(rank).next = None;
                 for (s, b) in held {
                     self.first_or_drain(rank, s, b, out);
@@ -495,7 +418,7 @@ impl EngineMirror {
                 }
                 // Back to an earlier number: a new process, a cold cache.
                 self.counts.restarts += 1;
-                self.drop_rank(rank, out);
+                self.drop_rank(rank);
                 let r = self.rank(rank);
                 r.next = None;
                 r.picture = None;
@@ -524,41 +447,38 @@ impl EngineMirror {
     }
 
     /// Drop `rank`'s blocks: it is rebuilt from what comes next, partial.
-    fn rebuild(&mut self, rank: u32, out: &mut Out) {
+    fn rebuild(&mut self, rank: u32) {
         self.counts.rebuilds += 1;
-        self.drop_rank(rank, out);
+        self.drop_rank(rank);
         self.rank(rank).picture = Some(Picture::Partial);
     }
 
-    fn drop_rank(&mut self, rank: u32, out: &mut Out) {
+    fn drop_rank(&mut self, rank: u32) {
         let blocks = std::mem::take(&mut self.rank(rank).blocks);
         for (_, ours) in blocks {
-            self.release(ours, out);
+            self.release(ours);
         }
     }
 
-    fn release(&mut self, ours: u64, out: &mut Out) {
+    fn release(&mut self, ours: u64) {
         if let Some(n) = self.held.get_mut(&ours) {
             *n -= 1;
             if *n == 0 {
                 self.held.remove(&ours);
-                out.removed(ours);
+                self.publisher.removed(ours);
             }
         }
     }
 
     /// The index hears of the engine with the mirror's first batch, which opens with `Cleared`:
     /// from then on the engine is scored by its cache, starting empty.
-    fn start(&mut self, out: &mut Out) {
-        if !self.started {
-            self.started = true;
-            out.events.push(KvEvent::Cleared);
-        }
+    fn start(&mut self) {
+        self.started = true;
     }
 
     /// Apply batch `seq` of `rank` in order.
     fn apply(&mut self, rank: u32, seq: u64, batch: EngineBatch, out: &mut Out) {
-        self.start(out);
+        self.start();
         let r = self.rank(rank);
         r.next = Some(seq.saturating_add(1));
         r.last_ts = batch.ts.to_bits();
@@ -582,13 +502,13 @@ impl EngineMirror {
                     }
                     for h in hashes {
                         match self.rank(rank).blocks.remove(&h) {
-                            Some(ours) => self.release(ours, out),
+                            Some(ours) => self.release(ours),
                             None => self.counts.unknown_removals += 1,
                         }
                     }
                 }
                 EngineEvent::Cleared => {
-                    self.drop_rank(rank, out);
+                    self.drop_rank(rank);
                     // Empty now, so whatever follows is the whole cache again.
                     self.rank(rank).picture = Some(Picture::Exact);
                 }
@@ -596,14 +516,14 @@ impl EngineMirror {
                     // A change we cannot read: it may have been a removal, so nothing of the
                     // rank is trusted any more.
                     self.counts.skipped_events += 1;
-                    self.rebuild(rank, out);
+                    self.rebuild(rank);
                 }
             }
         }
         if self.held.len() > self.max_blocks {
             let ranks: Vec<u32> = self.ranks.keys().copied().collect();
             for r in ranks {
-                self.rebuild(r, out);
+                self.rebuild(r);
             }
         }
     }
@@ -620,6 +540,13 @@ impl EngineMirror {
                 card: self.block_size,
                 engine: stored.block_size,
             });
+            if !self.withdrawn {
+                // No block of this engine can match a prompt hashed at the card's size: its
+                // (empty) index entry goes, so it is scored by prediction, as an engine
+                // without events. The mirror keeps counting for the operator.
+                self.withdrawn = true;
+                out.actions.push(MirrorAction::Withdraw);
+            }
             return;
         }
         let size = self.block_size as usize;
@@ -650,105 +577,45 @@ impl EngineMirror {
             .iter()
             .zip(stored.token_ids.chunks_exact(size))
         {
-            let ours = extend_hash(parent, tokens);
+            let extends = parent;
+            let ours = extend_hash(extends, tokens);
             parent = Some(ours);
             let r = self.rank(rank);
             if let Some(old) = r.blocks.insert(*h, ours) {
                 if old == ours {
                     continue; // stored again: already counted
                 }
-                self.release(old, out);
+                self.release(old);
             }
             let n = self.held.entry(ours).or_insert(0);
             *n += 1;
             if *n == 1 {
-                out.stored(ours);
+                self.publisher.stored(extends, ours);
             }
         }
     }
 }
 
-/// The index events one input produced, merged, and the actions around them.
+/// The actions one input produced besides the index batches.
 #[derive(Default)]
 struct Out {
-    events: Vec<KvEvent>,
     actions: Vec<MirrorAction>,
 }
 
 impl Out {
-    fn stored(&mut self, ours: u64) {
-        if let Some(KvEvent::Stored { blocks, .. }) = self.events.last_mut() {
-            blocks.push(ours);
-            return;
-        }
-        self.events.push(KvEvent::Stored {
-            parent: None,
-            blocks: vec![ours],
-        });
-    }
-
-    fn removed(&mut self, ours: u64) {
-        if let Some(KvEvent::Removed { blocks }) = self.events.last_mut() {
-            blocks.push(ours);
-            return;
-        }
-        self.events.push(KvEvent::Removed { blocks: vec![ours] });
-    }
-
-    /// The index batches (within the wire bounds) first, then the other actions.
+    /// The index batches first (once the index may hear of the engine, and while it is not
+    /// withdrawn), then the other actions.
     fn finish(self, mirror: &mut EngineMirror) -> Vec<MirrorAction> {
         let mut actions = Vec::new();
-        for events in split(self.events) {
-            actions.push(MirrorAction::Apply(EventBatch {
-                epoch: mirror.epoch,
-                seq: mirror.next_seq,
-                events,
-            }));
-            mirror.next_seq += 1;
+        if mirror.started {
+            let batches = mirror.publisher.take_batches();
+            if !mirror.withdrawn {
+                actions.extend(batches.into_iter().map(MirrorAction::Apply));
+            }
         }
         actions.extend(self.actions);
         actions
     }
-}
-
-/// Events cut into batches of at most [`super::MAX_BLOCKS_PER_BATCH`] blocks and
-/// [`super::MAX_EVENTS_PER_BATCH`] events (the index's batch bounds).
-fn split(events: Vec<KvEvent>) -> Vec<Vec<KvEvent>> {
-    let mut batches: Vec<Vec<KvEvent>> = Vec::new();
-    let mut current: Vec<KvEvent> = Vec::new();
-    let mut blocks = 0;
-    for event in events {
-        let pieces: Vec<KvEvent> = match event {
-            KvEvent::Stored { blocks: b, .. } => b
-                .chunks(super::MAX_BLOCKS_PER_BATCH)
-                .map(|c| KvEvent::Stored {
-                    parent: None,
-                    blocks: c.to_vec(),
-                })
-                .collect(),
-            KvEvent::Removed { blocks: b } => b
-                .chunks(super::MAX_BLOCKS_PER_BATCH)
-                .map(|c| KvEvent::Removed { blocks: c.to_vec() })
-                .collect(),
-            KvEvent::Cleared => vec![KvEvent::Cleared],
-        };
-        for piece in pieces {
-            let n = piece.block_count();
-            if !current.is_empty()
-                && (blocks + n > super::MAX_BLOCKS_PER_BATCH
-                    || current.len() >= super::MAX_EVENTS_PER_BATCH)
-            {
-                batches.push(std::mem::take(&mut current));
-                blocks = 0;
-            }
-            blocks += n;
-            current.push(piece);
-        }
-    }
-    if !current.is_empty() {
-        batches.push(current);
-    }
-    batches
 }
 
 #[cfg(test)]

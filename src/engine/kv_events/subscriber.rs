@@ -94,7 +94,6 @@ impl Feed {
             s.connected = true;
         });
         let mut reported: Option<MirrorError> = None;
-        let mut detached = false;
         loop {
             let input = tokio::select! {
                 () = cancel.cancelled() => break,
@@ -159,10 +158,8 @@ impl Feed {
             };
             for action in actions {
                 match action {
-                    // Detached: the engine is scored by prediction, not by an index that can
-                    // never hold one of its blocks.
-                    MirrorAction::Apply(_) if detached => {}
                     MirrorAction::Apply(batch) => self.sink.batch(batch),
+                    MirrorAction::Withdraw => self.sink.closed(),
                     MirrorAction::Replay { rank, from } => {
                         let endpoint = sources
                             .iter()
@@ -186,13 +183,6 @@ impl Feed {
                 mirror.counts(),
                 mirror.last_error().cloned(),
             );
-            // A block size other than the card's: no block of this engine can match a prompt
-            // hashed at the card's, so its (empty) index entry goes and it is scored by
-            // prediction, as an engine without events; the feed keeps counting for the operator.
-            if !detached && matches!(error, Some(MirrorError::BlockSizeMismatch { .. })) {
-                detached = true;
-                self.sink.closed();
-            }
             // Said once per new reason, not per batch.
             if error.is_some() && error != reported {
                 if let Some(e) = &error {
@@ -208,9 +198,8 @@ impl Feed {
                 }
             });
         }
-        if !detached {
-            self.sink.closed();
-        }
+        // Also after a withdrawal: a second close of the same sink changes nothing.
+        self.sink.closed();
     }
 
     /// The engine's publishers, asked until it answers (backoff); an engine that publishes

@@ -188,6 +188,9 @@ impl Harness {
                         "the mirror's own stream is in order: {applied:?}"
                     );
                 }
+                MirrorAction::Withdraw => {
+                    panic!("the simulated engine's blocks are the card's size")
+                }
                 MirrorAction::Replay { rank, from } => {
                     let more = if std::mem::take(&mut self.replay_fails) {
                         self.mirror.handle_replay_failed(rank)
@@ -490,10 +493,15 @@ fn batch(ts: f64, events: Vec<EngineEvent>) -> EngineBatch {
 #[test]
 fn a_block_size_other_than_the_cards_is_a_typed_counted_error() {
     let mut mirror = EngineMirror::new(16, 1);
-    let _ = mirror.handle_live(
+    let actions = mirror.handle_live(
         0,
         0,
         batch(1.0, vec![stored(vec![7], None, vec![1; 32], 32)]),
+    );
+    assert_eq!(
+        actions,
+        vec![MirrorAction::Withdraw],
+        "withdrawn, never indexed"
     );
     assert_eq!(mirror.counts().block_size_mismatches, 1);
     assert_eq!(
@@ -508,6 +516,13 @@ fn a_block_size_other_than_the_cards_is_a_typed_counted_error() {
         0,
         "nothing indexed at the wrong size"
     );
+    // Withdrawn for good: not even a block at the card's size goes to the index after it.
+    let later = mirror.handle_live(
+        1,
+        0,
+        batch(2.0, vec![stored(vec![8], None, vec![1; 16], 16)]),
+    );
+    assert!(later.is_empty(), "no batch after a withdrawal: {later:?}");
 }
 
 #[test]
