@@ -10,11 +10,13 @@
 //!
 //! - `client.rs`: the pooled keep-alive HTTP/1.1 client and its connect, first-byte and idle
 //!   timeouts;
+//! - `load.rs`: the engines' own load, scraped from `/metrics` (off by default);
 //! - `vllm.rs`: the request bodies of both legs and the parsing of vLLM's answers (the prefill's
 //!   JSON, the decode's server-sent events).
 
 mod client;
 pub mod kv_events;
+pub mod load;
 mod stream;
 mod vllm;
 
@@ -31,7 +33,8 @@ use crate::request::GenerateResponse;
 use crate::transport::TransportError;
 
 pub use client::{EngineLinkConfig, DEFAULT_CONNECT_TIMEOUT};
-pub use kv_events::{EngineKvBoard, EngineKvStatus, FeedState};
+pub use kv_events::{EngineKvBoard, EngineKvStatus, FeedState, LoadStatus};
+pub use load::{parse_load, EngineLoad, LoadError, LoadReading};
 pub use stream::EngineStream;
 
 /// Which leg of the disaggregated protocol a link carries.

@@ -32,6 +32,10 @@ pub struct EngineLinkConfig {
     /// Largest body read whole (a prefill's answer, an error's body) and longest line of a
     /// stream, in bytes.
     pub max_body_bytes: usize,
+    /// How often a KV-mode link reads each engine's load from its `/metrics` (`None`, the
+    /// default: never; the bookings alone score load). See [`crate::engine::load`] and
+    /// docs/engines.md for what it measured.
+    pub load_interval: Option<Duration>,
 }
 
 impl Default for EngineLinkConfig {
@@ -42,6 +46,7 @@ impl Default for EngineLinkConfig {
             idle_timeout: Duration::from_secs(30),
             pool_idle_timeout: Duration::from_secs(60),
             max_body_bytes: 16 << 20,
+            load_interval: None,
         }
     }
 }
@@ -74,6 +79,11 @@ impl HttpClient {
             .pool_idle_timeout(config.pool_idle_timeout)
             .build(connector);
         HttpClient { client, config }
+    }
+
+    /// The link's settings.
+    pub(super) fn config(&self) -> &EngineLinkConfig {
+        &self.config
     }
 
     /// GET `http://addr{path}` within the first-byte timeout; the body of a 2xx answer.

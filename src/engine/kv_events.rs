@@ -18,10 +18,12 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-pub use board::{EngineKvBoard, EngineKvStatus, FeedState, Freshness};
+pub use board::{EngineKvBoard, EngineKvStatus, FeedState, Freshness, LoadStatus};
 pub use sources::{parse_sources, KvEventSource, SourceError};
 
 use super::client::HttpClient;
+pub(crate) use super::load::scraper::LoadSink;
+use super::load::scraper::Scraper;
 use crate::discovery::Instance;
 use crate::transport::KvEventSink;
 
@@ -36,14 +38,23 @@ pub(crate) struct KvFeeds {
 
 impl KvFeeds {
     /// Run `instance`'s feed into `sink` until `cancel`; `epoch` numbers the feed's stream to
-    /// the index (larger than any earlier feed's for the same worker).
+    /// the index (larger than any earlier feed's for the same worker). With a load interval
+    /// configured, the engine's load scraper runs beside it into `load`.
     pub(crate) async fn run(
         self,
         instance: Arc<Instance>,
         epoch: u64,
         sink: Arc<dyn KvEventSink>,
+        load: LoadSink,
         cancel: CancellationToken,
     ) {
+        let scraper = self.client.config().load_interval.map(|interval| Scraper {
+            instance: Arc::clone(&instance),
+            interval,
+            client: Arc::clone(&self.client),
+            board: Arc::clone(&self.board),
+            sink: load,
+        });
         let feed = subscriber::Feed {
             instance,
             block_size: self.block_size,
@@ -52,7 +63,12 @@ impl KvFeeds {
             board: self.board,
             client: self.client,
         };
-        feed.run(cancel).await;
+        match scraper {
+            Some(scraper) => {
+                tokio::join!(feed.run(cancel.clone()), scraper.run(cancel));
+            }
+            None => feed.run(cancel).await,
+        }
     }
 
     /// The engine left: its status goes from the board.

@@ -32,6 +32,11 @@ use crate::kv_events::{Applied, EventBatch, KvSnapshot, SnapshotError};
 use crate::load_report::{self, Load, LoadReport, LoadReportError, ReportedLoad};
 use crate::transport::{KvEventSink, KvStreamError};
 
+/// The reported others of an engine whose load is stale: more than any real queue, so it is
+/// the last choice while another worker remains (stale means saturated: protocols.md).
+#[cfg(feature = "engine")]
+const SATURATED_UNITS: u64 = 1 << 40;
+
 /// KV-mode picks by what the index credited the picked worker with: some leading blocks of
 /// the prompt, or none. A pool whose picks all find zero overlap is not KV routing but load
 /// balancing (a block size or tokenizer that differs from the engines', events that stopped):
@@ -383,6 +388,29 @@ impl KvFeed {
     /// A sink for an engine's event feed (`engine::kv_events`), adopted at once: the feed is
     /// `worker`'s only source of events, and what an earlier feed said is dropped.
     #[cfg(feature = "engine")]
+    /// An engine's own load (feature `engine`, [`crate::engine::load`]) as `worker`'s reported
+    /// others: the engine's requests, each weighed as this dispatcher's mean booking, less
+    /// what this dispatcher booked there itself (which the engine counts too). Unknown load
+    /// adds nothing (the bookings alone score it); stale load is saturated.
+    #[cfg(feature = "engine")]
+    pub(crate) fn engine_load(&self, worker: InstanceId, reading: &crate::engine::LoadReading) {
+        use crate::engine::LoadReading;
+        let units = match reading {
+            LoadReading::Known(load) => {
+                let overhead = self.kv.lock().cost().request_overhead.max(1);
+                let board = self.board.lock();
+                // Before the first booking there is no mean: a request weighs its overhead.
+                let each = board.mean_booking().unwrap_or(overhead);
+                load.requests()
+                    .saturating_mul(each)
+                    .saturating_sub(board.load(worker))
+            }
+            LoadReading::Unknown(_) => 0,
+            LoadReading::Stale => SATURATED_UNITS,
+        };
+        self.set_reported(worker, units);
+    }
+
     pub(crate) fn engine_sink(self: &Arc<Self>, worker: InstanceId) -> Arc<dyn KvEventSink> {
         let (sink, generation) = self.sink(worker);
         self.adopt(worker, generation);

@@ -19,6 +19,9 @@ use crate::kv_events::{mix, MixState};
 /// Half-life of a worker's recent work, in picks noted on the board.
 pub const RECENT_WORK_HALF_LIFE: u32 = 256;
 
+/// The window of [`LoadBoard::mean_booking`]'s moving average, in bookings.
+const MEAN_BOOKING_WINDOW: f64 = 32.0;
+
 /// Once the scale of stored recent work passes `2^RESCALE_EXP`, every value is rescaled.
 const RESCALE_EXP: f64 = 256.0;
 
@@ -86,6 +89,8 @@ pub struct LoadBoard {
     /// Picks noted, and the pick at which the recent-work scale was 1.
     tick: u64,
     base: u64,
+    /// The moving average of a booking's amount (0 before the first).
+    mean_booking: f64,
     /// Where the board's mutant breaks releases (see [`BoardMutant`]); zero-sized in normal
     /// builds.
     mutant: Seam<BoardMutant>,
@@ -289,8 +294,24 @@ impl LoadBoard {
         }
     }
 
+    /// The mean amount of a booking, a moving average over the last few dozen (`None` before
+    /// the first): what one request of a worker's own count weighs (engine load,
+    /// `crate::engine::load`).
+    pub fn mean_booking(&self) -> Option<u64> {
+        // Whole units: the bookings are.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        (self.mean_booking > 0.0).then(|| self.mean_booking.round() as u64)
+    }
+
     /// Book `amount` more work on `id`. O(log members).
     pub fn acquire(&mut self, id: InstanceId, amount: u64) {
+        #[allow(clippy::cast_precision_loss)] // bookings far below 2^52
+        let amount_f = amount as f64;
+        self.mean_booking = if self.mean_booking > 0.0 {
+            self.mean_booking + (amount_f - self.mean_booking) / MEAN_BOOKING_WINDOW
+        } else {
+            amount_f
+        };
         let slot = self.slots.entry(id).or_insert(Slot::EMPTY);
         let (own, from) = (slot.load, slot.combined());
         slot.load = own.saturating_add(amount);

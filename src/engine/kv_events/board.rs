@@ -7,6 +7,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::discovery::InstanceId;
+use crate::engine::load::LoadReading;
 use crate::kv_events::{MirrorCounts, MirrorError, Picture};
 
 /// Where one engine's feed is.
@@ -45,6 +46,24 @@ pub struct EngineKvStatus {
     pub last_error: Option<MirrorError>,
     /// Whether the live stream is connected (false from a loss until it is back).
     pub connected: bool,
+    /// The engine's own load, when the link scrapes it ([`EngineLinkConfig::load_interval`]).
+    ///
+    /// [`EngineLinkConfig::load_interval`]: crate::engine::EngineLinkConfig::load_interval
+    pub load: LoadStatus,
+}
+
+/// What the router learnt of one engine's load from its `/metrics` (see
+/// [`crate::engine::load`]).
+#[derive(Clone, Debug, Default)]
+pub struct LoadStatus {
+    /// The last reading (`None`: not scraped yet, or scraping is off).
+    pub reading: Option<LoadReading>,
+    /// When it was taken.
+    pub at: Option<Instant>,
+    /// Scrapes that gave a reading.
+    pub scrapes: u64,
+    /// Scrapes that failed (no answer, or not 2xx).
+    pub failures: u64,
 }
 
 impl EngineKvStatus {
@@ -57,6 +76,11 @@ impl EngineKvStatus {
             return Some(format!(
                 "its blocks hold {engine} tokens, the card says {card}: no block can match"
             ));
+        }
+        if self.load.reading == Some(LoadReading::Stale) {
+            return Some(
+                "its /metrics stopped answering: scored as saturated until they answer".to_owned(),
+            );
         }
         match &self.state {
             FeedState::Starting => Some("KV events not started yet".to_owned()),
@@ -138,7 +162,7 @@ impl EngineKvBoard {
         self.engines.lock().get(&engine).cloned()
     }
 
-    pub(super) fn update(&self, engine: InstanceId, change: impl FnOnce(&mut EngineKvStatus)) {
+    pub(crate) fn update(&self, engine: InstanceId, change: impl FnOnce(&mut EngineKvStatus)) {
         change(self.engines.lock().entry(engine).or_default());
     }
 

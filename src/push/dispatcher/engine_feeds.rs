@@ -1,6 +1,7 @@
 //! Engine KV events in KV mode (feature `engine`): one feed per engine of the routable view,
 //! started as the engine joins, stopped as it leaves discovery, each feeding the dispatcher's
-//! index through a sink of its own (`engine::kv_events` does the subscribing and mirroring).
+//! index through a sink of its own (`engine::kv_events` does the subscribing and mirroring),
+//! and, when the link scrapes engine load, its readings onto the dispatcher's load board.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,7 +10,7 @@ use std::sync::Arc;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::discovery::InstanceId;
-use crate::engine::kv_events::KvFeeds;
+use crate::engine::kv_events::{KvFeeds, LoadSink};
 use crate::push::{KvFeed, RoutableView};
 
 /// Epochs of the feeds' output streams: each new feed for a worker starts above every earlier
@@ -35,7 +36,13 @@ pub(super) fn spawn(view: RoutableView, feed: Arc<KvFeed>, feeds: KvFeeds) -> Op
                 running.insert(id, token.clone());
                 let epoch = EPOCHS.fetch_add(1, Ordering::Relaxed);
                 let sink = feed.engine_sink(id);
-                tokio::spawn(feeds.clone().run(Arc::clone(instance), epoch, sink, token));
+                let loads = Arc::clone(&feed);
+                let load: LoadSink = Arc::new(move |reading| loads.engine_load(id, &reading));
+                tokio::spawn(
+                    feeds
+                        .clone()
+                        .run(Arc::clone(instance), epoch, sink, load, token),
+                );
             }
             running.retain(|id, token| {
                 let keep = view.is_discovered(*id);
