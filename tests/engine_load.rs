@@ -217,6 +217,17 @@ async fn stale_load_is_saturated_and_missing_load_is_unknown() {
     );
     let status = hop.binding_stats().engine_kv.status(1).unwrap();
     assert!(status.load.failures >= 3, "{status:?}");
+    let mut registry = prometheus_client::registry::Registry::default();
+    hop.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    for line in [
+        "prefill_router_engine_load_stale{engine=\"1\"} 1",
+        "prefill_router_engine_load_requests{engine=\"1\"} -1",
+        "prefill_router_engine_load_stale{engine=\"2\"} 0",
+    ] {
+        assert!(text.contains(line), "{line} in {text}");
+    }
 
     // Its metrics answer again: no longer saturated.
     *failing.lock() = vllm_metrics(0, 0);

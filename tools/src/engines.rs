@@ -19,7 +19,7 @@ use prefill_router::advert::{EngineCard, EngineProtocol, ModelCard, RouterConfig
 use prefill_router::discovery::{Discovery, EndpointId, Instance, InstanceId, Registration};
 use tokio_util::sync::CancellationToken;
 
-pub use probe::{http_get, ProbeError};
+pub use probe::{http_get, http_post_json, ProbeError};
 
 /// A bad engine URL.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -46,6 +46,8 @@ pub struct EngineKvStatus {
     pub last_error: Option<MirrorError>,
     /// Whether the live stream is connected (false from a loss until it is back).
     pub connected: bool,
+    /// The block size the engine's stored blocks said last (`None`: none seen yet).
+    pub engine_block_size: Option<u32>,
     /// The engine's own load, when the link scrapes it ([`EngineLinkConfig::load_interval`]).
     ///
     /// [`EngineLinkConfig::load_interval`]: crate::engine::EngineLinkConfig::load_interval

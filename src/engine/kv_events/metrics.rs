@@ -15,6 +15,8 @@
 //! | `engine_kv_disconnects_total` | counter | times the live stream was lost |
 //! | `engine_kv_exact` | gauge | 1 when the index holds exactly the engine's cache, 0 when partial or unknown |
 //! | `engine_kv_last_event_age_ms` | gauge | since the last live batch (-1: none yet) |
+//! | `engine_load_requests` | gauge | requests the engine runs and queues, as last scraped (-1: unknown, stale, or not scraped) |
+//! | `engine_load_stale` | gauge | 1 while the engine's `/metrics` stopped answering (scored as saturated) |
 
 use std::fmt;
 use std::sync::Arc;
@@ -24,6 +26,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
 use super::board::{EngineKvBoard, EngineKvStatus};
+use crate::engine::load::LoadReading;
 use crate::kv_events::Picture;
 
 type Counter = fn(&EngineKvStatus) -> u64;
@@ -95,7 +98,7 @@ pub(crate) fn encode(board: &Arc<EngineKvBoard>, encoder: &mut DescriptorEncoder
     }
     let kind = ConstGauge::new(0i64).metric_type();
     let now = tokio::time::Instant::now();
-    let gauges: [(&str, &str, Gauge); 2] = [
+    let gauges: [(&str, &str, Gauge); 4] = [
         (
             "engine_kv_exact",
             "Whether the index holds exactly the engine's cache (1) or not (0)",
@@ -109,6 +112,19 @@ pub(crate) fn encode(board: &Arc<EngineKvBoard>, encoder: &mut DescriptorEncoder
                     i64::try_from(now.saturating_duration_since(t).as_millis()).unwrap_or(i64::MAX)
                 })
             },
+        ),
+        (
+            "engine_load_requests",
+            "Requests the engine runs and queues, per its /metrics (-1: unknown, stale or not read)",
+            |s, _| match &s.load.reading {
+                Some(LoadReading::Known(load)) => i64::try_from(load.requests()).unwrap_or(i64::MAX),
+                _ => -1,
+            },
+        ),
+        (
+            "engine_load_stale",
+            "Whether the engine's /metrics stopped answering (1: scored as saturated)",
+            |s, _| i64::from(s.load.reading == Some(LoadReading::Stale)),
         ),
     ];
     for (name, help, value) in gauges {

@@ -16,7 +16,7 @@ use super::board::{EngineKvBoard, FeedState};
 use super::sources::{parse_sources, KvEventSource};
 use crate::discovery::Instance;
 use crate::kv_events::engine_wire::decode_engine_batch;
-use crate::kv_events::{EngineMirror, MirrorAction, MirrorError};
+use crate::kv_events::{EngineBatch, EngineEvent, EngineMirror, MirrorAction, MirrorError};
 use crate::transport::KvEventSink;
 
 use super::super::client::HttpClient;
@@ -66,6 +66,15 @@ enum Input {
     },
 }
 
+/// The block size a batch's last stored chain of the main attention group says (what
+/// `serve --check-events` reports).
+fn block_size_of(batch: &EngineBatch) -> Option<u32> {
+    batch.events.iter().rev().find_map(|event| match event {
+        EngineEvent::Stored(stored) if stored.group_idx == 0 => Some(stored.block_size),
+        _ => None,
+    })
+}
+
 /// Everything one engine's feed needs.
 pub(crate) struct Feed {
     pub(crate) instance: Arc<Instance>,
@@ -104,10 +113,13 @@ impl Feed {
             };
             // The engine's timestamp of a live batch, for its freshness once applied.
             let mut published = None;
+            // The block size its stored blocks say, shown with the mirror's verdict on it.
+            let mut seen_size = None;
             let actions = match input {
                 Input::Live { rank, seq, payload } => match decode_engine_batch(&payload) {
                     Ok(batch) => {
                         published = Some(batch.ts);
+                        seen_size = block_size_of(&batch);
                         self.board
                             .update(id, |s| s.live(tokio::time::Instant::now()));
                         mirror.handle_live(rank, seq, batch)
@@ -121,7 +133,10 @@ impl Feed {
                     }
                 },
                 Input::Replayed { rank, seq, payload } => match decode_engine_batch(&payload) {
-                    Ok(batch) => mirror.handle_replayed(rank, seq, batch),
+                    Ok(batch) => {
+                        seen_size = block_size_of(&batch);
+                        mirror.handle_replayed(rank, seq, batch)
+                    }
                     Err(error) => {
                         tracing::warn!(engine = id, rank, seq, %error, "replayed KV event batch undecodable");
                         self.board.update(id, |s| s.undecodable += 1);
@@ -193,6 +208,7 @@ impl Feed {
             self.board.update(id, |s| {
                 s.picture = picture;
                 s.counts = counts;
+                s.engine_block_size = seen_size.or(s.engine_block_size);
                 if let Some(error) = error {
                     s.last_error = Some(error);
                 }

@@ -41,10 +41,32 @@ pub async fn http_get(
         .map_err(|_| ProbeError::Timeout(timeout))?
 }
 
+/// `POST path` at `addr` with a JSON `body`: the status and the answer's body.
+pub async fn http_post_json(
+    addr: SocketAddr,
+    path: &str,
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> Result<(u16, Vec<u8>), ProbeError> {
+    let body = body.to_string();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tokio::time::timeout(timeout, exchange(addr, &request))
+        .await
+        .map_err(|_| ProbeError::Timeout(timeout))?
+}
+
 async fn get(addr: SocketAddr, path: &str) -> Result<(u16, Vec<u8>), ProbeError> {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    exchange(addr, &request).await
+}
+
+/// Send `request` on a new connection and read the answer: its status and body.
+async fn exchange(addr: SocketAddr, request: &str) -> Result<(u16, Vec<u8>), ProbeError> {
     let io = |e: std::io::Error| ProbeError::Io(e.to_string());
     let mut socket = TcpStream::connect(addr).await.map_err(io)?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     socket.write_all(request.as_bytes()).await.map_err(io)?;
     let mut answer = Vec::new();
     let mut chunk = [0u8; 16384];

@@ -17,6 +17,7 @@ use std::process::ExitCode;
 mod args;
 mod commands;
 mod demo;
+mod events_check;
 mod health;
 mod register;
 mod replay;

@@ -41,6 +41,13 @@ options:
   --decode-url URL[,...]   the decode engines; each engine is probed on /health and leaves
                            the routable set while it does not answer (docs/engines.md); then
                            --discovery and --namespace are optional (an in-process store)
+  --check-events[=SECS]    with --router-mode kv: before listening, confirm within SECS
+                           (default 60) that each prefill engine's KV events reach the router
+                           and its blocks are the card's size (an engine with no history is
+                           sent one probe prompt); refuse to start otherwise
+  --engine-load-ms N       read each KV-mode engine's load from its /metrics every N ms and
+                           count the requests it holds beyond this router's own (off by
+                           default; docs/engines.md, \"Engine load\")
   --discovery SPEC         file://DIR (a directory shared on this host) or
                            etcd://HOST:PORT[,HOST:PORT...] (the members of one etcd cluster)
                            or k8s://NAMESPACE[?kubeconfig=PATH|?url=URL] (the workers'
@@ -119,6 +126,10 @@ pub struct ServeOptions {
     model_given: bool,
     /// `--tokenizer DIR` and `--check-tokenizer URL` (loaded and checked when serve starts).
     tokenizer: Option<(PathBuf, Option<String>)>,
+    /// `--check-events[=SECS]`: the bound of the check (`None`: no check).
+    check_events: Option<Duration>,
+    /// `--engine-load-ms N`: how often engines' load is read (`None`: never).
+    engine_load: Option<Duration>,
 }
 
 fn fallback(raw: &str) -> Result<FallbackPolicy, CliError> {
@@ -173,6 +184,8 @@ impl ServeOptions {
             discovery_given: false,
             model_given: false,
             tokenizer: None,
+            check_events: None,
+            engine_load: None,
         };
         let mut check_tokenizer = None;
         let mut flags = Flags::new(args);
@@ -216,6 +229,18 @@ impl ServeOptions {
                 "--metrics-need-key" => options.http.metrics_need_key = true,
                 "--tokenizer" => options.tokenizer = Some((flags.value(flag)?.into(), None)),
                 "--check-tokenizer" => check_tokenizer = Some(flags.value(flag)?.to_owned()),
+                "--check-events" => options.check_events = Some(Duration::from_secs(60)),
+                other if other.starts_with("--check-events=") => {
+                    options.check_events = match other["--check-events=".len()..].parse() {
+                        Ok(secs) if secs > 0 => Some(Duration::from_secs(secs)),
+                        _ => {
+                            return Err(CliError::Usage(format!(
+                                "{other}: expected a positive number of seconds"
+                            )))
+                        }
+                    }
+                }
+                "--engine-load-ms" => options.engine_load = Some(millis(&mut flags, flag)?),
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other if options.tls.take(other, &mut flags, true)? => {}
                 other if options.engines.take(other, &mut flags)? => {}
@@ -233,6 +258,11 @@ impl ServeOptions {
             (None, None) => {}
         }
         options.engines.check()?;
+        if options.check_events.is_some() && !options.engines.kv_mode() {
+            return Err(CliError::Usage(
+                "--check-events needs --engine with --router-mode kv".into(),
+            ));
+        }
         let engines = options.engines.given();
         options.discovery_given = discovery.is_some();
         options.discovery = match discovery {
@@ -372,11 +402,18 @@ async fn serve(mut options: ServeOptions) -> Result<(), String> {
             ..PrefillRouterConfig::default()
         },
         push,
+        engine: prefill_router::engine::EngineLinkConfig {
+            load_interval: options.engine_load,
+            ..Default::default()
+        },
         ..PrefillHopConfig::default()
     };
     let hop = PrefillHop::start(discovery, &options.namespace, config)
         .await
         .map_err(|e| e.to_string())?;
+    if let Some(bound) = options.check_events {
+        crate::events_check::check(&hop, &options.engines.prefill_ids(), bound).await?;
+    }
     let hop = Arc::new(hop);
     let listener = TcpListener::bind(options.listen)
         .await

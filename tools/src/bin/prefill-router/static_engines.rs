@@ -50,6 +50,18 @@ impl StaticEngines {
         Ok(true)
     }
 
+    /// Whether the prefill engines are picked in KV mode (`--router-mode kv`).
+    pub fn kv_mode(&self) -> bool {
+        self.router_mode == Some(SelectionMode::KV)
+    }
+
+    /// The prefill engines with the instance ids [`start`](Self::start) registers them under.
+    pub fn prefill_ids(&self) -> Vec<(prefill_router::discovery::InstanceId, EngineUrl)> {
+        (FIRST_PREFILL_ID..)
+            .zip(self.prefill.iter().cloned())
+            .collect()
+    }
+
     /// Whether engines were given (then `--discovery` is optional).
     pub fn given(&self) -> bool {
         self.protocol.is_some()
