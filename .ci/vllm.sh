@@ -55,10 +55,13 @@ free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
 
-# engine NAME ROLE(P|D|A) HTTP_PORT SIDE_PORT: one vLLM OpenAI server, NixlConnector for P and D
-# (A: aggregated, no connector), block 32, eager, one process less (uni). Waits for /health.
+# engine NAME ROLE(P|D|A) HTTP_PORT SIDE_PORT [EVENTS_PORT [ARGS...]]: one vLLM OpenAI server,
+# NixlConnector for P and D (A: aggregated, no connector), block 32, eager, one process less
+# (uni), KV events on EVENTS_PORT if given, ARGS added. Waits for /health.
 engine() {
     local name="$1" role="$2" port="$3" side="$4" events="${5:-}"
+    shift 5 2>/dev/null || shift $#
+    local extra=("$@")
     local kvt=() kve=()
     case "$role" in
         P) kvt=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}') ;;
@@ -79,7 +82,7 @@ engine() {
             --served-model-name tiny-llama --dtype float32 --host 127.0.0.1 --port "$port" \
             --max-model-len 1024 --enable-prefix-caching --block-size 32 \
             --prefix-caching-hash-algo sha256_cbor --enable-prompt-tokens-details \
-            --enforce-eager --distributed-executor-backend uni "${kvt[@]}" "${kve[@]}"
+            --enforce-eager --distributed-executor-backend uni "${kvt[@]}" "${kve[@]}" "${extra[@]}"
     ) >"$work/$name.log" 2>&1 &
     pids+=("$!")
     local pid=$! i
@@ -97,10 +100,12 @@ engine() {
 }
 
 P_PORT=$(free_port); D_PORT=$(free_port); P_SIDE=$(free_port); D_SIDE=$(free_port)
-engine prefill P "$P_PORT" "$P_SIDE" "$(free_port)"
+# The first prefill engine's cache is small (256 blocks of 32 tokens), so the events test sees
+# it evict; the tests send at most a few thousand tokens at once.
+engine prefill P "$P_PORT" "$P_SIDE" "$(free_port)" --num-gpu-blocks-override 256
 engine decode D "$D_PORT" "$D_SIDE"
 export PREFILL_VLLM_PREFILL="127.0.0.1:$P_PORT" PREFILL_VLLM_DECODE="127.0.0.1:$D_PORT"
-export PREFILL_VLLM_EVENTS="127.0.0.1:$P_PORT"
+export PREFILL_VLLM_EVENTS="127.0.0.1:$P_PORT" PREFILL_VLLM_EVENTS_BLOCKS=256
 export PREFILL_VLLM_MODEL_DIR="$ENGINE_DIR/tiny-llama"
 
 say "the hop over the pair, and the prefill engine's KV events (library)"
@@ -119,11 +124,12 @@ if [ -f tools/tests/engines/vllm_e2e.py ]; then
 fi
 
 if [ -f tools/tests/engines/vllm_two_prefill.py ] && [ -z "${VLLM_ONE_PAIR:-}" ]; then
-    say "a second prefill engine; then one prefill engine SIGKILLed under serve"
+    say "a second prefill engine (KV events too); then one prefill engine SIGKILLed under serve"
     P2_PORT=$(free_port); P2_SIDE=$(free_port)
-    engine prefill2 P "$P2_PORT" "$P2_SIDE"
+    engine prefill2 P "$P2_PORT" "$P2_SIDE" "$(free_port)"
+    # VLLM_LOAD_FIGURE=1: also the engine-load figure (docs/engines.md; not run by CI).
     "$ENGINE_DIR/venv/bin/python" tools/tests/engines/vllm_two_prefill.py \
-        --bin "$root/target/release/prefill-router" \
+        ${VLLM_LOAD_FIGURE:+--load-figure} --bin "$root/target/release/prefill-router" \
         --prefill "127.0.0.1:$P_PORT,127.0.0.1:$P2_PORT" --decode "127.0.0.1:$D_PORT" \
         --kill-pid "${pids[-1]}" --model-dir "$ENGINE_DIR/tiny-llama" --work "$work"
 fi

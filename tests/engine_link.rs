@@ -639,7 +639,11 @@ async fn live_vllm_events_index_what_the_engine_caches() {
     assert!(!fresh.is_empty(), "live batches were timed");
 
     // A second router joining late: its subscriber replays the engine's history and credits
-    // the same prefix.
+    // the same prefix (stored again first: a small cache may have evicted it since).
+    binding
+        .prefill(GenerateRequest::new(prompt(98, 8), 1))
+        .await
+        .unwrap();
     let (late, _r2) = start(32).await;
     for _ in 0..300 {
         if subscribed(&late) {
@@ -659,6 +663,64 @@ async fn live_vllm_events_index_what_the_engine_caches() {
     assert_eq!(theirs, ours);
     assert!(ours.unwrap_or(0) >= 5);
     late.shutdown().await;
+
+    // An engine with a small cache (`PREFILL_VLLM_EVENTS_BLOCKS`, its
+    // --num-gpu-blocks-override) evicts; the index follows its removals: more distinct
+    // prompts than it holds, then the first of them (evicted) and the last (still there) are
+    // each credited exactly what the engine then reports cached.
+    if let Some(capacity) = std::env::var("PREFILL_VLLM_EVENTS_BLOCKS")
+        .ok()
+        .and_then(|b| b.parse::<u32>().ok())
+    {
+        let evicting = |n: u32| -> Vec<u32> {
+            // Eight full blocks and a few tokens: a prompt that is whole blocks is never
+            // reported fully cached (the engine recomputes its last token).
+            (0..260u32)
+                .map(|i| 3 + (salt * 7 + n * 389 + i * 23) % 990)
+                .collect()
+        };
+        let count = capacity / 8 + 6;
+        for n in 0..count {
+            binding
+                .prefill(GenerateRequest::new(evicting(n), 1))
+                .await
+                .unwrap();
+        }
+        let settled = |hop: &PrefillHop| {
+            hop.binding_stats()
+                .engine_kv
+                .status(1)
+                .map_or(0, |s| s.received)
+        };
+        let mut last = settled(&hop);
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now = settled(&hop);
+            if now == last {
+                break;
+            }
+            last = now;
+        }
+        for n in [0, count - 1] {
+            let tokens = evicting(n);
+            let predicted = binding
+                .dispatcher()
+                .kv_indexed_overlap(&tokens, 1)
+                .unwrap_or(0);
+            let info = binding
+                .prefill(GenerateRequest::new(tokens, 1))
+                .await
+                .unwrap();
+            let reported = info
+                .handoff
+                .as_ref()
+                .map_or(0, |h| h.cached_blocks as usize);
+            println!("live events: eviction, prompt {n} of {count}: index {predicted} blocks, engine reports {reported}");
+            assert_eq!(predicted, reported, "prompt {n} after evictions");
+        }
+        let status = hop.binding_stats().engine_kv.status(1).unwrap();
+        assert_eq!(status.picture, Picture::Exact, "{status:?}");
+    }
 
     // A card with another block size: reported, nothing credited.
     let (wrong, _r3) = start(16).await;

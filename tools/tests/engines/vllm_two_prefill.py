@@ -7,8 +7,12 @@
 Checks (PASS/FAIL lines; exit status = failures): requests reach both prefill engines; after
 the SIGKILL of the second one no request fails (a refused prefill is retried on the other
 engine, then the engine is withdrawn from the set); the dead engine leaves the routable set.
-A FIGURE line says whether a growing conversation stayed on one prefill engine under
-`--router-mode kv` (measured, not asserted: issue #40 is about exactly that).
+Both prefill engines publish KV events: `serve --router-mode kv --check-events` must confirm
+both before it listens. FIGURE lines: whether a growing conversation stayed on one prefill engine
+under `--router-mode kv`, and the prefix-cache hit rate the prefill engines report for the same
+multi-turn workload (fresh tokens per router) under KV routing (their events) and round robin,
+in one run. `--load-figure` adds a run with one engine busy with direct requests: TTFT through
+serve with and without `--engine-load-ms` (docs/engines.md, "Engine load"; not run by CI).
 """
 import argparse
 import os
@@ -30,6 +34,7 @@ ap.add_argument("--kill-pid", type=int, required=True, help="the second prefill 
 ap.add_argument("--model-dir", required=True)
 ap.add_argument("--model", default="tiny-llama")
 ap.add_argument("--work", required=True)
+ap.add_argument("--load-figure", action="store_true")
 args = ap.parse_args()
 
 failures = 0
@@ -77,6 +82,31 @@ def serve(name, extra):
     return base
 
 
+def prefix_cache():
+    """(hits, queries) in tokens, summed over the prefill engines' /metrics."""
+    hits = queries = 0.0
+    for p in args.prefill.split(","):
+        text = urllib.request.urlopen(f"http://{p}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def conversations(client, sessions=8, turns=5):
+    """Sessions sending turn after turn, interleaved; the engines' prefix-cache hit rate."""
+    h0, q0 = prefix_cache()
+    histories = [[rng.randrange(4, 1000) for _ in range(128)] for _ in range(sessions)]
+    for _ in range(turns):
+        for history in histories:
+            history += [rng.randrange(4, 1000) for _ in range(64)]
+            completion(client, history, max_tokens=2)
+    h1, q1 = prefix_cache()
+    return (h1 - h0) / max(q1 - q0, 1.0)
+
+
 def completion(client, ids, max_tokens=4):
     raw = client.completions.with_raw_response.create(
         model=args.model, prompt=ids, max_tokens=max_tokens, temperature=0,
@@ -84,10 +114,60 @@ def completion(client, ids, max_tokens=4):
     return raw.headers.get("x-prefill-worker"), raw.parse()
 
 
+def load_figure():
+    """One prefill engine kept busy by direct clients the router does not see; requests through
+    `serve --router-mode kv`, without and with `--engine-load-ms 100`: latency and where they
+    went."""
+    import statistics
+    import threading
+    busy = args.prefill.split(",")[0]
+    stop = threading.Event()
+
+    def direct():
+        local = random.Random()
+        direct_client = openai.OpenAI(base_url=f"http://{busy}/v1", api_key="none",
+                                      max_retries=0, timeout=120)
+        while not stop.is_set():
+            try:
+                direct_client.completions.create(
+                    model=args.model, prompt=[local.randrange(4, 1000) for _ in range(900)],
+                    max_tokens=1)
+            except Exception:
+                time.sleep(0.1)
+
+    threads = [threading.Thread(target=direct, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    try:
+        for name, extra in [("blind", []), ("scraped", ["--engine-load-ms", "100"])]:
+            base = serve("serve-load-" + name, ["--router-mode", "kv"] + extra)
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
+                                   timeout=120)
+            time.sleep(1)
+            took, busy_picks = [], 0
+            for _ in range(20):
+                began = time.time()
+                worker, _ = completion(client, [rng.randrange(4, 1000) for _ in range(300)], 2)
+                took.append((time.time() - began) * 1000)
+                busy_picks += worker == "1"
+            took.sort()
+            print(f"FIGURE engine_load {name}: p50={statistics.median(took):.0f}ms "
+                  f"p90={took[int(0.9 * (len(took) - 1))]:.0f}ms max={took[-1]:.0f}ms "
+                  f"to_busy_engine={busy_picks}/20", flush=True)
+            procs.pop().kill()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=150)
+
+
 rng = random.Random()
 try:
-    # A growing conversation under KV routing (measured).
-    base = serve("serve-kv", ["--router-mode", "kv"])
+    # A growing conversation under KV routing (measured), the engines' events checked first.
+    base = serve("serve-kv", ["--router-mode", "kv", "--check-events=90"])
+    checked = open(os.path.join(args.work, "serve-kv.log")).read().count('"events_checked"')
+    check("serve --check-events confirms both prefill engines' KV events", checked == 2, checked)
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
     history = [rng.randrange(4, 1000) for _ in range(256)]
     workers = []
@@ -98,11 +178,17 @@ try:
     stayed = len(set(workers[1:])) == 1 and workers[1] == workers[0]
     print(f"FIGURE conversation_prefill_workers={','.join(map(str, workers))} stayed={stayed}",
           flush=True)
+    kv_hits = conversations(client)
     procs.pop().kill()
 
     # Round robin over both engines, then one of them SIGKILLed: nothing fails.
     base = serve("serve-rr", [])
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+    rr_hits = conversations(client)
+    print(f"FIGURE prefix_cache_hit_rate kv_events={kv_hits:.3f} round_robin={rr_hits:.3f} "
+          "(8 sessions x 5 turns, 128 + 64/turn tokens, engines' own counters)", flush=True)
+    if args.load_figure:
+        load_figure()
     seen = set()
     for _ in range(6):
         worker, got = completion(client, [rng.randrange(4, 1000) for _ in range(100)])
