@@ -166,12 +166,23 @@ impl EngineLink {
         match self.role {
             EngineRole::Prefill => {
                 let body = vllm::prefill_body(&request)?;
+                let sent = Instant::now();
                 let answer = self
                     .client
                     .post_json(addr, "/v1/completions", &id, body, deadline)
                     .await?;
                 let bytes = answer.collect(addr, deadline).await?;
                 let response = vllm::prefill_answer(addr, worker, self.block_size, &bytes)?;
+                // Full prompt blocks the engine did not have: it stored them, and its KV events
+                // owe the router a batch saying so (the staleness check's evidence).
+                let full = request.token_ids.len() / self.block_size.max(1) as usize;
+                let cached = response
+                    .prefill
+                    .as_ref()
+                    .map_or(0, |p| p.cached_blocks as usize);
+                if full > cached {
+                    self.kv_board.expect_event(worker, sent);
+                }
                 let has_handoff = response
                     .prefill
                     .as_ref()

@@ -28,6 +28,7 @@ use zeromq::{Socket, SocketRecv, SocketSend};
 mod http_request;
 
 const BS: u32 = 16;
+const PREFILL_ANSWER: &str = r#"{"choices":[{"index":0,"text":"p","token_ids":[9],"finish_reason":"length"}],"usage":{"prompt_tokens":64,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}},"kv_transfer_params":null}"#;
 const TOPIC: &str = "kv-events";
 
 /// The fake engine's event side: its numbered batches and the replay buffer.
@@ -105,6 +106,10 @@ impl FakeEngine {
                     {
                         let (status, body) = if head.starts_with("get /kv_event_sources") {
                             ("200 OK", sources.clone())
+                        } else if head.starts_with("post /v1/completions") {
+                            // A prefill that found nothing cached (and publishes nothing by
+                            // itself: the test says what the engine publishes).
+                            ("200 OK", PREFILL_ANSWER.to_owned())
                         } else {
                             ("404 Not Found", "{}".to_owned())
                         };
@@ -205,6 +210,15 @@ async fn until(what: &str, mut check: impl FnMut() -> bool) {
 /// A hop whose prefill set is the fake engine, its card in KV mode at `block_size` tokens per
 /// block; the registrations live as long as the hop.
 async fn hop_over(engine: &FakeEngine, block_size: u32) -> (PrefillHop, [Registration; 2]) {
+    hop_with(engine, block_size, PrefillHopConfig::default()).await
+}
+
+/// [`hop_over`] with `config`.
+async fn hop_with(
+    engine: &FakeEngine,
+    block_size: u32,
+    config: PrefillHopConfig,
+) -> (PrefillHop, [Registration; 2]) {
     let discovery = MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(30)));
     let card = ModelCard {
         kv_cache_block_size: block_size,
@@ -234,7 +248,7 @@ async fn hop_over(engine: &FakeEngine, block_size: u32) -> (PrefillHop, [Registr
             .unwrap(),
     ];
     let discovery: Arc<dyn Discovery> = Arc::new(discovery);
-    let hop = PrefillHop::start(discovery, "engines", PrefillHopConfig::default())
+    let hop = PrefillHop::start(discovery, "engines", config)
         .await
         .unwrap();
     hop.router()
@@ -334,5 +348,72 @@ async fn a_card_at_another_block_size_is_reported_and_not_indexed() {
             .is_none()
     })
     .await;
+    hop.shutdown().await;
+}
+
+/// Events that stop while prefills store blocks: the batch a prefill owes never comes, so the
+/// engine's events are called stale (a warning), its entries dropped, and its feed started
+/// afresh, which rebuilds the picture from the engine's replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_owed_after_a_prefill_and_never_sent_are_stale_and_the_feed_restarts() {
+    use prefill_router::binding::Binding;
+    let engine = FakeEngine::start().await;
+    engine.publish(vec![stored(1, 0, 4)], true).await;
+    let mut config = PrefillHopConfig::default();
+    config.engine.events_stale_after = Duration::from_millis(300);
+    let (hop, _keep) = hop_with(&engine, BS, config).await;
+    let binding = hop.router().route().binding().cloned().unwrap();
+    let board = Arc::clone(&hop.binding_stats().engine_kv);
+    until("the history replayed", || {
+        binding.dispatcher().kv_indexed_overlap(&prompt(1, 4), 1) == Some(4)
+    })
+    .await;
+
+    // A prefill of four new blocks, and the engine publishes nothing.
+    binding
+        .prefill(prefill_router::request::GenerateRequest::new(
+            prompt(2, 4),
+            1,
+        ))
+        .await
+        .unwrap();
+    until("the events called stale", || {
+        board.status(1).is_some_and(|s| s.stale_restarts >= 1)
+    })
+    .await;
+    let warned = (0..100).any(|_| {
+        let w = hop.warnings();
+        std::thread::sleep(Duration::from_millis(2));
+        w.iter()
+            .any(|w| w.contains("stale") || w.contains("not started"))
+    });
+    assert!(warned, "the operator hears of it");
+
+    // The fresh feed replays the engine's history: the picture is back, nothing owed.
+    until("the feed subscribed afresh", || {
+        board.status(1).is_some_and(|s| {
+            s.state == FeedState::Subscribed
+                && s.picture == Picture::Exact
+                && s.awaiting_event_since.is_none()
+        })
+    })
+    .await;
+    assert_eq!(
+        binding.dispatcher().kv_indexed_overlap(&prompt(1, 4), 1),
+        Some(4)
+    );
+    // A prefill whose batch does come owes nothing for long.
+    binding
+        .prefill(prefill_router::request::GenerateRequest::new(
+            prompt(3, 4),
+            1,
+        ))
+        .await
+        .unwrap();
+    engine.publish(vec![stored(3, 0, 4)], false).await;
+    let restarts = board.status(1).unwrap().stale_restarts;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let status = board.status(1).unwrap();
+    assert_eq!(status.stale_restarts, restarts, "{status:?}");
     hop.shutdown().await;
 }

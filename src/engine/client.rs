@@ -36,6 +36,10 @@ pub struct EngineLinkConfig {
     /// default: never; the bookings alone score load). See [`crate::engine::load`] and
     /// docs/engines.md for what it measured.
     pub load_interval: Option<Duration>,
+    /// How long a KV-mode link waits for an engine's KV event after a prefill that stored new
+    /// blocks there before it calls the engine's events stale: the engine's entries are dropped
+    /// (it is scored by prediction and load meanwhile) and its feed subscribes afresh.
+    pub events_stale_after: Duration,
 }
 
 impl Default for EngineLinkConfig {
@@ -47,6 +51,7 @@ impl Default for EngineLinkConfig {
             pool_idle_timeout: Duration::from_secs(60),
             max_body_bytes: 16 << 20,
             load_interval: None,
+            events_stale_after: Duration::from_secs(10),
         }
     }
 }

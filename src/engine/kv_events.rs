@@ -37,9 +37,10 @@ pub(crate) struct KvFeeds {
 }
 
 impl KvFeeds {
-    /// Run `instance`'s feed into `sink` until `cancel`; `epoch` numbers the feed's stream to
-    /// the index (larger than any earlier feed's for the same worker). With a load interval
-    /// configured, the engine's load scraper runs beside it into `load`.
+    /// Run `instance`'s feed into `sink` until `cancel`, or until its events go stale (then the
+    /// caller starts a new one); `epoch` numbers the feed's stream to the index (larger than
+    /// any earlier feed's for the same worker). With a load interval configured, the engine's
+    /// load scraper runs beside it into `load`.
     pub(crate) async fn run(
         self,
         instance: Arc<Instance>,
@@ -63,11 +64,18 @@ impl KvFeeds {
             board: self.board,
             client: self.client,
         };
+        // The feed may end by itself (its events went stale): the scraper stops with it, and
+        // the caller starts both afresh.
+        let pair = cancel.child_token();
+        let feed = async {
+            feed.run(pair.clone()).await;
+            pair.cancel();
+        };
         match scraper {
             Some(scraper) => {
-                tokio::join!(feed.run(cancel.clone()), scraper.run(cancel));
+                tokio::join!(feed, scraper.run(pair.clone()));
             }
-            None => feed.run(cancel).await,
+            None => feed.await,
         }
     }
 

@@ -48,6 +48,13 @@ pub struct EngineKvStatus {
     pub connected: bool,
     /// The block size the engine's stored blocks said last (`None`: none seen yet).
     pub engine_block_size: Option<u32>,
+    /// Since when a live batch is owed: the first prefill that stored new blocks on the engine
+    /// after its last live batch (`None`: nothing owed).
+    pub awaiting_event_since: Option<Instant>,
+    /// How long a batch may be owed before the events are stale (the link's setting).
+    pub stale_after: Option<std::time::Duration>,
+    /// Times the events went stale and the feed started afresh.
+    pub stale_restarts: u64,
     /// The engine's own load, when the link scrapes it ([`EngineLinkConfig::load_interval`]).
     ///
     /// [`EngineLinkConfig::load_interval`]: crate::engine::EngineLinkConfig::load_interval
@@ -74,6 +81,12 @@ impl EngineKvStatus {
     /// it clears, the router's picture of the engine is incomplete (an engine without events
     /// is scored by load and prediction).
     pub fn warning(&self) -> Option<String> {
+        if let Some(waited) = self.owed_for() {
+            return Some(format!(
+                "no KV event for {} ms after a prefill that stored blocks: its events are stale",
+                waited.as_millis()
+            ));
+        }
         if let Some(MirrorError::BlockSizeMismatch { card, engine }) = &self.last_error {
             return Some(format!(
                 "its blocks hold {engine} tokens, the card says {card}: no block can match"
@@ -85,6 +98,10 @@ impl EngineKvStatus {
             );
         }
         match &self.state {
+            FeedState::Starting if self.stale_restarts > 0 => Some(
+                "its KV events went stale (no batch after a prefill that stored blocks): subscribing afresh"
+                    .to_owned(),
+            ),
             FeedState::Starting => Some("KV events not started yet".to_owned()),
             FeedState::NoSources(reason) => Some(format!("no KV events: {reason}")),
             FeedState::Subscribed if !self.connected => {
@@ -143,6 +160,14 @@ impl EngineKvStatus {
     pub(super) fn live(&mut self, now: Instant) {
         self.received += 1;
         self.last_event = Some(now);
+        self.awaiting_event_since = None;
+    }
+
+    /// How long a live batch has been owed past the staleness bound (`None`: it is not).
+    pub fn owed_for(&self) -> Option<std::time::Duration> {
+        let since = self.awaiting_event_since?;
+        let waited = since.elapsed();
+        (waited >= self.stale_after?).then_some(waited)
     }
 }
 
@@ -166,6 +191,21 @@ impl EngineKvBoard {
 
     pub(crate) fn update(&self, engine: InstanceId, change: impl FnOnce(&mut EngineKvStatus)) {
         change(self.engines.lock().entry(engine).or_default());
+    }
+
+    /// A prefill sent at `sent` stored new blocks on `engine`: a live batch is owed from now
+    /// on, unless one already is, or one arrived since `sent` (the engine publishes as it
+    /// stores, often before its answer is back). Only a subscribed feed is owed anything.
+    pub(crate) fn expect_event(&self, engine: InstanceId, sent: Instant) {
+        if let Some(status) = self.engines.lock().get_mut(&engine) {
+            let came = status.last_event.is_some_and(|t| t >= sent);
+            if status.state == FeedState::Subscribed
+                && status.awaiting_event_since.is_none()
+                && !came
+            {
+                status.awaiting_event_since = Some(Instant::now());
+            }
+        }
     }
 
     pub(crate) fn remove(&self, engine: InstanceId) {

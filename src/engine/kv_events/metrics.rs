@@ -13,6 +13,7 @@
 //! | `engine_kv_skipped_events_total` | counter | events not indexed (other groups, LoRA, unknown, invalid) |
 //! | `engine_kv_block_size_mismatches_total` | counter | stored chains refused: a block size other than the card's |
 //! | `engine_kv_disconnects_total` | counter | times the live stream was lost |
+//! | `engine_kv_stale_restarts_total` | counter | times a batch owed after a prefill never came: entries dropped, feed restarted |
 //! | `engine_kv_exact` | gauge | 1 when the index holds exactly the engine's cache, 0 when partial or unknown |
 //! | `engine_kv_last_event_age_ms` | gauge | since the last live batch (-1: none yet) |
 //! | `engine_load_requests` | gauge | requests the engine runs and queues, as last scraped (-1: unknown, stale, or not scraped) |
@@ -32,7 +33,7 @@ use crate::kv_events::Picture;
 type Counter = fn(&EngineKvStatus) -> u64;
 type Gauge = fn(&EngineKvStatus, tokio::time::Instant) -> i64;
 
-const COUNTERS: [(&str, &str, Counter); 10] = [
+const COUNTERS: [(&str, &str, Counter); 11] = [
     (
         "engine_kv_batches",
         "Engine KV event batches applied",
@@ -80,6 +81,11 @@ const COUNTERS: [(&str, &str, Counter); 10] = [
         "engine_kv_disconnects",
         "Times an engine's KV event stream was lost",
         |s| s.disconnects,
+    ),
+    (
+        "engine_kv_stale_restarts",
+        "Times an engine's events went stale after a prefill: entries dropped, feed restarted",
+        |s| s.stale_restarts,
     ),
 ];
 

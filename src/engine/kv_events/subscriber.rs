@@ -103,9 +103,22 @@ impl Feed {
             s.connected = true;
         });
         let mut reported: Option<MirrorError> = None;
+        let stale_after = self.client.config().events_stale_after;
+        self.board.update(id, |s| s.stale_after = Some(stale_after));
+        // Checks whether a batch owed after a prefill is overdue (see `EngineKvStatus::owed_for`).
+        let mut check = tokio::time::interval((stale_after / 4).max(Duration::from_millis(10)));
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let input = tokio::select! {
                 () = cancel.cancelled() => break,
+                _ = check.tick() => {
+                    let owed = self.board.status(id).and_then(|s| s.owed_for());
+                    if let Some(waited) = owed {
+                        self.stale(waited);
+                        return;
+                    }
+                    continue;
+                }
                 input = rx.recv() => match input {
                     Some(input) => input,
                     None => break,
@@ -220,6 +233,27 @@ impl Feed {
 
     /// The engine's publishers, asked until it answers (backoff); an engine that publishes
     /// nothing is said so once, then asked again slowly.
+    /// The engine stored blocks `waited` ago and no batch said so: whatever the index holds of
+    /// it may be wrong. Its entries go (it is scored by prediction and load meanwhile) and the
+    /// feed ends; the dispatcher's side starts a fresh one (a new subscription, the whole
+    /// history replayed).
+    fn stale(&self, waited: Duration) {
+        let id = self.instance.instance_id;
+        tracing::warn!(
+            engine = id,
+            waited_ms = waited.as_millis() as u64,
+            "no KV event after a prefill that stored blocks: the engine's events are stale; its entries are dropped and its feed starts afresh"
+        );
+        self.sink.closed();
+        self.board.update(id, |s| {
+            s.stale_restarts += 1;
+            s.awaiting_event_since = None;
+            s.picture = crate::kv_events::Picture::Unknown;
+            s.state = FeedState::Starting;
+            s.connected = false;
+        });
+    }
+
     async fn sources(&self) -> Vec<KvEventSource> {
         let addr = self.instance.address;
         let id = self.instance.instance_id;

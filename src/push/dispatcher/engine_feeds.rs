@@ -6,16 +6,45 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use crate::discovery::InstanceId;
+use crate::discovery::{Instance, InstanceId};
 use crate::engine::kv_events::{KvFeeds, LoadSink};
 use crate::push::{KvFeed, RoutableView};
 
 /// Epochs of the feeds' output streams: each new feed for a worker starts above every earlier
 /// one, so the index drops what a previous feed said.
 static EPOCHS: AtomicU64 = AtomicU64::new(1);
+
+/// A feed that ended by itself (its events went stale) is started afresh after this long.
+const RESTART_AFTER: Duration = Duration::from_millis(500);
+
+/// Run `instance`'s feed until `token`, a new one (a new epoch and sink: the index drops what
+/// the old one said) each time one ends by itself.
+async fn keep_feeding(
+    instance: Arc<Instance>,
+    feed: Arc<KvFeed>,
+    feeds: KvFeeds,
+    token: CancellationToken,
+) {
+    let id = instance.instance_id;
+    loop {
+        let epoch = EPOCHS.fetch_add(1, Ordering::Relaxed);
+        let sink = feed.engine_sink(id);
+        let loads = Arc::clone(&feed);
+        let load: LoadSink = Arc::new(move |reading| loads.engine_load(id, &reading));
+        feeds
+            .clone()
+            .run(Arc::clone(&instance), epoch, sink, load, token.clone())
+            .await;
+        tokio::select! {
+            () = token.cancelled() => return,
+            () = tokio::time::sleep(RESTART_AFTER) => {}
+        }
+    }
+}
 
 /// Keep one feed per engine of `view` running into `feed`, until the returned guard drops
 /// (with the link); `None` outside a tokio runtime.
@@ -34,15 +63,12 @@ pub(super) fn spawn(view: RoutableView, feed: Arc<KvFeed>, feeds: KvFeeds) -> Op
                 }
                 let token = stop.child_token();
                 running.insert(id, token.clone());
-                let epoch = EPOCHS.fetch_add(1, Ordering::Relaxed);
-                let sink = feed.engine_sink(id);
-                let loads = Arc::clone(&feed);
-                let load: LoadSink = Arc::new(move |reading| loads.engine_load(id, &reading));
-                tokio::spawn(
-                    feeds
-                        .clone()
-                        .run(Arc::clone(instance), epoch, sink, load, token),
-                );
+                tokio::spawn(keep_feeding(
+                    Arc::clone(instance),
+                    Arc::clone(&feed),
+                    feeds.clone(),
+                    token,
+                ));
             }
             running.retain(|id, token| {
                 let keep = view.is_discovered(*id);
