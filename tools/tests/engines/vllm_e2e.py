@@ -232,7 +232,12 @@ try:
     # A prompt the decode engine has never seen: its KV must come over the connector.
     fresh = [random.randrange(4, 1000) for _ in range(200)]  # unseeded: new on every run
     got = client.completions.create(model=args.model, prompt=fresh, max_tokens=4, **GREEDY)
-    hits = metric(D, "vllm:external_prefix_cache_hits_total") - hits_before
+    # The engine's counters follow its steps, not its answers: read until they show (bounded).
+    for _ in range(50):
+        hits = metric(D, "vllm:external_prefix_cache_hits_total") - hits_before
+        if hits >= 200:
+            break
+        time.sleep(0.2)
     check("static: the decode engine pulled the prompt over the connector "
           "(external prefix cache hits)", hits >= 200, hits)
     check("static: usage of a pulled prompt", got.usage.prompt_tokens == 200
