@@ -26,8 +26,8 @@ pub enum Command {
     Simulate(simulate::SimulateOptions),
     /// `prefill-router replay`.
     Replay(replay::ReplayOptions),
-    /// `prefill-router serve`.
-    Serve(serve::ServeOptions),
+    /// `prefill-router serve` (boxed: its options are the largest by far).
+    Serve(Box<serve::ServeOptions>),
     /// `prefill-router worker`.
     Worker(worker::WorkerOptions),
     /// `prefill-router register`.
@@ -44,7 +44,7 @@ impl Command {
             "demo" => demo::DemoOptions::parse(rest).map(Command::Demo),
             "simulate" => simulate::SimulateOptions::parse(rest).map(Command::Simulate),
             "replay" => replay::ReplayOptions::parse(rest).map(Command::Replay),
-            "serve" => serve::ServeOptions::parse(rest).map(Command::Serve),
+            "serve" => serve::ServeOptions::parse(rest).map(|o| Command::Serve(Box::new(o))),
             "worker" => worker::WorkerOptions::parse(rest).map(Command::Worker),
             "register" => register::RegisterOptions::parse(rest).map(Command::Register),
             "help" | "--help" | "-h" => Err(CliError::Help(help_on(rest.first())?.to_owned())),
@@ -58,7 +58,7 @@ impl Command {
             Command::Demo(options) => demo::run(options).await,
             Command::Simulate(options) => simulate::run(options).await,
             Command::Replay(options) => replay::run(options).await,
-            Command::Serve(options) => serve::run(options).await,
+            Command::Serve(options) => serve::run(*options).await,
             Command::Worker(options) => worker::run(options).await,
             Command::Register(options) => register::run(options).await,
         }

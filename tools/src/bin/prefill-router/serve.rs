@@ -486,6 +486,10 @@ mod tests {
             "--discovery file:///tmp/x --namespace ns --tls-ca ca.pem --tls-cert c.pem",
             "--discovery file:///tmp/x --namespace ns --tls-client-ca ca.pem",
             "--discovery file:///tmp/x --namespace ns --check-tokenizer http://e:8100",
+            "--engine vllm --decode-url http://127.0.0.1:1 --check-events",
+            "--engine vllm --decode-url http://127.0.0.1:1 --router-mode kv --check-events=0",
+            "--engine vllm --decode-url http://127.0.0.1:1 --router-mode kv --check-events=soon",
+            "--engine vllm --decode-url http://127.0.0.1:1 --engine-load-ms 0",
         ] {
             assert!(
                 matches!(ServeOptions::parse(&args(line)), Err(CliError::Usage(_))),
@@ -498,6 +502,26 @@ mod tests {
         .ok()
         .unwrap();
         assert!(matches!(wait.fallback, FallbackPolicy::WaitUpTo { .. }));
+    }
+
+    #[test]
+    fn check_events_and_engine_load_parse() {
+        let line =
+            "--engine vllm --prefill-url http://127.0.0.1:1 --decode-url http://127.0.0.1:1 \
+                    --router-mode kv --check-events=5 --engine-load-ms 250";
+        let options = match ServeOptions::parse(&args(line)) {
+            Ok(o) => o,
+            Err(CliError::Usage(e) | CliError::Help(e)) => panic!("{e}"),
+        };
+        assert_eq!(options.check_events, Some(Duration::from_secs(5)));
+        assert_eq!(options.engine_load, Some(Duration::from_millis(250)));
+        let bare = ServeOptions::parse(&args(
+            "--engine vllm --decode-url http://127.0.0.1:1 --router-mode kv --check-events",
+        ))
+        .ok()
+        .unwrap();
+        assert_eq!(bare.check_events, Some(Duration::from_secs(60)));
+        assert_eq!(bare.engine_load, None);
     }
 
     #[test]
