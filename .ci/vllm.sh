@@ -100,12 +100,21 @@ engine() {
 }
 
 P_PORT=$(free_port); D_PORT=$(free_port); P_SIDE=$(free_port); D_SIDE=$(free_port)
-# The first prefill engine's cache is small (256 blocks of 32 tokens), so the events test sees
-# it evict; the tests send at most a few thousand tokens at once.
-engine prefill P "$P_PORT" "$P_SIDE" "$(free_port)" --num-gpu-blocks-override 256
+engine prefill P "$P_PORT" "$P_SIDE" "$(free_port)"
 engine decode D "$D_PORT" "$D_SIDE"
 export PREFILL_VLLM_PREFILL="127.0.0.1:$P_PORT" PREFILL_VLLM_DECODE="127.0.0.1:$D_PORT"
-export PREFILL_VLLM_EVENTS="127.0.0.1:$P_PORT" PREFILL_VLLM_EVENTS_BLOCKS=256
+export PREFILL_VLLM_EVENTS="127.0.0.1:$P_PORT"
+two_prefill=""
+if [ -f tools/tests/engines/vllm_two_prefill.py ] && [ -z "${VLLM_ONE_PAIR:-}" ]; then
+    two_prefill=1
+    # A second prefill engine, KV events on, its cache small (256 blocks of 32 tokens) so that
+    # the events test sees it evict. Not the first one's: a decode engine pulling from a
+    # prefill engine whose cache is capped pulled one block of a six-block prompt (vLLM 0.32,
+    # NixlConnector on CPU), which the first engine's connector test would see.
+    P2_PORT=$(free_port); P2_SIDE=$(free_port)
+    engine prefill2 P "$P2_PORT" "$P2_SIDE" "$(free_port)" --num-gpu-blocks-override 256
+    export PREFILL_VLLM_EVICTING="127.0.0.1:$P2_PORT" PREFILL_VLLM_EVICTING_BLOCKS=256
+fi
 export PREFILL_VLLM_MODEL_DIR="$ENGINE_DIR/tiny-llama"
 
 say "the hop over the pair, and the prefill engine's KV events (library)"
@@ -113,7 +122,7 @@ say "the hop over the pair, and the prefill engine's KV events (library)"
 # package turns on the library's `engine`): no second build of the library.
 cargo test --release --test engine_link live_vllm -- --nocapture --test-threads 1 2>&1 \
     | tee "$work/live.log" | grep -E "^live|^FIGURE|^test |test result|panicked" || true
-grep -q "test result: ok. 2 passed" "$work/live.log"
+grep -q "test result: ok. 3 passed" "$work/live.log"
 
 if [ -f tools/tests/engines/vllm_e2e.py ]; then
     say "serve in front of the pair, checked with the openai client"
@@ -123,10 +132,8 @@ if [ -f tools/tests/engines/vllm_e2e.py ]; then
         --decode "127.0.0.1:$D_PORT" --model-dir "$ENGINE_DIR/tiny-llama" --work "$work"
 fi
 
-if [ -f tools/tests/engines/vllm_two_prefill.py ] && [ -z "${VLLM_ONE_PAIR:-}" ]; then
-    say "a second prefill engine (KV events too); then one prefill engine SIGKILLed under serve"
-    P2_PORT=$(free_port); P2_SIDE=$(free_port)
-    engine prefill2 P "$P2_PORT" "$P2_SIDE" "$(free_port)"
+if [ -n "$two_prefill" ]; then
+    say "two prefill engines (KV events on both); then one of them SIGKILLed under serve"
     # VLLM_LOAD_FIGURE=1: also the engine-load figure (docs/engines.md; not run by CI).
     "$ENGINE_DIR/venv/bin/python" tools/tests/engines/vllm_two_prefill.py \
         ${VLLM_LOAD_FIGURE:+--load-figure} --bin "$root/target/release/prefill-router" \

@@ -476,7 +476,6 @@ async fn live_vllm_pair_delivers_the_handoff() {
 /// block size reports the mismatch instead of routing around it silently.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_vllm_events_index_what_the_engine_caches() {
-    use prefill_router::advert::{RouterConfig, SelectionMode};
     use prefill_router::binding::Binding;
     use prefill_router::engine::FeedState;
     use prefill_router::kv_events::{MirrorError, Picture};
@@ -486,48 +485,8 @@ async fn live_vllm_events_index_what_the_engine_caches() {
         return;
     };
     let addr: SocketAddr = e.parse().unwrap();
-    let kv_card = |block_size| ModelCard {
-        kv_cache_block_size: block_size,
-        router_config: Some(RouterConfig {
-            router_mode: SelectionMode::KV,
-            ..RouterConfig::default()
-        }),
-        ..card()
-    };
-    let start = |block_size: u32| async move {
-        let discovery = MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(30)));
-        let instance = Instance {
-            endpoint: EndpointId::new("engines", "prefill", "generate"),
-            instance_id: 1,
-            address: addr,
-        };
-        // The topology needs a decode set to name a prefill one; only prefills are sent here.
-        let registration = [
-            discovery
-                .register(instance, kv_card(block_size))
-                .await
-                .unwrap(),
-            register(&discovery, "decode", 100, addr).await,
-        ];
-        let mut config = PrefillHopConfig::default();
-        config.push.request_timeout = Some(Duration::from_secs(120));
-        let discovery: Arc<dyn Discovery> = Arc::new(discovery);
-        let hop = PrefillHop::start(discovery, "engines", config)
-            .await
-            .unwrap();
-        hop.router()
-            .wait_active(Duration::from_secs(10))
-            .await
-            .map_err(|e| format!("{e:?} {:?}", hop.router().status()))
-            .unwrap();
-        (hop, registration)
-    };
-    let subscribed = |hop: &PrefillHop| {
-        hop.binding_stats()
-            .engine_kv
-            .status(1)
-            .is_some_and(|s| s.state == FeedState::Subscribed && s.picture != Picture::Unknown)
-    };
+    let start = |block_size| events_hop(addr, block_size);
+    let subscribed = |hop: &PrefillHop| events_ready(hop);
     let (hop, _r) = start(32).await;
     // A fresh subscriber learns the engine's whole history (a replay from 0) before its first
     // picture; bounded wait.
@@ -664,64 +623,6 @@ async fn live_vllm_events_index_what_the_engine_caches() {
     assert!(ours.unwrap_or(0) >= 5);
     late.shutdown().await;
 
-    // An engine with a small cache (`PREFILL_VLLM_EVENTS_BLOCKS`, its
-    // --num-gpu-blocks-override) evicts; the index follows its removals: more distinct
-    // prompts than it holds, then the first of them (evicted) and the last (still there) are
-    // each credited exactly what the engine then reports cached.
-    if let Some(capacity) = std::env::var("PREFILL_VLLM_EVENTS_BLOCKS")
-        .ok()
-        .and_then(|b| b.parse::<u32>().ok())
-    {
-        let evicting = |n: u32| -> Vec<u32> {
-            // Eight full blocks and a few tokens: a prompt that is whole blocks is never
-            // reported fully cached (the engine recomputes its last token).
-            (0..260u32)
-                .map(|i| 3 + (salt * 7 + n * 389 + i * 23) % 990)
-                .collect()
-        };
-        let count = capacity / 8 + 6;
-        for n in 0..count {
-            binding
-                .prefill(GenerateRequest::new(evicting(n), 1))
-                .await
-                .unwrap();
-        }
-        let settled = |hop: &PrefillHop| {
-            hop.binding_stats()
-                .engine_kv
-                .status(1)
-                .map_or(0, |s| s.received)
-        };
-        let mut last = settled(&hop);
-        for _ in 0..50 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            let now = settled(&hop);
-            if now == last {
-                break;
-            }
-            last = now;
-        }
-        for n in [0, count - 1] {
-            let tokens = evicting(n);
-            let predicted = binding
-                .dispatcher()
-                .kv_indexed_overlap(&tokens, 1)
-                .unwrap_or(0);
-            let info = binding
-                .prefill(GenerateRequest::new(tokens, 1))
-                .await
-                .unwrap();
-            let reported = info
-                .handoff
-                .as_ref()
-                .map_or(0, |h| h.cached_blocks as usize);
-            println!("live events: eviction, prompt {n} of {count}: index {predicted} blocks, engine reports {reported}");
-            assert_eq!(predicted, reported, "prompt {n} after evictions");
-        }
-        let status = hop.binding_stats().engine_kv.status(1).unwrap();
-        assert_eq!(status.picture, Picture::Exact, "{status:?}");
-    }
-
     // A card with another block size: reported, nothing credited.
     let (wrong, _r3) = start(16).await;
     let wrong_binding = wrong.router().route().binding().cloned().unwrap();
@@ -753,5 +654,131 @@ async fn live_vllm_events_index_what_the_engine_caches() {
         "{warnings:?}"
     );
     wrong.shutdown().await;
+    hop.shutdown().await;
+}
+
+/// A hop whose prefill set is the vLLM engine at `addr` (instance 1), its card in KV mode at
+/// `block_size` tokens per block, waiting until it is Active.
+async fn events_hop(addr: SocketAddr, block_size: u32) -> (PrefillHop, [Registration; 2]) {
+    use prefill_router::advert::{RouterConfig, SelectionMode};
+    let card = ModelCard {
+        kv_cache_block_size: block_size,
+        router_config: Some(RouterConfig {
+            router_mode: SelectionMode::KV,
+            ..RouterConfig::default()
+        }),
+        ..card()
+    };
+    let discovery = MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(30)));
+    let instance = Instance {
+        endpoint: EndpointId::new("engines", "prefill", "generate"),
+        instance_id: 1,
+        address: addr,
+    };
+    // The topology needs a decode set to name a prefill one; only prefills are sent here.
+    let registration = [
+        discovery.register(instance, card).await.unwrap(),
+        register(&discovery, "decode", 100, addr).await,
+    ];
+    let mut config = PrefillHopConfig::default();
+    config.push.request_timeout = Some(Duration::from_secs(120));
+    let discovery: Arc<dyn Discovery> = Arc::new(discovery);
+    let hop = PrefillHop::start(discovery, "engines", config)
+        .await
+        .unwrap();
+    hop.router()
+        .wait_active(Duration::from_secs(10))
+        .await
+        .map_err(|e| format!("{e:?} {:?}", hop.router().status()))
+        .unwrap();
+    (hop, registration)
+}
+
+/// Whether the hop's feed of engine 1 is subscribed with a picture.
+fn events_ready(hop: &PrefillHop) -> bool {
+    use prefill_router::engine::FeedState;
+    use prefill_router::kv_events::Picture;
+    hop.binding_stats()
+        .engine_kv
+        .status(1)
+        .is_some_and(|s| s.state == FeedState::Subscribed && s.picture != Picture::Unknown)
+}
+
+/// An engine with a small cache (`PREFILL_VLLM_EVICTING` = its address,
+/// `PREFILL_VLLM_EVICTING_BLOCKS` = its `--num-gpu-blocks-override`) evicts, and the index
+/// follows its removals: more distinct prompts than it holds, then the first of them (evicted)
+/// and the last (still there) are each credited exactly what the engine then reports cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_vllm_events_follow_an_engine_that_evicts() {
+    use prefill_router::binding::Binding;
+    use prefill_router::kv_events::Picture;
+    let (Ok(addr), Some(capacity)) = (
+        std::env::var("PREFILL_VLLM_EVICTING"),
+        std::env::var("PREFILL_VLLM_EVICTING_BLOCKS")
+            .ok()
+            .and_then(|b| b.parse::<u32>().ok()),
+    ) else {
+        eprintln!("skipped: set PREFILL_VLLM_EVICTING and PREFILL_VLLM_EVICTING_BLOCKS to a vLLM engine with a small cache and KV events on");
+        return;
+    };
+    let (hop, _r) = events_hop(addr.parse().unwrap(), 32).await;
+    for _ in 0..3000 {
+        if events_ready(&hop) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let binding = hop.router().route().binding().cloned().unwrap();
+    let salt = std::process::id() % 500;
+    let evicting = |n: u32| -> Vec<u32> {
+        // Eight full blocks and a few tokens: a prompt that is whole blocks is never reported
+        // fully cached (the engine recomputes its last token).
+        (0..260u32)
+            .map(|i| 3 + (salt * 7 + n * 389 + i * 23) % 990)
+            .collect()
+    };
+    let count = capacity / 8 + 6;
+    for n in 0..count {
+        binding
+            .prefill(GenerateRequest::new(evicting(n), 1))
+            .await
+            .unwrap();
+    }
+    // The last batches settle (bounded).
+    let received = |hop: &PrefillHop| {
+        hop.binding_stats()
+            .engine_kv
+            .status(1)
+            .map_or(0, |s| s.received)
+    };
+    let mut last = received(&hop);
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = received(&hop);
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    for n in [0, count - 1] {
+        let tokens = evicting(n);
+        let predicted = binding
+            .dispatcher()
+            .kv_indexed_overlap(&tokens, 1)
+            .unwrap_or(0);
+        let info = binding
+            .prefill(GenerateRequest::new(tokens, 1))
+            .await
+            .unwrap();
+        let reported = info
+            .handoff
+            .as_ref()
+            .map_or(0, |h| h.cached_blocks as usize);
+        println!("live events: eviction, prompt {n} of {count}: index {predicted} blocks, engine reports {reported}");
+        assert_eq!(predicted, reported, "prompt {n} after evictions");
+    }
+    let status = hop.binding_stats().engine_kv.status(1).unwrap();
+    assert_eq!(status.picture, Picture::Exact, "{status:?}");
+    assert_eq!(status.stale_restarts, 0, "{status:?}");
     hop.shutdown().await;
 }
