@@ -108,9 +108,7 @@ two_prefill=""
 if [ -f tools/tests/engines/vllm_two_prefill.py ] && [ -z "${VLLM_ONE_PAIR:-}" ]; then
     two_prefill=1
     # A second prefill engine, KV events on, its cache small (256 blocks of 32 tokens) so that
-    # the events test sees it evict. Not the first one's: a decode engine pulling from a
-    # prefill engine whose cache is capped pulled one block of a six-block prompt (vLLM 0.32,
-    # NixlConnector on CPU), which the first engine's connector test would see.
+    # the events test sees it evict (the first engine's tests expect what they sent to stay).
     P2_PORT=$(free_port); P2_SIDE=$(free_port)
     engine prefill2 P "$P2_PORT" "$P2_SIDE" "$(free_port)" --num-gpu-blocks-override 256
     export PREFILL_VLLM_EVICTING="127.0.0.1:$P2_PORT" PREFILL_VLLM_EVICTING_BLOCKS=256

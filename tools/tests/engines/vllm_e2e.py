@@ -82,10 +82,13 @@ def get(url, timeout=10):
 
 
 def wait_ready(base, timeout=60):
+    """Ready with the prefill pool active: /ready answers 200 as soon as decode can serve
+    (bypassing prefill), which is too early for checks of the disaggregated path."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if urllib.request.urlopen(base + "/ready", timeout=2).status == 200:
+            answer = urllib.request.urlopen(base + "/ready", timeout=2)
+            if answer.status == 200 and json.loads(answer.read()).get("lifecycle") == "active":
                 return True
         except Exception:
             pass

@@ -15,6 +15,7 @@ in one run. `--load-figure` adds a run with one engine busy with direct requests
 serve with and without `--engine-load-ms` (docs/engines.md, "Engine load"; not run by CI).
 """
 import argparse
+import json
 import os
 import random
 import signal
@@ -73,12 +74,15 @@ def serve(name, extra):
         time.sleep(0.2)
     else:
         raise RuntimeError(f"{name}: the prefill engines did not register: {log[-2000:]}")
+    # Ready with the prefill pool active (/ready says 200 as soon as decode alone can serve).
     while time.time() < deadline:
         try:
-            if urllib.request.urlopen(base + "/ready", timeout=2).status == 200:
+            answer = urllib.request.urlopen(base + "/ready", timeout=2)
+            if answer.status == 200 and json.loads(answer.read()).get("lifecycle") == "active":
                 break
         except Exception:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     return base
 
 
