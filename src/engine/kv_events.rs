@@ -6,10 +6,13 @@
 //! - `sources.rs`: where an engine publishes (`GET /kv_event_sources`);
 //! - `subscriber.rs`: one engine's feed, the driver loop around its mirror;
 //! - `board.rs`: the [`EngineKvBoard`] the feeds write and the operator reads;
+//! - `load_scraper.rs`: beside each feed, the engine's load from its `/metrics` when
+//!   configured ([`crate::engine::load`]);
 //! - here: `KvFeeds`, what the dispatcher's side (`push/dispatcher/engine_feeds.rs`, which
 //!   keeps one feed per engine of the routable view) starts each engine's feed with.
 
 mod board;
+mod load_scraper;
 pub(crate) mod metrics;
 mod sources;
 mod subscriber;
@@ -22,10 +25,10 @@ pub use board::{EngineKvBoard, EngineKvStatus, FeedState, Freshness, LoadStatus}
 pub use sources::{parse_sources, KvEventSource, SourceError};
 
 use super::client::HttpClient;
-pub(crate) use super::load::scraper::LoadSink;
-use super::load::scraper::Scraper;
 use crate::discovery::Instance;
 use crate::transport::KvEventSink;
+pub(crate) use load_scraper::LoadSink;
+use load_scraper::Scraper;
 
 /// What starts one engine's feed: the link's HTTP client (to ask where the engine publishes),
 /// its block size, and the board to report on. Cheap to clone.

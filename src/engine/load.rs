@@ -11,11 +11,10 @@
 //! (an engine whose metrics stopped answering is the last choice until they answer again).
 //!
 //! - here: the pure part, [`parse_load`] and [`LoadReading`];
-//! - `scraper.rs`: the loop that reads one engine's `/metrics`.
+//! - `kv_events/load_scraper.rs`: the loop that reads one engine's `/metrics` (it runs beside
+//!   the engine's KV event feed and reports on the same board).
 //!
 //! [`EngineLinkConfig::load_interval`]: super::EngineLinkConfig::load_interval
-
-pub(crate) mod scraper;
 
 /// What an engine says it is doing, summed over its data-parallel ranks.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

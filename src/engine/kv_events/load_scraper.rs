@@ -8,21 +8,21 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{parse_load, LoadReading};
+use super::board::EngineKvBoard;
 use crate::discovery::Instance;
 use crate::engine::client::HttpClient;
-use crate::engine::kv_events::EngineKvBoard;
+use crate::engine::load::{parse_load, LoadReading};
 
 /// Where one engine's readings go (the dispatcher's KV feed: `KvFeed::engine_load`).
 pub(crate) type LoadSink = Arc<dyn Fn(LoadReading) + Send + Sync>;
 
 /// Everything one engine's scraper needs.
-pub(in crate::engine) struct Scraper {
-    pub(in crate::engine) instance: Arc<Instance>,
-    pub(in crate::engine) interval: Duration,
-    pub(in crate::engine) client: Arc<HttpClient>,
-    pub(in crate::engine) board: Arc<EngineKvBoard>,
-    pub(in crate::engine) sink: LoadSink,
+pub(super) struct Scraper {
+    pub(super) instance: Arc<Instance>,
+    pub(super) interval: Duration,
+    pub(super) client: Arc<HttpClient>,
+    pub(super) board: Arc<EngineKvBoard>,
+    pub(super) sink: LoadSink,
 }
 
 /// Readings older than this many intervals are stale (a scrape that fails now and then is not).
@@ -30,7 +30,7 @@ const STALE_INTERVALS: u32 = 3;
 
 impl Scraper {
     /// Scrape until `cancel`.
-    pub(in crate::engine) async fn run(self, cancel: CancellationToken) {
+    pub(super) async fn run(self, cancel: CancellationToken) {
         let id = self.instance.instance_id;
         let addr = self.instance.address;
         let stale_after = self.interval.saturating_mul(STALE_INTERVALS);
