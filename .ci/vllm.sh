@@ -120,7 +120,7 @@ say "the hop over the pair, and the prefill engine's KV events (library)"
 # package turns on the library's `engine`): no second build of the library.
 cargo test --release --test engine_link live_vllm -- --nocapture --test-threads 1 2>&1 \
     | tee "$work/live.log" | grep -E "^live|^FIGURE|^test |test result|panicked" || true
-grep -q "test result: ok. 3 passed" "$work/live.log"
+grep -q "test result: ok. 4 passed" "$work/live.log"
 
 if [ -f tools/tests/engines/vllm_e2e.py ]; then
     say "serve in front of the pair, checked with the openai client"

@@ -782,3 +782,104 @@ async fn live_vllm_events_follow_an_engine_that_evicts() {
     assert_eq!(status.stale_restarts, 0, "{status:?}");
     hop.shutdown().await;
 }
+
+/// An engine restarted under the subscriber (`PREFILL_VLLM_RESTART_ENGINE` = its address with
+/// KV events on, `PREFILL_VLLM_RESTART_CMD` = a shell command that restarts it on the same
+/// ports and returns once it is healthy): the feed reconnects, notices the restart (numbers
+/// going back, or a replay that cannot reach back) and rebuilds, so a prompt cached before the
+/// restart is credited nothing, as the new process reports. Run by hand (an engine start costs
+/// the CI stage about 100 s): docs/engines.md.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_vllm_events_follow_an_engine_restart() {
+    use prefill_router::binding::Binding;
+    use prefill_router::kv_events::Picture;
+    let (Ok(addr), Ok(restart)) = (
+        std::env::var("PREFILL_VLLM_RESTART_ENGINE"),
+        std::env::var("PREFILL_VLLM_RESTART_CMD"),
+    ) else {
+        eprintln!("skipped: set PREFILL_VLLM_RESTART_ENGINE and PREFILL_VLLM_RESTART_CMD");
+        return;
+    };
+    let (hop, _r) = events_hop(addr.parse().unwrap(), 32).await;
+    for _ in 0..3000 {
+        if events_ready(&hop) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let binding = hop.router().route().binding().cloned().unwrap();
+    let salt = std::process::id() % 500;
+    let prompt = |n: u32| -> Vec<u32> {
+        (0..200u32)
+            .map(|i| 5 + (salt * 11 + n * 131 + i * 29) % 990)
+            .collect()
+    };
+    binding
+        .prefill(GenerateRequest::new(prompt(1), 1))
+        .await
+        .unwrap();
+    let mut credited = None;
+    for _ in 0..100 {
+        credited = binding.dispatcher().kv_indexed_overlap(&prompt(1), 1);
+        if credited == Some(6) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(credited, Some(6), "prompt 1 indexed before the restart");
+
+    let began = std::time::Instant::now();
+    let status = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("sh")
+            .args(["-c", &restart])
+            .status()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(status.success(), "the restart command failed: {status}");
+    println!("live events: engine restarted in {:?}", began.elapsed());
+    // The new process stores something: its first batch numbers from 0 again.
+    let mut sent = false;
+    for _ in 0..60 {
+        if binding
+            .prefill(GenerateRequest::new(prompt(2), 1))
+            .await
+            .is_ok()
+        {
+            sent = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(sent, "the restarted engine answers");
+    let mut noticed = None;
+    for _ in 0..900 {
+        let s = hop.binding_stats().engine_kv.status(1).unwrap();
+        if (s.counts.restarts >= 1 || s.counts.rebuilds >= 1) && s.picture != Picture::Unknown {
+            noticed = Some(s);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = noticed.expect("the restart noticed within 90 s");
+    println!(
+        "live events: restart noticed {:?} after the engine was back: {status:?}",
+        began.elapsed()
+    );
+    let predicted = binding
+        .dispatcher()
+        .kv_indexed_overlap(&prompt(1), 1)
+        .unwrap_or(0);
+    let info = binding
+        .prefill(GenerateRequest::new(prompt(1), 1))
+        .await
+        .unwrap();
+    let reported = info
+        .handoff
+        .as_ref()
+        .map_or(0, |h| h.cached_blocks as usize);
+    println!("live events: after the restart, prompt 1: index {predicted}, engine {reported}");
+    assert_eq!((predicted, reported), (0, 0));
+    hop.shutdown().await;
+}
