@@ -143,9 +143,9 @@ impl<L: WorkerLink> Dispatcher<L> {
         let uncached = kv.cost().uncached(request.token_ids.len() as u64, overlap);
         kv.record(&hashes, id);
         kv.record_credit(&hashes, overlap);
-        let booked = kv.cost().booking(uncached);
+        let (booked, recent) = (kv.cost().booking(uncached), kv.cost().recent_work(uncached));
         drop(kv);
-        let booking = self.loads.book(board, id, booked);
+        let booking = self.loads.book(board, id, booked, recent);
         (Some(overlap), Some(booking))
     }
 }
