@@ -6,7 +6,8 @@
 //!
 //! ```text
 //! cost(w) = overlap_score_weight × uncached_tokens(w)
-//!         + prefill_load_scale × (booked_tokens(w) + recent_work_weight × recent_tokens(w))
+//!         + prefill_load_scale × (booked_tokens(w)
+//!                                 + recent_work_weight × (1 − kept(w)) × recent_tokens(w))
 //!         − prefill_keep_credit × coldness(w) × cached_tokens(w)
 //! ```
 //!
@@ -20,18 +21,24 @@
 //!   ([`super::heat`]): moving a conversation's next turn away from the worker that holds its
 //!   history recomputes work nobody else will reuse, while a hot prefix (a system prompt every
 //!   request carries) is worth replicating, so its stream spreads by load;
-//! - `recent_tokens(w)`: the prompt work recently computed on `w` ([`KvCost::recent_work`]: its
-//!   uncached tokens, not the per-request overhead), kept after its prefill ended and decaying
-//!   by picks ([`super::LoadBoard::recent`]): at a low request rate, where bookings are nearly
-//!   always empty, the load signal that still spreads new sessions.
+//! - `recent_tokens(w)`: the work recently placed on `w` (its bookings, overhead included),
+//!   kept after its prefill ended and decaying by picks ([`super::LoadBoard::recent`]): at a
+//!   low request rate, where bookings are nearly always empty, the load signal that still
+//!   spreads new sessions. It stands for the *other* sessions on `w`, so it is discounted by
+//!   the keep share `kept(w)`: the coldness of the prefix `w` is credited with (0 when it holds
+//!   none). A conversation's next turn, credited with its own cold history, does not count
+//!   its own earlier turns against the worker that holds it; a hot prompt (keep share near 0)
+//!   still spreads by every request placed.
 //!
 //! **One unit at every block size** (issue #40). Every term, the busy threshold, the balance
 //! slack and the softmax temperature are in tokens, so the same workload described at 16 and
 //! at 512 tokens per block routes the same way: the block size only decides which tokens a
 //! worker can hold (whole blocks), never how much a held token, a booked token or the
 //! overhead weighs. (Before, the cost was in blocks and the temperature over blocks; and the
-//! recent work counted the per-request overhead, so a short conversation's own earlier turns,
-//! 4,096 tokens each, outweighed the history it had cached within a few turns.)
+//! recent work was held in full against a conversation's home, so a short chat's own earlier
+//! turns, 4,096 tokens of overhead each, outweighed the history it had cached within a few
+//! turns: a history of a few hundred tokens is worth little next to that, at any block size,
+//! and nothing at 512.)
 //!
 //! With both weights 1 and no keep credit this is the expected wait: the prefill work queued
 //! on `w` plus this request's own. Overlap and load are in one unit, so a long shared prefix no
@@ -84,9 +91,10 @@ pub(crate) enum CostMutant {
     /// The per-request overhead is read as tokens at small blocks and as blocks at large ones
     /// (64 tokens or more): a cost whose unit depends on the block size (issue #40).
     OverheadInBlocksAtLargeBlocks,
-    /// Recent work counts the per-request overhead too (the cost before issue #40): a short
-    /// conversation's own earlier turns push it off the worker that holds its history.
-    RecentCountsOverhead,
+    /// Recent work counts in full against a worker holding the request's cold history (the
+    /// cost before issue #40): a short conversation's own earlier turns push it off the
+    /// worker that holds its history.
+    RecentAgainstColdHistory,
 }
 
 /// One candidate worker: its id, the leading blocks of the request it is credited with, the
@@ -126,11 +134,23 @@ impl Candidate {
         self
     }
 
-    /// Its load in tokens as the cost weighs it: booked work plus `recent_weight` × recent.
+    /// Its load in tokens as a cost with a keep credit weighs it: booked work plus
+    /// `recent_weight` × recent work, the recent work discounted by the
+    /// [`keep share`](Self::kept_share) (a cost without keep credit discounts nothing).
     pub fn load(&self, recent_weight: f64) -> f64 {
         #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
         let booked = self.booked as f64;
-        booked + recent_weight * self.recent
+        booked + recent_weight * self.recent * (1.0 - self.kept_share())
+    }
+
+    /// The share of its recent work that stands for the request's own session rather than
+    /// others: the coldness of its credited prefix (0 when it holds none of the request).
+    pub fn kept_share(&self) -> f64 {
+        if self.overlap > 0 {
+            self.coldness
+        } else {
+            0.0
+        }
     }
 
     /// The same candidate with coldness `coldness` (clamped to `[0, 1]`; NaN counts as 0).
@@ -243,18 +263,6 @@ impl KvCost {
         uncached.saturating_add(overhead)
     }
 
-    /// The work a pick adds to its worker's recent work ([`Candidate::recent`]): its uncached
-    /// tokens. Not the overhead: recent work stands for the sessions a worker has taken, and a
-    /// conversation's own earlier turns must not count their fixed cost against the worker
-    /// that holds its history (at 4,096 tokens a turn they outweighed a short chat's history
-    /// within a few turns; issue #40). The overhead still counts while a prefill is booked.
-    pub fn recent_work(&self, uncached: u64) -> u64 {
-        if self.mutant.is(CostMutant::RecentCountsOverhead) {
-            return self.booking(uncached);
-        }
-        uncached
-    }
-
     /// The tokens of a `request_tokens`-token prompt that a worker holding `overlap` leading
     /// blocks must compute.
     pub fn uncached(&self, request_tokens: u64, overlap: usize) -> u64 {
@@ -271,6 +279,9 @@ impl KvCost {
         let cached = request_tokens.saturating_sub(uncached) as f64;
         let load = if self.mutant.is(CostMutant::IgnoresLoad) {
             0.0
+        } else if self.keep_credit <= 0.0 || self.mutant.is(CostMutant::RecentAgainstColdHistory) {
+            // Without a keep credit nothing is kept, so nothing is discounted.
+            candidate.with_coldness(0.0).load(self.recent_weight)
         } else {
             candidate.load(self.recent_weight)
         };
@@ -291,9 +302,16 @@ impl KvCost {
         booked: u64,
         recent: f64,
     ) -> f64 {
-        let bare = Candidate::new(0, max_overlap, booked)
-            .with_coldness(0.0)
-            .with_recent(recent);
+        // A worker crediting `o ≥ 1` blocks at coldness `c` has `c × o ≤ max_kept`, so its
+        // keep share is at most `max_kept` (and 1); one crediting none has share 0, and so
+        // has every worker without a keep credit.
+        let share = if max_overlap > 0 && self.keep_credit > 0.0 {
+            max_kept.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let bare = Candidate::new(0, max_overlap, booked).with_recent(recent * (1.0 - share));
+        let bare = bare.with_coldness(0.0);
         // The kept credit in tokens: at most the cached tokens of `max_overlap` blocks.
         let cached = request_tokens.saturating_sub(self.uncached(request_tokens, max_overlap));
         let kept = (max_kept * f64::from(self.block_size)).min(cached as f64);

@@ -62,18 +62,16 @@ impl Bookings {
     }
 
     /// Book `amount` on `id` in the locked `board` (the pick's own lock), released when the
-    /// returned booking drops; `recent` counts as work recently placed there
-    /// ([`LoadBoard::note_work`]; the cost's `KvCost::recent_work`), which stays after the
-    /// release and decays by picks.
+    /// returned booking drops; it also counts as work recently placed there
+    /// ([`LoadBoard::note_work`]), which stays after the release and decays by picks.
     pub(crate) fn book(
         self: &Arc<Self>,
         board: &mut LoadBoard,
         id: InstanceId,
         amount: u64,
-        recent: u64,
     ) -> Booking {
         board.acquire(id, amount);
-        board.note_work(id, recent);
+        board.note_work(id, amount);
         Booking {
             bookings: Arc::clone(self),
             id,

@@ -129,15 +129,14 @@ impl<L: WorkerLink> Dispatcher<L> {
                     };
                 kv.record(&hashes, candidate.id);
                 kv.record_credit(&hashes, candidate.overlap);
-                let (booked, recent) =
-                    (kv.cost().booking(uncached), kv.cost().recent_work(uncached));
+                let booked = kv.cost().booking(uncached);
                 drop(kv);
                 let instance = board
                     .member(candidate.id)
                     .cloned()
                     .ok_or(PushError::NoRoutableInstances)?;
                 // Booked under the lock that chose it: no other pick sees the worker without it.
-                let booking = self.loads.book(&mut board, candidate.id, booked, recent);
+                let booking = self.loads.book(&mut board, candidate.id, booked);
                 Ok(Pick {
                     instance,
                     overlap: Some(candidate.overlap),

@@ -143,9 +143,9 @@ impl<L: WorkerLink> Dispatcher<L> {
         let uncached = kv.cost().uncached(request.token_ids.len() as u64, overlap);
         kv.record(&hashes, id);
         kv.record_credit(&hashes, overlap);
-        let (booked, recent) = (kv.cost().booking(uncached), kv.cost().recent_work(uncached));
+        let booked = kv.cost().booking(uncached);
         drop(kv);
-        let booking = self.loads.book(board, id, booked, recent);
+        let booking = self.loads.book(board, id, booked);
         (Some(overlap), Some(booking))
     }
 }

@@ -94,7 +94,7 @@ impl Pool {
         let w = candidate.id as usize;
         let booking = cost.booking(uncached);
         self.booked[w] += booking;
-        self.recent[w] += cost.recent_work(uncached) as f64;
+        self.recent[w] += booking as f64;
         self.held.push((w, booking));
         self.cached[w].extend(hashes);
         Some(w)
@@ -313,12 +313,13 @@ fn the_mutant_that_reads_the_overhead_in_blocks_at_large_blocks_is_caught() {
     }
 }
 
-/// The conversation property bites: with recent work counting each turn's 4,096-token
-/// overhead, a chat adding a block a turn leaves its worker at 16 tokens per block.
+/// The conversation property bites: with recent work held in full against the worker that
+/// holds the conversation's cold history (each turn's 4,096-token overhead), a chat adding a
+/// block a turn leaves its worker at 16 tokens per block.
 #[test]
-fn the_mutant_whose_recent_work_counts_the_overhead_is_caught() {
+fn the_mutant_that_holds_recent_work_against_a_cold_history_is_caught() {
     let growth = [16u32; 10];
-    let mutant = Some(CostMutant::RecentCountsOverhead);
+    let mutant = Some(CostMutant::RecentAgainstColdHistory);
     let moved =
         in_runtime(|| conversation_moved(16, 3, 16, &growth, KvRouterConfig::default(), mutant));
     assert!(moved.is_some(), "the mutant was not caught");

@@ -215,7 +215,7 @@ impl ReplayBinding {
                 uncached,
             } => {
                 selector.record_credit(keys, candidate.overlap);
-                recent.note_work(candidate.id, selector.cost().recent_work(uncached));
+                recent.note_work(candidate.id, selector.cost().booking(uncached));
                 Some(candidate.id)
             }
             Choice::Overloaded | Choice::Empty => None,
