@@ -16,7 +16,6 @@ use tokio_util::sync::CancellationToken;
 use super::cost::CostModel;
 use super::link::{self, request_index, ReplayLink, Served, Shared};
 use super::policy::Policy;
-use super::trace::TraceRecord;
 use prefill_router::advert::{self, DecodeDefaults};
 use prefill_router::binding::TokenLoad;
 use prefill_router::binding::{
