@@ -32,7 +32,7 @@ const DEFAULT_CAPACITY: usize = 16_384;
 /// Tokens of prefix the table holds before a sweep: [`DEFAULT_CAPACITY`] blocks of 512.
 const CAPACITY_TOKENS: usize = DEFAULT_CAPACITY * 512;
 
-/// The capacity for blocks of `block_size` tokens: [`CAPACITY_TOKENS`] worth of blocks (16,384
+/// The capacity for blocks of `block_size` tokens: 16,384 × 512 tokens worth of blocks (16,384
 /// at 512 tokens per block, 524,288 at 16; a sweep happens only when hot entries fill it), so
 /// a table at a small block size forgets no sooner than one at a large size.
 pub fn capacity_for(block_size: u32) -> usize {
