@@ -37,10 +37,11 @@ impl std::fmt::Display for SelectionMode {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct KvRouterConfig {
-    /// Weight of a request's uncached blocks on a worker in the KV cost (default 0.25, upstream
-    /// 1.0): the credit a *hot* prefix keeps, `cost = overlap_score_weight × uncached blocks +
-    /// prefill_load_scale × (booked + recent work) blocks − keep credit`, lowest wins
-    /// (docs/router.md, "KV cost").
+    /// Weight of a request's uncached tokens on a worker in the KV cost (default 0.25, upstream
+    /// 1.0): the credit a *hot* prefix keeps, `cost = overlap_score_weight × uncached tokens +
+    /// prefill_load_scale × (booked + recent work) tokens − keep credit`, lowest wins
+    /// (docs/router.md, "KV cost"). Every term is in tokens, so the decisions do not depend on
+    /// `kv_cache_block_size` (issue #40; the cost used to be counted in blocks).
     pub overlap_score_weight: f64,
     /// Weight of the prefill work already booked on a worker in the KV cost (default 1.0: the
     /// cost is then the expected prefill work ahead of the request's first token).
@@ -53,24 +54,29 @@ pub struct KvRouterConfig {
     /// routable worker is skipped, however much of the prompt it holds (default `None`: no
     /// slack rule; the replay found it costs the conversation trace its reuse).
     pub balance_slack_tokens: Option<u64>,
-    /// Keep credit: extra credit, in blocks, per cached block of a *cold* prefix (one few
+    /// Keep credit: extra credit, in tokens, per cached token of a *cold* prefix (one few
     /// recent picks were credited with), fading by half with each recent pick credited with
     /// the same prefix. It keeps a conversation on the worker holding its history and lets a
-    /// hot system prompt spread by load (docs/router.md, "KV cost"; 0: off).
+    /// hot system prompt spread by load (docs/router.md, "KV cost"; 0: off). (The same number
+    /// as the former "blocks per cached block": one unit over the other.)
     pub prefill_keep_credit: f64,
     /// Half-life of a prefix's heat, in picks (the selection has no clock): how soon a prefix
     /// no pick is credited with counts as cold again.
     pub prefill_heat_half_life: u32,
     /// Weight of a worker's recent work (the work placed on it, decaying by half every 256
     /// picks) next to its booked work: at a low request rate bookings are nearly always empty,
-    /// and this is what still spreads new sessions over the pool (0: off).
+    /// and this is what still spreads new sessions over the pool (0: off). A worker credited
+    /// with the request's cold history has its recent work discounted by that coldness: it is
+    /// largely the conversation's own earlier turns (issue #40).
     pub prefill_recent_work_weight: f64,
     /// Busy threshold: a worker with at least this many uncached prompt tokens booked is
     /// skipped; when every routable worker is, the request waits for room up to the router's
     /// overload wait and then fails as overloaded (default `None`: no threshold). Overridable
     /// at runtime with `Dispatcher::set_busy_threshold`.
     pub busy_threshold_tokens: Option<u64>,
-    /// Softmax temperature for sampling among workers; 0 picks the best (upstream default 0.0).
+    /// Softmax temperature for sampling among workers, over costs in tokens of work (so the
+    /// same at every block size; it was over blocks before issue #40); 0 picks the best
+    /// (upstream default 0.0).
     pub router_temperature: f64,
     /// Whether workers publish KV cache events (upstream default true).
     pub use_kv_events: bool,

@@ -15,7 +15,9 @@
 //! credited for the first time by its next turn, so that turn finds it cold; a tenant's
 //! prompt is credited by every turn of every session of that tenant, so it runs hot.
 //! Memory is bounded: entries that cooled below [`FORGET_BELOW`] are dropped when the table
-//! fills, which changes no coldness by more than that fraction.
+//! fills, which changes no coldness by more than that fraction. The bound is in tokens
+//! ([`capacity_for`]: as many tokens of prefix at every block size), so what is forgotten does
+//! not depend on the block size either (#40).
 
 use std::collections::HashMap;
 
@@ -26,6 +28,17 @@ pub const FORGET_BELOW: f64 = 1.0 / 64.0;
 
 /// Entries kept before a sweep of the cooled ones.
 const DEFAULT_CAPACITY: usize = 16_384;
+
+/// Tokens of prefix the table holds before a sweep: [`DEFAULT_CAPACITY`] blocks of 512.
+const CAPACITY_TOKENS: usize = DEFAULT_CAPACITY * 512;
+
+/// The capacity for blocks of `block_size` tokens: 16,384 × 512 tokens worth of blocks (16,384
+/// at 512 tokens per block, 524,288 at 16; a sweep happens only when hot entries fill it), so
+/// a table at a small block size forgets no sooner than one at a large size.
+pub fn capacity_for(block_size: u32) -> usize {
+    let block = usize::try_from(block_size.max(1)).unwrap_or(usize::MAX);
+    (CAPACITY_TOKENS / block).max(DEFAULT_CAPACITY / 8)
+}
 
 /// Pick-counted heat of the blocks recent picks were credited with (see the module docs).
 #[derive(Debug, Clone)]

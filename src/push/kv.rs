@@ -26,8 +26,10 @@ pub(crate) use crate::kv_events::mix;
 /// The salt that breaks ties between equal costs: per call, so that equal workers (idle ones
 /// at a low rate, with a prefix all of them hold) share the stream instead of one of them
 /// taking every request (a per-prefix salt did that: work max/mean 2.97 on a shared prompt).
-fn tie_salt(hashes: &[u64], random: u64) -> u64 {
-    mix(random ^ hashes.last().copied().unwrap_or(0))
+/// From the call's random draw alone, not the request's block hashes: those differ with the
+/// block size, and the same workload must route the same way at every block size (#40).
+fn tie_salt(random: u64) -> u64 {
+    mix(random)
 }
 
 struct Entry {
@@ -109,7 +111,8 @@ impl KvSelector {
             order: VecDeque::new(),
             tick: 0,
             index: KvIndex::default(),
-            heat: PrefixHeat::new(config.prefill_heat_half_life),
+            heat: PrefixHeat::new(config.prefill_heat_half_life)
+                .with_capacity(super::heat::capacity_for(block_size)),
             deep_limit: DEEP_HOLDERS_LIMIT,
             mutant: Seam::off(),
         }
@@ -322,7 +325,7 @@ impl KvSelector {
             }
         });
         let limit = self.cost.limit(busy_threshold, least);
-        self.choose(hashes, tokens, scored, limit, random)
+        self.choose(tokens, scored, limit, random)
     }
 
     /// [`select`](Self::select) over the members of `board` (their booked and recent work its
@@ -362,7 +365,7 @@ impl KvSelector {
                 .map(|id| Candidate::new(id, 0, board.combined(id)).with_recent(board.recent(id)));
             return self.select_among(hashes, tokens, base, busy_threshold, random);
         }
-        let salt = tie_salt(hashes, random);
+        let salt = tie_salt(random);
         // The least booked work matters only to the balance slack: no lookup without it.
         let least = self
             .cost
@@ -430,7 +433,7 @@ impl KvSelector {
                 scored.push(w);
             }
         }
-        match self.choose(hashes, tokens, scored.into_iter(), busy_threshold, random) {
+        match self.choose(tokens, scored.into_iter(), busy_threshold, random) {
             Choice::Empty if any => Choice::Overloaded,
             choice => choice,
         }
@@ -449,18 +452,17 @@ impl KvSelector {
         let candidates = candidates
             .iter()
             .map(|c| c.with_coldness(self.coldness(hashes, c.overlap)));
-        self.choose(hashes, tokens, candidates, None, random)
+        self.choose(tokens, candidates, None, random)
     }
 
     fn choose(
         &self,
-        hashes: &[u64],
         tokens: u64,
         candidates: impl Iterator<Item = Candidate>,
         busy_threshold: Option<u64>,
         random: u64,
     ) -> Choice {
-        let salt = tie_salt(hashes, random);
+        let salt = tie_salt(random);
         select::choose(&self.cost, tokens, candidates, busy_threshold, salt, random)
     }
 

@@ -1,27 +1,44 @@
 //! The KV cost and the pick: pure (no tokio, no I/O, no clock), so the dispatcher, the replay's
 //! oracle and the property tests choose by the same rule.
 //!
-//! A worker's cost for a request is the work, in blocks, that stands between the request and
-//! its first token on that worker:
+//! A worker's cost for a request is the work, in **tokens**, that stands between the request
+//! and its first token on that worker:
 //!
 //! ```text
-//! cost(w) = overlap_score_weight × uncached_blocks(w)
-//!         + prefill_load_scale × (booked_blocks(w) + recent_work_weight × recent_blocks(w))
-//!         − prefill_keep_credit × coldness(w) × cached_blocks(w)
+//! cost(w) = overlap_score_weight × uncached_tokens(w)
+//!         + prefill_load_scale × (booked_tokens(w)
+//!                                 + recent_work_weight × (1 − kept(w)) × recent_tokens(w))
+//!         − prefill_keep_credit × coldness(w) × cached_tokens(w)
 //! ```
 //!
-//! - `uncached_blocks(w)`: the request's prompt blocks that `w` does not hold (its overlap is
-//!   the credit: each cached block is one block less to compute);
-//! - `booked_blocks(w)`: the uncached prompt work of the requests already selected for `w` and
-//!   not yet prefilled (booked at the pick, released when that prefill ends or fails);
-//! - `cached_blocks(w)`: its overlap, credited once more (the keep credit) in proportion to how
-//!   *cold* the deepest of those blocks is ([`super::heat`]): moving a conversation's next turn
-//!   away from the worker that holds its history recomputes work nobody else will reuse, while
-//!   a hot prefix (a system prompt every request carries) is worth replicating, so its stream
-//!   spreads by load;
-//! - `recent_blocks(w)`: the work recently placed on `w`, kept after its prefill ended and
-//!   decaying by picks ([`super::LoadBoard::recent`]): at a low request rate, where bookings are
-//!   nearly always empty, the load signal that still spreads new sessions.
+//! - `uncached_tokens(w)`: the request's prompt tokens that `w` does not hold (its overlap, in
+//!   whole blocks, is the credit: each cached token is one token less to compute);
+//! - `booked_tokens(w)`: the uncached prompt work of the requests already selected for `w` and
+//!   not yet prefilled, plus the per-request overhead of each (booked at the pick, released
+//!   when that prefill ends or fails);
+//! - `cached_tokens(w)`: its overlap in tokens, credited once more (the keep credit, tokens of
+//!   credit per cached token) in proportion to how *cold* the deepest of those blocks is
+//!   ([`super::heat`]): moving a conversation's next turn away from the worker that holds its
+//!   history recomputes work nobody else will reuse, while a hot prefix (a system prompt every
+//!   request carries) is worth replicating, so its stream spreads by load;
+//! - `recent_tokens(w)`: the work recently placed on `w` (its bookings, overhead included),
+//!   kept after its prefill ended and decaying by picks ([`super::LoadBoard::recent`]): at a
+//!   low request rate, where bookings are nearly always empty, the load signal that still
+//!   spreads new sessions. It stands for the *other* sessions on `w`, so it is discounted by
+//!   the keep share `kept(w)`: the coldness of the prefix `w` is credited with (0 when it holds
+//!   none). A conversation's next turn, credited with its own cold history, does not count
+//!   its own earlier turns against the worker that holds it; a hot prompt (keep share near 0)
+//!   still spreads by every request placed.
+//!
+//! **One unit at every block size** (issue #40). Every term, the busy threshold, the balance
+//! slack and the softmax temperature are in tokens, so the same workload described at 16 and
+//! at 512 tokens per block routes the same way: the block size only decides which tokens a
+//! worker can hold (whole blocks), never how much a held token, a booked token or the
+//! overhead weighs. (Before, the cost was in blocks and the temperature over blocks; and the
+//! recent work was held in full against a conversation's home, so a short chat's own earlier
+//! turns, 4,096 tokens of overhead each, outweighed the history it had cached within a few
+//! turns: a history of a few hundred tokens is worth little next to that, at any block size,
+//! and nothing at 512.)
 //!
 //! With both weights 1 and no keep credit this is the expected wait: the prefill work queued
 //! on `w` plus this request's own. Overlap and load are in one unit, so a long shared prefix no
@@ -35,7 +52,8 @@ use crate::discovery::InstanceId;
 use crate::hooks::Seam;
 use crate::kv_events::mix;
 
-/// The terms of the KV cost (see the module docs), in blocks of `block_size` tokens.
+/// The terms of the KV cost (see the module docs), in tokens; `block_size` only says which
+/// leading tokens an overlap of so many blocks covers.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KvCost {
     /// Tokens per KV block.
@@ -44,7 +62,7 @@ pub struct KvCost {
     pub overlap_weight: f64,
     /// Weight of the work already booked on a worker (finite, ≥ 0; default 1).
     pub load_scale: f64,
-    /// Softmax temperature over the negated costs (0: always the cheapest).
+    /// Softmax temperature over the negated costs, in tokens of work (0: always the cheapest).
     pub temperature: f64,
     /// Tokens every pick books on top of its uncached ones: the fixed cost of one more prefill
     /// on a worker (scheduling, and the slowdown of the prefills it runs beside).
@@ -53,8 +71,8 @@ pub struct KvCost {
     /// candidate is not a candidate (`None`: no slack rule). It bounds how far a cached prefix
     /// can pull a stream onto one worker, whatever the overlap weight.
     pub balance_slack: Option<u64>,
-    /// Extra credit per cached block of a *cold* prefix (finite, ≥ 0; 0: none), scaled by the
-    /// candidate's [`Candidate::coldness`].
+    /// Extra credit, in tokens, per cached token of a *cold* prefix (finite, ≥ 0; 0: none),
+    /// scaled by the candidate's [`Candidate::coldness`].
     pub keep_credit: f64,
     /// Weight of a worker's recent work ([`Candidate::recent`]) next to its booked work
     /// (finite, ≥ 0; 0: none).
@@ -70,6 +88,13 @@ pub(crate) enum CostMutant {
     /// The cost ignores booked work (as the old score's load term did whenever requests
     /// rarely overlap in time).
     IgnoresLoad,
+    /// The per-request overhead is read as tokens at small blocks and as blocks at large ones
+    /// (64 tokens or more): a cost whose unit depends on the block size (issue #40).
+    OverheadInBlocksAtLargeBlocks,
+    /// Recent work counts in full against a worker holding the request's cold history (the
+    /// cost before issue #40): a short conversation's own earlier turns push it off the
+    /// worker that holds its history.
+    RecentAgainstColdHistory,
 }
 
 /// One candidate worker: its id, the leading blocks of the request it is credited with, the
@@ -109,11 +134,23 @@ impl Candidate {
         self
     }
 
-    /// Its load in tokens as the cost weighs it: booked work plus `recent_weight` × recent.
+    /// Its load in tokens as a cost with a keep credit weighs it: booked work plus
+    /// `recent_weight` × recent work, the recent work discounted by the
+    /// [`keep share`](Self::kept_share) (a cost without keep credit discounts nothing).
     pub fn load(&self, recent_weight: f64) -> f64 {
         #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
         let booked = self.booked as f64;
-        booked + recent_weight * self.recent
+        booked + recent_weight * self.recent * (1.0 - self.kept_share())
+    }
+
+    /// The share of its recent work that stands for the request's own session rather than
+    /// others: the coldness of its credited prefix (0 when it holds none of the request).
+    pub fn kept_share(&self) -> f64 {
+        if self.overlap > 0 {
+            self.coldness
+        } else {
+            0.0
+        }
     }
 
     /// The same candidate with coldness `coldness` (clamped to `[0, 1]`; NaN counts as 0).
@@ -176,11 +213,11 @@ impl KvCost {
         self
     }
 
-    /// The same terms with a keep credit of `blocks` per cached block of a cold prefix
+    /// The same terms with a keep credit of `credit` tokens per cached token of a cold prefix
     /// (non-finite or negative: none).
     #[must_use]
-    pub fn with_keep_credit(mut self, blocks: f64) -> Self {
-        self.keep_credit = finite_or(blocks, 0.0);
+    pub fn with_keep_credit(mut self, credit: f64) -> Self {
+        self.keep_credit = finite_or(credit, 0.0);
         self
     }
 
@@ -217,7 +254,13 @@ impl KvCost {
 
     /// What a pick books on its worker: its uncached tokens plus the per-request overhead.
     pub fn booking(&self, uncached: u64) -> u64 {
-        uncached.saturating_add(self.request_overhead)
+        let overhead =
+            if self.mutant.is(CostMutant::OverheadInBlocksAtLargeBlocks) && self.block_size >= 64 {
+                self.request_overhead / u64::from(self.block_size)
+            } else {
+                self.request_overhead
+            };
+        uncached.saturating_add(overhead)
     }
 
     /// The tokens of a `request_tokens`-token prompt that a worker holding `overlap` leading
@@ -229,25 +272,28 @@ impl KvCost {
         request_tokens.saturating_sub(cached)
     }
 
-    /// The cost of `candidate` for a `request_tokens`-token prompt, in blocks.
+    /// The cost of `candidate` for a `request_tokens`-token prompt, in tokens of work.
     #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
     pub fn cost(&self, request_tokens: u64, candidate: &Candidate) -> f64 {
-        let block = f64::from(self.block_size);
-        let uncached = self.uncached(request_tokens, candidate.overlap) as f64 / block;
-        let booked = candidate.load(self.recent_weight) / block;
-        let booked = if self.mutant.is(CostMutant::IgnoresLoad) {
+        let uncached = self.uncached(request_tokens, candidate.overlap);
+        let cached = request_tokens.saturating_sub(uncached) as f64;
+        let load = if self.mutant.is(CostMutant::IgnoresLoad) {
             0.0
+        } else if self.keep_credit <= 0.0 || self.mutant.is(CostMutant::RecentAgainstColdHistory) {
+            // Without a keep credit nothing is kept, so nothing is discounted.
+            candidate.with_coldness(0.0).load(self.recent_weight)
         } else {
-            booked
+            candidate.load(self.recent_weight)
         };
-        self.overlap_weight * uncached + self.load_scale * booked
-            - self.keep_credit * candidate.coldness * candidate.overlap as f64
+        self.overlap_weight * uncached as f64 + self.load_scale * load
+            - self.keep_credit * candidate.coldness * cached
     }
 
     /// A lower bound of the cost of any worker with `booked` tokens booked, at least `recent`
-    /// recent work and at most `max_overlap` leading blocks, whose coldness × overlap is at
-    /// most `max_kept`: what lets the dispatcher stop its walk over the pool early.
-    #[allow(clippy::cast_precision_loss)] // block counts far below 2^52
+    /// recent work and at most `max_overlap` leading blocks, whose coldness × overlap (in
+    /// blocks) is at most `max_kept`: what lets the dispatcher stop its walk over the pool
+    /// early.
+    #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
     pub fn floor(
         &self,
         request_tokens: u64,
@@ -256,10 +302,19 @@ impl KvCost {
         booked: u64,
         recent: f64,
     ) -> f64 {
-        let kept = max_kept.min(max_overlap as f64);
-        let bare = Candidate::new(0, max_overlap, booked)
-            .with_coldness(0.0)
-            .with_recent(recent);
+        // A worker crediting `o ≥ 1` blocks at coldness `c` has `c × o ≤ max_kept`, so its
+        // keep share is at most `max_kept` (and 1); one crediting none has share 0, and so
+        // has every worker without a keep credit.
+        let share = if max_overlap > 0 && self.keep_credit > 0.0 {
+            max_kept.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let bare = Candidate::new(0, max_overlap, booked).with_recent(recent * (1.0 - share));
+        let bare = bare.with_coldness(0.0);
+        // The kept credit in tokens: at most the cached tokens of `max_overlap` blocks.
+        let cached = request_tokens.saturating_sub(self.uncached(request_tokens, max_overlap));
+        let kept = (max_kept * f64::from(self.block_size)).min(cached as f64);
         self.cost(request_tokens, &bare) - self.keep_credit * kept
     }
 
@@ -513,7 +568,7 @@ mod tests {
 
     #[test]
     fn a_temperature_samples_every_candidate_and_prefers_the_cheap_one() {
-        let cost = KvCost::new(16, 1.0, 1.0, 4.0);
+        let cost = KvCost::new(16, 1.0, 1.0, 64.0); // tokens: 4 blocks of 16
         let cs = [Candidate::new(1, 0, 0), Candidate::new(2, 0, 64)];
         let mut counts = [0u32; 3];
         let mut r = 1u64;

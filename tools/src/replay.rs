@@ -48,4 +48,4 @@ pub use run::run;
 pub use sessions::ClosedLoop;
 pub use svg::{join_svg, svg};
 pub use trace::{ceiling, parse_trace, read_trace, TraceError, TraceRecord, BLOCK_TOKENS};
-pub use workload::{Workload, WorkloadError};
+pub use workload::{Workload, WorkloadError, CHAT_UNIT};

@@ -19,7 +19,7 @@ use crate::transport::TransportError;
 
 /// A link that reaches nobody. These tests only pick and hold: the workers' addresses are
 /// fake, and a TCP link in KV mode would dial them eagerly and open their breakers.
-struct Unreached;
+pub(super) struct Unreached;
 
 impl WorkerLink for Unreached {
     type Stream = futures_util::stream::Empty<Result<GenerateResponse, TransportError>>;
@@ -34,9 +34,9 @@ impl WorkerLink for Unreached {
     }
 }
 
-type Dispatcher = crate::push::Dispatcher<Unreached>;
+pub(super) type Dispatcher = crate::push::Dispatcher<Unreached>;
 
-fn instance(id: InstanceId) -> Instance {
+pub(super) fn instance(id: InstanceId) -> Instance {
     Instance {
         endpoint: EndpointId::new("t", "prefill", "generate"),
         instance_id: id,
@@ -45,7 +45,7 @@ fn instance(id: InstanceId) -> Instance {
 }
 
 /// Run `f` inside a tokio runtime (the routable view spawns its event task).
-fn in_runtime<T>(f: impl FnOnce() -> T) -> T {
+pub(super) fn in_runtime<T>(f: impl FnOnce() -> T) -> T {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

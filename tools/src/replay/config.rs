@@ -151,8 +151,16 @@ pub struct ReplayConfig {
     pub policy: Policy,
     /// Prefill workers (default 6).
     pub workers: usize,
-    /// KV blocks each worker's LRU cache holds; `None` (default) is unbounded.
+    /// KV blocks of [`BLOCK_TOKENS`](super::BLOCK_TOKENS) (512) tokens each worker's LRU
+    /// cache holds, whatever [`block_tokens`](Self::block_tokens) is (the same memory at
+    /// every block size); `None` (default) is unbounded.
     pub cache_blocks: Option<usize>,
+    /// Tokens per KV block of the router and the workers (default 512; `--block-tokens`). The
+    /// trace's prompts are the same tokens at every block size (issue #40).
+    pub block_tokens: u32,
+    /// Tokens per `hash_ids` entry of the trace (512 for Mooncake files and the 512-token
+    /// generated workloads; [`Workload::unit_tokens`](super::Workload::unit_tokens)).
+    pub unit_tokens: u32,
     /// Replay only the first `limit` requests.
     pub limit: Option<usize>,
     /// The workers' timing.
@@ -203,6 +211,8 @@ impl ReplayConfig {
             policy,
             workers: 6,
             cache_blocks: None,
+            block_tokens: super::BLOCK_TOKENS,
+            unit_tokens: super::BLOCK_TOKENS,
             limit: None,
             cost: CostModel::default(),
             seed: 0x5eed,

@@ -16,7 +16,6 @@ use tokio_util::sync::CancellationToken;
 use super::cost::CostModel;
 use super::link::{self, request_index, ReplayLink, Served, Shared};
 use super::policy::Policy;
-use super::trace::{TraceRecord, BLOCK_TOKENS};
 use prefill_router::advert::{self, DecodeDefaults};
 use prefill_router::binding::TokenLoad;
 use prefill_router::binding::{
@@ -105,14 +104,14 @@ impl ReplayBinding {
         let config = advert::resolve(
             std::slice::from_ref(&*target.card),
             &DecodeDefaults {
-                block_size: BLOCK_TOKENS,
+                block_size: shared.block_tokens,
                 ..DecodeDefaults::default()
             },
         )
         .map_err(|e| BuildError::new(e.to_string()))?;
         let mode = PushMode::from_prefill_config(&config, None);
         let oracle = KvSelector::new(
-            BLOCK_TOKENS,
+            shared.block_tokens,
             &config.kv_router_config.clone().unwrap_or_default(),
             1,
         );
@@ -232,12 +231,12 @@ impl ReplayBinding {
     /// router is fed by the workers' KV events); ties go to a hash of request and worker.
     ///
     /// Without `pending` (policy `dynamo-blocks`), the earlier reading: no pending prefill term.
-    fn dynamo_pick(&self, index: usize, record: &TraceRecord, pending: bool) -> Option<InstanceId> {
+    fn dynamo_pick(&self, index: usize, pending: bool) -> Option<InstanceId> {
         const OVERLAP_SCORE_CREDIT: f64 = 1.0;
         const PREFILL_LOAD_SCALE: f64 = 1.0;
         let keys = self.shared.keys.get(index)?;
         let workers = self.shared.workers.lock();
-        let blocks = record.hash_ids.len();
+        let blocks = keys.len();
         self.view
             .routable()
             .iter()
@@ -249,7 +248,7 @@ impl ReplayBinding {
                     let new = blocks as f64 - OVERLAP_SCORE_CREDIT * overlap as f64;
                     let pending = if pending {
                         w.pending_prefill_tokens.load(Ordering::Relaxed) as f64
-                            / f64::from(BLOCK_TOKENS)
+                            / f64::from(self.shared.block_tokens)
                     } else {
                         0.0
                     };
@@ -306,14 +305,13 @@ impl ReplayBinding {
     fn choose(
         &self,
         index: usize,
-        record: &TraceRecord,
         request: &GenerateRequest,
     ) -> Result<(InstanceId, Option<HeldPick>, usize), PrefillError> {
         // Dynamo's baseline scores the workers itself; every other policy is the real push
         // router, whose selection counts as load until the prefill ends.
         let pick = match self.shared.policy {
-            Policy::Dynamo => Some(self.dynamo_pick(index, record, true)),
-            Policy::DynamoBlocks => Some(self.dynamo_pick(index, record, false)),
+            Policy::Dynamo => Some(self.dynamo_pick(index, true)),
+            Policy::DynamoBlocks => Some(self.dynamo_pick(index, false)),
             Policy::KvOracle => Some(self.oracle_pick(index)),
             _ => None,
         };
@@ -401,10 +399,10 @@ impl Binding for ReplayBinding {
             .trace
             .get(index)
             .ok_or_else(|| missing(format!("no trace record {index}")))?;
-        let (id, selection, cached_blocks) = self.choose(index, record, request)?;
+        let (id, selection, cached_blocks) = self.choose(index, request)?;
         let cached = u32::try_from(cached_blocks)
             .unwrap_or(u32::MAX)
-            .saturating_mul(BLOCK_TOKENS)
+            .saturating_mul(self.shared.block_tokens)
             .min(record.input_length);
         let workers = u64::try_from(self.view.routable().len().max(1)).unwrap_or(1);
         let probe = PrefillEstimate {
@@ -473,7 +471,8 @@ impl ReplayDecode {
         self.local.fetch_sub(1, Ordering::Relaxed);
         if let Some(slot) = self.shared.served.lock().get_mut(index) {
             *slot = Some(Served {
-                blocks: u32::try_from(record.hash_ids.len()).unwrap_or(u32::MAX),
+                blocks: u32::try_from(self.shared.keys.get(index).map_or(0, Vec::len))
+                    .unwrap_or(u32::MAX),
                 hits: 0,
                 queue: Duration::ZERO,
                 local: true,

@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use super::cost::CostModel;
 use super::policy::Policy;
-use super::trace::{TraceRecord, BLOCK_TOKENS};
+use super::trace::TraceRecord;
 use crate::mock::BlockCache;
 use prefill_router::discovery::InstanceId;
 use prefill_router::kv_events::EventBatch;
@@ -115,7 +115,7 @@ impl Worker {
         shared: &Shared,
     ) -> Served {
         let cost = &shared.cost;
-        let blocks = record.hash_ids.len() as u64;
+        let blocks = keys.len() as u64;
         self.active_blocks.fetch_add(blocks, Ordering::Relaxed);
         let mut occupancy = Occupancy {
             worker: self,
@@ -135,7 +135,7 @@ impl Worker {
         let hits = u32::try_from(hits).unwrap_or(u32::MAX);
         let uncached = record
             .input_length
-            .saturating_sub(hits.saturating_mul(BLOCK_TOKENS));
+            .saturating_sub(hits.saturating_mul(shared.block_tokens));
         let running = self.running.fetch_add(1, Ordering::Relaxed);
         occupancy.running = true;
         tokio::time::sleep(cost.prefill_time(uncached, running)).await;
@@ -214,7 +214,7 @@ impl ReplayLink {
             // The worker's own measure of the work: the prompt past its cached prefix.
             let hits = worker.cache.lock().leading_hits(&shared.keys[index]) as u64;
             let tokens = u64::from(shared.trace[index].input_length)
-                .saturating_sub(hits * u64::from(BLOCK_TOKENS));
+                .saturating_sub(hits * u64::from(shared.block_tokens));
             // A retry of the same request on the same worker is refused and counts once.
             let _ = worker
                 .ledger
@@ -247,7 +247,7 @@ impl ReplayLink {
                     worker: id,
                     prompt_tokens: record.input_length,
                     cached_blocks: served.hits,
-                    block_size: BLOCK_TOKENS,
+                    block_size: shared.block_tokens,
                 }),
             })
         };
@@ -346,6 +346,8 @@ pub(crate) struct Shared {
     pub(crate) policy: Policy,
     pub(crate) seed: u64,
     pub(crate) cache_blocks: usize,
+    /// Tokens per KV block of the router and the workers.
+    pub(crate) block_tokens: u32,
     pub(crate) workers: Mutex<BTreeMap<InstanceId, Arc<Worker>>>,
     /// Per request index, what its prefill found.
     pub(crate) served: Mutex<Vec<Option<Served>>>,

@@ -143,8 +143,12 @@ pub struct ReplayReport {
     pub frontends: usize,
     /// How requests were spread over the frontends (`round-robin` or `session`).
     pub spread: String,
-    /// KV blocks per worker (`None`: unbounded).
+    /// KV blocks of 512 tokens per worker (`None`: unbounded).
     pub cache_blocks: Option<usize>,
+    /// Tokens per KV block of the router and the workers.
+    pub block_tokens: u32,
+    /// Closed-loop arrivals as `(users, think ms)` (`None`: the trace's timestamps).
+    pub closed_loop: Option<(usize, u64)>,
     /// Requests replayed.
     pub requests: u64,
     /// Requests that did not complete (prefill or decode failed, or the hop rejected them),

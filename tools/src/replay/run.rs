@@ -51,35 +51,43 @@ pub fn run(config: &ReplayConfig, trace: &[TraceRecord]) -> Result<ReplayReport,
     Ok(report)
 }
 
-/// The prompt of `record` as token ids: block *i* is 512 copies of `hash_ids[i]`, so the push
-/// router's chained block hashes agree exactly when the trace's leading ids do. Only the KV
-/// policies read tokens; the others get an empty prompt and skip the work.
-pub(crate) fn prompt(record: &TraceRecord, policy: Policy) -> Vec<u32> {
-    if !policy.chained() {
-        return Vec::new();
-    }
-    let mut tokens = Vec::with_capacity(record.hash_ids.len() * BLOCK_TOKENS as usize);
+/// The prompt of `record` as token ids: entry *i* of its `hash_ids` is `unit` copies of that
+/// id, so the push router's chained block hashes, at any block size, agree exactly when the
+/// trace's leading ids do (up to the block holding the first difference). The same tokens at
+/// every block size: only which of them a block covers changes.
+pub(crate) fn tokens(record: &TraceRecord, unit: u32) -> Vec<u32> {
+    let mut tokens = Vec::with_capacity(record.hash_ids.len() * unit as usize);
     for &h in &record.hash_ids {
         // parse_trace guarantees ids below 2^32.
         let token = u32::try_from(h).unwrap_or(u32::MAX);
-        tokens.extend(std::iter::repeat_n(token, BLOCK_TOKENS as usize));
+        tokens.extend(std::iter::repeat_n(token, unit as usize));
     }
     tokens
 }
 
+/// The prompt the router gets for `record`: its [`tokens`]. Only the KV policies read tokens;
+/// the others get an empty prompt and skip the work.
+pub(crate) fn prompt(record: &TraceRecord, policy: Policy, unit: u32) -> Vec<u32> {
+    if !policy.chained() {
+        return Vec::new();
+    }
+    tokens(record, unit)
+}
+
 async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayReport {
-    let cache_blocks = config.cache_blocks.unwrap_or(usize::MAX);
+    // The cache holds as many tokens at every block size.
+    let block = config.block_tokens.max(1);
+    let cache_blocks = config.cache_blocks.map_or(usize::MAX, |c| {
+        (c.saturating_mul(BLOCK_TOKENS as usize) / block as usize).max(1)
+    });
     let pool = config.workers.max(1) as u64;
     let ids: BTreeSet<u64> = (1..=pool).collect();
-    // The KV policies' workers key their caches by the router's chained block hashes.
-    let keys: Vec<Vec<u64>> = if config.policy.chained() {
-        records
-            .iter()
-            .map(|r| prefill_router::push::block_hashes(&prompt(r, config.policy), BLOCK_TOKENS))
-            .collect()
-    } else {
-        records.iter().map(|r| r.hash_ids.clone()).collect()
-    };
+    // Every policy's workers key their caches by the chained hashes of the prompt's blocks at
+    // the run's block size (a block is cached whole or not at all).
+    let keys: Vec<Vec<u64>> = records
+        .iter()
+        .map(|r| prefill_router::push::block_hashes(&tokens(r, config.unit_tokens), block))
+        .collect();
     let shared = Arc::new(Shared {
         trace: Arc::clone(&records),
         keys,
@@ -92,6 +100,7 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         policy: config.policy,
         seed: config.seed,
         cache_blocks,
+        block_tokens: block,
         workers: Mutex::new(BTreeMap::new()),
         served: Mutex::new(vec![None; records.len()]),
         builds: AtomicU64::new(0),
@@ -105,7 +114,7 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
     shared.add_workers(ids.iter().copied());
     let card = ModelCard {
         name: "replay-model".to_owned(),
-        kv_cache_block_size: BLOCK_TOKENS,
+        kv_cache_block_size: block,
         router_config: Some(RouterConfig {
             router_mode: config.policy.router_mode(),
             kv_router_config: config.kv.clone(),
@@ -207,8 +216,12 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
                 Arc::clone(&decode),
             );
             let (records, outcome) = (Arc::clone(&records), outcome.clone());
-            let (policy, affinity, spread) =
-                (config.policy, config.session_affinity, config.spread);
+            let (policy, affinity, spread, unit) = (
+                config.policy,
+                config.session_affinity,
+                config.spread,
+                config.unit_tokens,
+            );
             tasks.push(tokio::spawn(async move {
                 // Each user: the next session's turns in order, each after the previous one
                 // completed and a think time.
@@ -217,7 +230,8 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
                         return;
                     };
                     for index in turns {
-                        let request = replay_request(&records[index], index, policy, affinity);
+                        let request =
+                            replay_request(&records[index], index, policy, affinity, unit);
                         let router =
                             &routers[frontend_of(spread, &records[index], index, routers.len())];
                         outcome.serve(router, &decode, index, request).await;
@@ -261,7 +275,13 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
                 start.elapsed().as_secs_f64()
             );
         }
-        let request = replay_request(record, index, config.policy, config.session_affinity);
+        let request = replay_request(
+            record,
+            index,
+            config.policy,
+            config.session_affinity,
+            config.unit_tokens,
+        );
         let frontend = frontend_of(config.spread, record, index, live);
         assigned[index] = frontend;
         let router = Arc::clone(&routers[frontend]);
@@ -342,9 +362,10 @@ fn replay_request(
     index: usize,
     policy: Policy,
     affinity: Option<Duration>,
+    unit: u32,
 ) -> GenerateRequest {
     GenerateRequest {
-        token_ids: prompt(record, policy),
+        token_ids: prompt(record, policy, unit),
         max_tokens: record.output_length.max(1),
         request_id: Some(index as u64),
         session: affinity.map(|_| session_key(record)),

@@ -11,7 +11,7 @@ use super::report::{
     quantiles, AffinityReport, EventReport, JoinReport, JoinWindow, Percentiles, ReplayReport,
     Window, MATCH_POINTS,
 };
-use super::trace::{ceiling, ratio, TraceRecord};
+use super::trace::{ceiling_of, ratio, TraceRecord};
 use prefill_router::router::ConditionalPolicy;
 
 /// The report's name for a conditional policy: `short<N` and `busy>M`, joined by `,`.
@@ -144,7 +144,8 @@ pub(crate) fn summarize(
         max as f64 * prefill_tokens.len() as f64 / total as f64
     };
     let prefix_hit_rate = ratio(hits, blocks);
-    let ceiling = ceiling(records);
+    // At the run's block size: a block is cached whole or not at all.
+    let ceiling = ceiling_of(shared.keys.iter().map(Vec::as_slice));
     let event = config.event.map(|event| {
         let at = event.at();
         let window = |from: Duration, to: Duration| {
@@ -180,6 +181,11 @@ pub(crate) fn summarize(
         frontends: config.frontends.max(1),
         spread: config.spread.name().to_owned(),
         cache_blocks: config.cache_blocks,
+        block_tokens: config.block_tokens,
+        closed_loop: config.closed_loop.map(|c| {
+            let think = u64::try_from(c.think.as_millis()).unwrap_or(u64::MAX);
+            (c.users, think)
+        }),
         requests: records.len() as u64,
         lost,
         shed: shed.iter().filter(|&&s| s).count() as u64,

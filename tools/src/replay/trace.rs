@@ -96,16 +96,17 @@ pub fn parse_trace(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError>
 /// found cached by one infinite cache shared by every worker (a block counts when it and every
 /// block before it in its prompt were seen before). 0 for an empty trace.
 pub fn ceiling(trace: &[TraceRecord]) -> f64 {
+    ceiling_of(trace.iter().map(|r| &r.hash_ids[..]))
+}
+
+/// [`ceiling`] over the prompts' block keys (the replay's chained hashes at its block size).
+pub(crate) fn ceiling_of<'a>(prompts: impl IntoIterator<Item = &'a [u64]>) -> f64 {
     let mut seen = HashSet::new();
     let (mut hits, mut total) = (0u64, 0u64);
-    for record in trace {
-        hits += record
-            .hash_ids
-            .iter()
-            .take_while(|h| seen.contains(*h))
-            .count() as u64;
-        total += record.hash_ids.len() as u64;
-        seen.extend(record.hash_ids.iter().copied());
+    for blocks in prompts {
+        hits += blocks.iter().take_while(|h| seen.contains(*h)).count() as u64;
+        total += blocks.len() as u64;
+        seen.extend(blocks.iter().copied());
     }
     ratio(hits, total)
 }

@@ -1,6 +1,7 @@
 //! Generated workloads in the trace format, for the shapes the Mooncake trace does not have:
-//! one system prompt every request shares, and many tenants with popular prompts and
-//! multi-turn sessions. Seeded, so a spec names one trace exactly.
+//! one system prompt every request shares, many tenants with popular prompts and multi-turn
+//! sessions, and chat conversations whose turns grow by less than a 512-token block. Seeded,
+//! so a spec names one trace exactly.
 
 use super::trace::{TraceRecord, BLOCK_TOKENS};
 use crate::sim::SimRng;
@@ -32,11 +33,28 @@ pub enum Workload {
         /// Seed.
         seed: u64,
     },
+    /// Chat sessions in units of [`CHAT_UNIT`] tokens: a 16-token system line every session
+    /// shares, a first message of 32–1,024 tokens, then 1–9 more turns, each adding the
+    /// previous answer (32–512 tokens, the previous turn's output) and a message of 16–256
+    /// tokens, 5–30 s after the answer; sessions start as a Poisson process so that requests
+    /// arrive at about `rate`. Histories stay a few hundred to a few thousand tokens and grow
+    /// by less than a 512-token block most turns: the shape issue #40 lost at small blocks.
+    Conversation {
+        /// Requests per second, about.
+        rate: f64,
+        /// Requests.
+        requests: usize,
+        /// Seed.
+        seed: u64,
+    },
 }
+
+/// Tokens per `hash_ids` entry of the [`Workload::Conversation`] traces.
+pub const CHAT_UNIT: u32 = 16;
 
 /// Why a workload spec does not parse.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
-#[error("bad workload `{spec}`: {why} (shared-prefix:rate=R[,requests=N,prefix=B,seed=S] | multi-tenant:rate=R[,requests=N,tenants=T,seed=S])")]
+#[error("bad workload `{spec}`: {why} (shared-prefix:rate=R[,requests=N,prefix=B,seed=S] | multi-tenant:rate=R[,requests=N,tenants=T,seed=S] | conversation:rate=R[,requests=N,seed=S])")]
 pub struct WorkloadError {
     spec: String,
     why: String,
@@ -95,6 +113,11 @@ impl Workload {
                 tenants: extra(40).max(1),
                 seed,
             }),
+            "conversation" => Ok(Workload::Conversation {
+                rate,
+                requests,
+                seed,
+            }),
             _ => Err(bad("unknown kind")),
         }
     }
@@ -104,6 +127,16 @@ impl Workload {
         match self {
             Workload::SharedPrefix { rate, .. } => format!("shared-prefix {rate} req/s"),
             Workload::MultiTenant { rate, .. } => format!("multi-tenant {rate} req/s"),
+            Workload::Conversation { rate, .. } => format!("conversation {rate} req/s"),
+        }
+    }
+
+    /// Tokens per `hash_ids` entry of its trace: [`CHAT_UNIT`] for conversations, 512
+    /// ([`BLOCK_TOKENS`]) for the others (as the Mooncake traces).
+    pub fn unit_tokens(&self) -> u32 {
+        match self {
+            Workload::Conversation { .. } => CHAT_UNIT,
+            _ => BLOCK_TOKENS,
         }
     }
 
@@ -122,6 +155,11 @@ impl Workload {
                 tenants,
                 seed,
             } => multi_tenant(rate, requests, tenants, seed),
+            Workload::Conversation {
+                rate,
+                requests,
+                seed,
+            } => conversation(rate, requests, seed),
         }
     }
 }
@@ -134,14 +172,57 @@ fn exponential_ms(rng: &mut SimRng, rate: f64) -> f64 {
 }
 
 fn record(timestamp_ms: f64, hash_ids: Vec<u64>) -> TraceRecord {
-    let blocks = u32::try_from(hash_ids.len()).unwrap_or(u32::MAX);
+    record_of(timestamp_ms, hash_ids, BLOCK_TOKENS, OUTPUT_TOKENS)
+}
+
+fn record_of(timestamp_ms: f64, hash_ids: Vec<u64>, unit: u32, output: u32) -> TraceRecord {
+    let units = u32::try_from(hash_ids.len()).unwrap_or(u32::MAX);
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // non-negative ms
     TraceRecord {
         timestamp: timestamp_ms as u64,
-        input_length: blocks.saturating_mul(BLOCK_TOKENS),
-        output_length: OUTPUT_TOKENS,
+        input_length: units.saturating_mul(unit),
+        output_length: output,
         hash_ids,
     }
+}
+
+fn conversation(rate: f64, requests: usize, seed: u64) -> Vec<TraceRecord> {
+    let mut rng = SimRng::new(seed);
+    // Id 0: the system line. Mean turns per session 5.5: sessions start at rate / 5.5.
+    let mut next_id = 1u64;
+    let mut fresh = |units: u64| {
+        let ids: Vec<u64> = (next_id..next_id + units).collect();
+        next_id += units;
+        ids
+    };
+    let session_rate = rate / 5.5;
+    let mut out = Vec::with_capacity(requests + 10);
+    let mut start = 0.0;
+    while out.len() < requests {
+        start += exponential_ms(&mut rng, session_rate);
+        let mut history = vec![0u64];
+        history.extend(fresh(rng.between(2, 64)));
+        let mut t = start;
+        let turns = rng.between(2, 10);
+        for turn in 0..turns {
+            let answer = rng.between(2, 32);
+            let output = u32::try_from(answer).unwrap_or(u32::MAX) * CHAT_UNIT;
+            out.push(record_of(t, history.clone(), CHAT_UNIT, output));
+            if turn + 1 == turns {
+                break;
+            }
+            // The answer joins the history, then the next message, after a think time.
+            history.extend(fresh(answer));
+            history.extend(fresh(rng.between(1, 16)));
+            #[allow(clippy::cast_precision_loss)] // seconds
+            let think = rng.between(5_000, 30_000) as f64;
+            // The answer took about 25 ms a token to stream.
+            t += think + f64::from(output) * 25.0;
+        }
+    }
+    out.sort_by_key(|r| r.timestamp);
+    out.truncate(requests);
+    out
 }
 
 fn shared_prefix(rate: f64, requests: usize, prefix: usize, seed: u64) -> Vec<TraceRecord> {
@@ -260,6 +341,37 @@ mod tests {
         tails.sort_unstable();
         tails.dedup();
         assert_eq!(tails.len(), 2_000);
+    }
+
+    #[test]
+    fn conversation_turns_extend_their_history_by_less_than_a_block_mostly() {
+        let workload = Workload::parse("conversation:rate=5,requests=2000").unwrap();
+        assert_eq!(workload.unit_tokens(), CHAT_UNIT);
+        let trace = workload.generate();
+        assert_eq!(trace.len(), 2_000);
+        assert!(trace.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
+        let sessions = crate::replay::sessions::sessions(&trace);
+        let (mut later, mut small) = (0, 0);
+        for turns in sessions.iter().filter(|s| s.len() > 1) {
+            for pair in turns.windows(2) {
+                let (a, b) = (&trace[pair[0]], &trace[pair[1]]);
+                assert!(
+                    b.hash_ids.starts_with(&a.hash_ids),
+                    "a turn carries its history"
+                );
+                later += 1;
+                small += usize::from(b.input_length - a.input_length < BLOCK_TOKENS);
+            }
+        }
+        assert!(later > 1_000, "{later}");
+        assert!(
+            small * 2 > later,
+            "{small} of {later} turns grow by under 512 tokens"
+        );
+        for r in &trace {
+            assert_eq!(r.input_length, r.hash_ids.len() as u32 * CHAT_UNIT);
+            assert_eq!(r.hash_ids[0], 0, "the shared system line");
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@
 // Certificates made at test time, shared with the library's request-plane tests.
 #[path = "../../../tests/request_plane/certs.rs"]
 mod certs;
+mod conversations;
 #[path = "../frontend/mod.rs"]
 mod frontend;
 mod operations;

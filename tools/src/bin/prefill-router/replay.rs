@@ -10,6 +10,7 @@ use crate::args::{CliError, Flags};
 /// Usage of `prefill-router replay`.
 pub const USAGE: &str = "\
 usage: prefill-router replay (--trace FILE | --workload SPEC) [--workers N] [--policy P] [--cache-blocks C]
+                             [--block-tokens LIST] [--closed-loop LIST]
                              [--limit K] [--json OUT] [--svg OUT] [--quiet]
                              [--retarget-at T | --flap-at T | --flap-rebuild-at T]
                              [--event-loss-every K] [--event-delay-ms D]
@@ -27,18 +28,24 @@ reports prefix hit rate against the trace's ceiling, TTFT, queueing and work bal
   --workload SPEC    a generated trace instead: shared-prefix:rate=R[,requests=N,prefix=B,seed=S]
                      (every prompt the same B blocks, default 30, plus 2-6 of its own) or
                      multi-tenant:rate=R[,requests=N,tenants=T,seed=S] (T system prompts,
-                     Zipf popularity, 1-8-turn sessions); docs/replay.md
+                     Zipf popularity, 1-8-turn sessions) or conversation:rate=R[,requests=N,
+                     seed=S] (chat sessions of 2-10 turns growing by 48-768 tokens, in
+                     16-token units); docs/replay.md
+  --block-tokens LIST  tokens per KV block of the router and the workers, one run per
+                     comma-separated size (default 512): the same prompts at every size
   --kv-config JSON   the KV cost terms the pool's card advertises, e.g.
                      '{\"prefill_load_scale\":0.5,\"busy_threshold_tokens\":20000}'
   --closed-loop U[:T] closed-loop arrivals: U users, each running a session's turns (a
                      turn continues the session whose last prompt prefixes it) one after
-                     another, T ms (default 1000) after the previous turn completed
+                     another, T ms (default 1000) after the previous turn completed; a
+                     comma-separated list runs each (a grid: 8:500,32:2000,...)
   --overload-wait-ms W  how long a request waits for room when every worker is over the
                      busy threshold before it is shed (default 2000)
   --workers N        prefill workers (default 6)
   --policy P         kv | kv-events | kv-oracle | dynamo | dynamo-blocks | round-robin | random | all
                      (default kv; all runs each; a comma-separated list runs those)
-  --cache-blocks C   KV blocks per worker, LRU (default unbounded)
+  --cache-blocks C   KV blocks of 512 tokens per worker, LRU (default unbounded; the same
+                     memory at every --block-tokens)
   --limit K          replay only the first K requests
   --json OUT         also write the reports as JSON to OUT
   --svg OUT          also draw TTFT CDF and hit rate over the trace per policy as SVG
@@ -78,7 +85,10 @@ pub struct ReplayOptions {
     trace: String,
     kv: prefill_router::advert::KvRouterConfig,
     overload_wait: Duration,
-    closed_loop: Option<prefill_router_tools::replay::ClosedLoop>,
+    /// The closed loops to run (`None`: open loop).
+    closed_loop: Vec<Option<prefill_router_tools::replay::ClosedLoop>>,
+    /// The block sizes to run.
+    block_tokens: Vec<u32>,
     workers: usize,
     policy: String,
     cache_blocks: Option<usize>,
@@ -108,6 +118,21 @@ pub struct ReplayOptions {
     join_at: Option<f64>,
     /// The joins to run: with the snapshot (`true`) and/or cold.
     join_snapshot: Vec<bool>,
+}
+
+/// One `--closed-loop` spec: `USERS[:THINK_MS]`.
+fn parse_closed_loop(spec: &str) -> Result<prefill_router_tools::replay::ClosedLoop, CliError> {
+    let bad = || CliError::Usage(format!("--closed-loop USERS[:THINK_MS], not `{spec}`"));
+    let (users, think) = spec.split_once(':').unwrap_or((spec, "1000"));
+    let users: usize = users.parse().map_err(|_| bad())?;
+    let think: u64 = think.parse().map_err(|_| bad())?;
+    if users == 0 {
+        return Err(bad());
+    }
+    Ok(prefill_router_tools::replay::ClosedLoop {
+        users,
+        think: Duration::from_millis(think),
+    })
 }
 
 /// One `--affinity` spec: `off` or a TTL in seconds (> 0, finite).
@@ -169,7 +194,8 @@ impl ReplayOptions {
             affinity: vec![None],
             kv: prefill_router::advert::KvRouterConfig::default(),
             overload_wait: prefill_router::push::PushConfig::default().overload_wait,
-            closed_loop: None,
+            closed_loop: vec![None],
+            block_tokens: vec![prefill_router_tools::replay::BLOCK_TOKENS],
             frontends: vec![1],
             spread: prefill_router_tools::replay::Spread::RoundRobin,
             load_reports: true,
@@ -182,19 +208,23 @@ impl ReplayOptions {
             match flag {
                 "--trace" => trace = Some(flags.value(flag)?.to_owned()),
                 "--closed-loop" => {
+                    options.closed_loop = flags
+                        .value(flag)?
+                        .split(',')
+                        .map(|spec| parse_closed_loop(spec).map(Some))
+                        .collect::<Result<_, _>>()?;
+                }
+                "--block-tokens" => {
                     let spec = flags.value(flag)?;
-                    let bad =
-                        || CliError::Usage(format!("--closed-loop USERS[:THINK_MS], not `{spec}`"));
-                    let (users, think) = spec.split_once(':').unwrap_or((spec, "1000"));
-                    let users: usize = users.parse().map_err(|_| bad())?;
-                    let think: u64 = think.parse().map_err(|_| bad())?;
-                    if users == 0 {
-                        return Err(bad());
-                    }
-                    options.closed_loop = Some(prefill_router_tools::replay::ClosedLoop {
-                        users,
-                        think: Duration::from_millis(think),
-                    });
+                    options.block_tokens = spec
+                        .split(',')
+                        .map(|n| n.parse::<u32>().ok().filter(|&n| (1..=1 << 16).contains(&n)))
+                        .collect::<Option<_>>()
+                        .ok_or_else(|| {
+                            CliError::Usage(format!(
+                                "--block-tokens takes sizes from 1 to 65536, comma-separated, not `{spec}`"
+                            ))
+                        })?;
                 }
                 "--overload-wait-ms" => {
                     options.overload_wait = Duration::from_millis(flags.parsed(flag)?);
@@ -310,7 +340,8 @@ pub async fn run(options: ReplayOptions) -> ExitCode {
 
 fn run_blocking(options: &ReplayOptions) -> ExitCode {
     use prefill_router_tools::replay::{
-        join_svg, read_trace, run, svg, Join, Policy, PoolEvent, ReplayConfig, ReplayError,
+        join_svg, read_trace, run, svg, ClosedLoop, Join, Policy, PoolEvent, ReplayConfig,
+        ReplayError,
     };
 
     let generated = options
@@ -345,7 +376,36 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
                 options.join_snapshot.iter().map(move |&s| (p, c, a, n, s))
             })
     });
-    for (policy, conditional, session_affinity, frontends, snapshot) in runs {
+    // The grid's outer dimensions: block size, then closed loop (each a table's worth).
+    let grid: Vec<(u32, Option<ClosedLoop>)> = options
+        .block_tokens
+        .iter()
+        .flat_map(|&b| options.closed_loop.iter().map(move |&c| (b, c)))
+        .collect();
+    let unit = generated
+        .as_ref()
+        .map_or(prefill_router_tools::replay::BLOCK_TOKENS, |w| {
+            w.unit_tokens()
+        });
+    let runs: Vec<_> = grid
+        .iter()
+        .flat_map(|&(b, c)| runs.clone().map(move |r| (b, c, r)))
+        .collect();
+    let mut heading = None;
+    for (block_tokens, closed_loop, (policy, conditional, session_affinity, frontends, snapshot)) in
+        runs
+    {
+        if grid.len() > 1 && heading != Some((block_tokens, closed_loop)) {
+            heading = Some((block_tokens, closed_loop));
+            let arrivals = closed_loop.map_or("open loop".to_owned(), |c| {
+                format!(
+                    "closed loop {} users, think {} ms",
+                    c.users,
+                    c.think.as_millis()
+                )
+            });
+            println!("# {block_tokens} tokens per block, {arrivals}");
+        }
         let config = ReplayConfig {
             join: options.join_at.map(|t| Join {
                 at: std::time::Duration::from_secs_f64(t),
@@ -375,7 +435,9 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
             event_delay: std::time::Duration::from_millis(options.event_delay_ms),
             kv: options.kv.clone(),
             overload_wait: options.overload_wait,
-            closed_loop: options.closed_loop,
+            closed_loop,
+            block_tokens,
+            unit_tokens: unit,
             ..ReplayConfig::new(policy)
         };
         match run(&config, &trace) {
