@@ -117,11 +117,16 @@ async fn until(what: &str, mut check: impl FnMut() -> bool) {
     panic!("timed out waiting for {what}");
 }
 
-/// The engines `n` distinct prompts (no shared blocks) would be sent to, picked one after the
-/// other.
+/// Prompts drawn so far: each call's are new (a prompt picked before is predicted cached on
+/// the engine it went to, which would pull it back there).
+static DRAWN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// The engines `n` distinct prompts (no shared blocks, none seen before) would be sent to,
+/// picked one after the other.
 fn picks(hop: &PrefillHop, n: u32) -> Vec<InstanceId> {
     let binding = hop.router().route().binding().cloned().unwrap();
-    (0..n)
+    let first = DRAWN.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    (first..first + n)
         .map(|p| {
             let tokens: Vec<u32> = (0..64).map(|i| 1000 * (p + 1) + i).collect();
             let request = GenerateRequest::new(tokens, 1);
