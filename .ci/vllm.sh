@@ -118,9 +118,14 @@ export PREFILL_VLLM_MODEL_DIR="$ENGINE_DIR/tiny-llama"
 say "the hop over the pair, and the prefill engine's KV events (library)"
 # From the root with the default members, as the README's test command builds them (the tools
 # package turns on the library's `engine`): no second build of the library.
-cargo test --release --test engine_link live_vllm -- --nocapture --test-threads 1 2>&1 \
-    | tee "$work/live.log" | grep -E "^live|^FIGURE|^test |test result|panicked" || true
-grep -q "test result: ok. 4 passed" "$work/live.log"
+cargo test --release --test engine_link --test engine_events_live live_vllm -- --nocapture \
+    --test-threads 1 2>&1 | tee "$work/live.log" \
+    | grep -E "^live|^FIGURE|^test |test result|panicked" || true
+# engine_link: the pair; engine_events_live: the events, the evicting engine, the restart (by
+# hand: it skips here).
+grep -q "test result: ok. 1 passed" "$work/live.log"
+grep -q "test result: ok. 3 passed" "$work/live.log"
+if grep -q "test result: FAILED" "$work/live.log"; then exit 1; fi
 
 if [ -f tools/tests/engines/vllm_e2e.py ]; then
     say "serve in front of the pair, checked with the openai client"
