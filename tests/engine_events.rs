@@ -20,12 +20,10 @@ use prefill_router::kv_events::{
     encode_engine_batch, EngineBatch, EngineEncoding, EngineEvent, Picture, Skipped, StoredBlocks,
 };
 use prefill_router::{PrefillHop, PrefillHopConfig};
-use tokio::io::AsyncWriteExt;
-use tokio::net::TcpListener;
 use zeromq::{Socket, SocketRecv, SocketSend};
 
-#[path = "support/http_request.rs"]
-mod http_request;
+#[path = "support/fake_http.rs"]
+mod fake_http;
 
 const BS: u32 = 16;
 const PREFILL_ANSWER: &str = r#"{"choices":[{"index":0,"text":"p","token_ids":[9],"finish_reason":"length"}],"usage":{"prompt_tokens":64,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}},"kv_transfer_params":null}"#;
@@ -94,36 +92,18 @@ impl FakeEngine {
         let sources = format!(
             r#"{{"0":{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"{pub_ep}","replay_endpoint":"{replay_ep}","topic":"{TOPIC}"}}}}"#
         );
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let http = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            while let Ok((mut socket, _)) = listener.accept().await {
-                let sources = sources.clone();
-                tokio::spawn(async move {
-                    let mut buffer = Vec::new();
-                    while let Some((head, _)) =
-                        http_request::next_request(&mut socket, &mut buffer).await
-                    {
-                        let (status, body) = if head.starts_with("get /kv_event_sources") {
-                            ("200 OK", sources.clone())
-                        } else if head.starts_with("post /v1/completions") {
-                            // A prefill that found nothing cached (and publishes nothing by
-                            // itself: the test says what the engine publishes).
-                            ("200 OK", PREFILL_ANSWER.to_owned())
-                        } else {
-                            ("404 Not Found", "{}".to_owned())
-                        };
-                        let answer = format!(
-                            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                            body.len()
-                        );
-                        if socket.write_all(answer.as_bytes()).await.is_err() {
-                            return;
-                        }
-                    }
-                });
+        let http = fake_http::serve(move |head| {
+            if head.starts_with("get /kv_event_sources") {
+                ("200 OK", sources.clone())
+            } else if head.starts_with("post /v1/completions") {
+                // A prefill that found nothing cached (and publishes nothing by itself: the
+                // test says what the engine publishes).
+                ("200 OK", PREFILL_ANSWER.to_owned())
+            } else {
+                ("404 Not Found", "{}".to_owned())
             }
-        });
+        })
+        .await;
         FakeEngine {
             http,
             publisher: tokio::sync::Mutex::new(publisher),

@@ -37,18 +37,11 @@ async fn live_vllm_events_index_what_the_engine_caches() {
     };
     let addr: SocketAddr = e.parse().unwrap();
     let start = |block_size| events_hop(addr, block_size);
-    let subscribed = |hop: &PrefillHop| events_ready(hop);
     let (hop, _r) = start(32).await;
     // A fresh subscriber learns the engine's whole history (a replay from 0) before its first
-    // picture; bounded wait.
-    let began = std::time::Instant::now();
-    for _ in 0..3000 {
-        if subscribed(&hop) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    println!("live events: first picture after {:?}", began.elapsed());
+    // picture.
+    let waited = wait_events_ready(&hop).await;
+    println!("live events: first picture after {waited:?}");
     let status = hop.binding_stats().engine_kv.status(1).unwrap();
     assert_eq!(status.state, FeedState::Subscribed, "{status:?}");
 
@@ -155,12 +148,7 @@ async fn live_vllm_events_index_what_the_engine_caches() {
         .await
         .unwrap();
     let (late, _r2) = start(32).await;
-    for _ in 0..300 {
-        if subscribed(&late) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_events_ready(&late).await;
     let late_binding = late.router().route().binding().cloned().unwrap();
     let probe = prompt(99, 8);
     let ours = binding.dispatcher().kv_indexed_overlap(&probe, 1);
@@ -245,14 +233,24 @@ async fn events_hop(addr: SocketAddr, block_size: u32) -> (PrefillHop, [Registra
     (hop, registration)
 }
 
-/// Whether the hop's feed of engine 1 is subscribed with a picture.
-fn events_ready(hop: &PrefillHop) -> bool {
+/// Wait (at most 30 s) until the hop's feed of engine 1 is subscribed with a picture; how long
+/// that took. The callers' assertions say what a feed that never got there means.
+async fn wait_events_ready(hop: &PrefillHop) -> Duration {
     use prefill_router::engine::FeedState;
     use prefill_router::kv_events::Picture;
-    hop.binding_stats()
-        .engine_kv
-        .status(1)
-        .is_some_and(|s| s.state == FeedState::Subscribed && s.picture != Picture::Unknown)
+    let began = std::time::Instant::now();
+    for _ in 0..3000 {
+        let ready = hop
+            .binding_stats()
+            .engine_kv
+            .status(1)
+            .is_some_and(|s| s.state == FeedState::Subscribed && s.picture != Picture::Unknown);
+        if ready {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    began.elapsed()
 }
 
 /// An engine with a small cache (`PREFILL_VLLM_EVICTING` = its address,
@@ -273,12 +271,7 @@ async fn live_vllm_events_follow_an_engine_that_evicts() {
         return;
     };
     let (hop, _r) = events_hop(addr.parse().unwrap(), 32).await;
-    for _ in 0..3000 {
-        if events_ready(&hop) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_events_ready(&hop).await;
     let binding = hop.router().route().binding().cloned().unwrap();
     let salt = std::process::id() % 500;
     let evicting = |n: u32| -> Vec<u32> {
@@ -352,12 +345,7 @@ async fn live_vllm_events_follow_an_engine_restart() {
         return;
     };
     let (hop, _r) = events_hop(addr.parse().unwrap(), 32).await;
-    for _ in 0..3000 {
-        if events_ready(&hop) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_events_ready(&hop).await;
     let binding = hop.router().route().binding().cloned().unwrap();
     let salt = std::process::id() % 500;
     let prompt = |n: u32| -> Vec<u32> {

@@ -16,11 +16,9 @@ use prefill_router::discovery::{
 use prefill_router::engine::LoadReading;
 use prefill_router::request::GenerateRequest;
 use prefill_router::{PrefillHop, PrefillHopConfig};
-use tokio::io::AsyncWriteExt;
-use tokio::net::TcpListener;
 
-#[path = "support/http_request.rs"]
-mod http_request;
+#[path = "support/fake_http.rs"]
+mod fake_http;
 
 /// What a fake engine's `/metrics` answers: `Some(text)` with 200, `None` with 503.
 type Metrics = Arc<Mutex<Option<String>>>;
@@ -35,36 +33,16 @@ fn vllm_metrics(running: u32, waiting: u32) -> Option<String> {
 }
 
 async fn fake_engine(metrics: Metrics) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut socket, _)) = listener.accept().await {
-            let metrics = Arc::clone(&metrics);
-            tokio::spawn(async move {
-                let mut buffer = Vec::new();
-                while let Some((head, _)) =
-                    http_request::next_request(&mut socket, &mut buffer).await
-                {
-                    let (status, body) = if head.starts_with("get /metrics") {
-                        match metrics.lock().clone() {
-                            Some(text) => ("200 OK", text),
-                            None => ("503 Service Unavailable", String::new()),
-                        }
-                    } else {
-                        ("404 Not Found", "{}".to_owned())
-                    };
-                    let answer = format!(
-                        "HTTP/1.1 {status}\r\ncontent-length: {}\r\n\r\n{body}",
-                        body.len()
-                    );
-                    if socket.write_all(answer.as_bytes()).await.is_err() {
-                        return;
-                    }
-                }
-            });
+    fake_http::serve(move |head| {
+        if !head.starts_with("get /metrics") {
+            return ("404 Not Found", "{}".to_owned());
         }
-    });
-    addr
+        match metrics.lock().clone() {
+            Some(text) => ("200 OK", text),
+            None => ("503 Service Unavailable", String::new()),
+        }
+    })
+    .await
 }
 
 /// A hop over prefill engines 1 and 2 (KV mode) scraping their load every 50 ms when `scrape`.

@@ -96,16 +96,7 @@ impl KvSelector {
     /// sampling with `config.router_temperature` (0 = always the cheapest).
     pub fn new(block_size: u32, config: &KvRouterConfig, capacity: usize) -> Self {
         KvSelector {
-            cost: KvCost::new(
-                block_size,
-                config.overlap_score_weight,
-                config.prefill_load_scale,
-                config.router_temperature,
-            )
-            .with_request_overhead(config.prefill_request_tokens)
-            .with_balance_slack(config.balance_slack_tokens)
-            .with_keep_credit(config.prefill_keep_credit)
-            .with_recent_weight(config.prefill_recent_work_weight),
+            cost: KvCost::from_config(block_size, config),
             capacity: capacity.max(1),
             entries: HashMap::default(),
             order: VecDeque::new(),

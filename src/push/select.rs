@@ -190,6 +190,21 @@ fn finite_or(value: f64, default: f64) -> f64 {
 }
 
 impl KvCost {
+    /// The cost a card's KV tuning names, for blocks of `block_size` tokens: its weights,
+    /// temperature, request overhead, balance slack, keep credit and recent-work weight.
+    pub fn from_config(block_size: u32, config: &crate::advert::KvRouterConfig) -> Self {
+        KvCost::new(
+            block_size,
+            config.overlap_score_weight,
+            config.prefill_load_scale,
+            config.router_temperature,
+        )
+        .with_request_overhead(config.prefill_request_tokens)
+        .with_balance_slack(config.balance_slack_tokens)
+        .with_keep_credit(config.prefill_keep_credit)
+        .with_recent_weight(config.prefill_recent_work_weight)
+    }
+
     /// The cost terms for blocks of `block_size` tokens; non-finite or negative weights fall
     /// back to 1 and a bad temperature to 0.
     pub fn new(block_size: u32, overlap_weight: f64, load_scale: f64, temperature: f64) -> Self {

@@ -193,6 +193,12 @@ impl EngineKvBoard {
         change(self.engines.lock().entry(engine).or_default());
     }
 
+    /// How long a live batch has been owed by `engine` past the staleness bound (`None`: it is
+    /// not): [`EngineKvStatus::owed_for`] without copying the status.
+    pub(crate) fn owed_for(&self, engine: InstanceId) -> Option<std::time::Duration> {
+        self.engines.lock().get(&engine)?.owed_for()
+    }
+
     /// A prefill sent at `sent` stored new blocks on `engine`: a live batch is owed from now
     /// on, unless one already is, or one arrived since `sent` (the engine publishes as it
     /// stores, often before its answer is back). Only a subscribed feed is owed anything.

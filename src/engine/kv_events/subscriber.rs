@@ -112,8 +112,7 @@ impl Feed {
             let input = tokio::select! {
                 () = cancel.cancelled() => break,
                 _ = check.tick() => {
-                    let owed = self.board.status(id).and_then(|s| s.owed_for());
-                    if let Some(waited) = owed {
+                    if let Some(waited) = self.board.owed_for(id) {
                         self.stale(waited);
                         return;
                     }

@@ -110,16 +110,7 @@ impl Pool {
 
 /// The cost of `config` at `block` tokens per block, running `mutant` if any.
 fn cost_at(block: u32, config: &KvRouterConfig, mutant: Option<CostMutant>) -> KvCost {
-    let cost = KvCost::new(
-        block,
-        config.overlap_score_weight,
-        config.prefill_load_scale,
-        config.router_temperature,
-    )
-    .with_request_overhead(config.prefill_request_tokens)
-    .with_balance_slack(config.balance_slack_tokens)
-    .with_keep_credit(config.prefill_keep_credit)
-    .with_recent_weight(config.prefill_recent_work_weight);
+    let cost = KvCost::from_config(block, config);
     match mutant {
         Some(m) => cost.with_mutant(m),
         None => cost,
