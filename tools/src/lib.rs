@@ -13,9 +13,13 @@
 //! - [`replay`]: a request trace replayed in virtual time through the router, per routing
 //!   policy (`docs/replay.md`).
 //!
+//! - [`peers`]: the head-to-head harness behind `bench-peers`: our router, the SGLang gateway
+//!   and vLLM's router in front of the same engines (`docs/performance.md`, "Against the peers").
+//!
 //! The `prefill-router` binary (demo, simulate, replay, serve, worker, register) is this package's.
 
 pub mod engines;
 pub mod mock;
+pub mod peers;
 pub mod replay;
 pub mod sim;
