@@ -82,7 +82,7 @@ async fn bad_requests_get_vllm_shaped_errors_and_the_engine_serves_on() {
         (json!({"prompt": [5, 99_999]}), 400, json!(null)),
         (json!({"prompt": [5], "max_tokens": 0}), 400, json!("max_tokens")),
         (json!({"prompt": [5], "max_tokens": 101}), 400, json!("max_tokens")),
-        (json!({"prompt": [5; 100]}), 400, json!("input_tokens")),
+        (json!({"prompt": vec![5; 100]}), 400, json!("input_tokens")),
         (json!({"prompt": [5], "stream_options": {"include_usage": true}}), 400, json!("stream_options")),
     ] {
         let r = post(e.addr, "/v1/completions", body.clone()).await;

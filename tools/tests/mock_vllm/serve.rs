@@ -52,8 +52,8 @@ async fn serve_kv_routes_a_repeated_prompt_back_to_the_engine_that_cached_it() {
     );
     let s = Arc::clone(&serve);
     let (checked, listening) = tokio::task::spawn_blocking(move || {
-        let checked = s.count_events("events_checked");
-        (checked, s.wait_event("listening"))
+        let listening = s.wait_event("listening");
+        (s.count_events("events_checked"), listening)
     })
     .await
     .unwrap();
@@ -65,13 +65,8 @@ async fn serve_kv_routes_a_repeated_prompt_back_to_the_engine_that_cached_it() {
     .await
     .unwrap();
 
-    let served = |addr| async move {
-        let mut n = Vec::new();
-        for e in [addr] {
-            n.push(metric(&get(e, "/metrics").await.body, "vllm:prompt_tokens_total", ""));
-        }
-        n[0]
-    };
+    let served =
+        |addr| async move { metric(&get(addr, "/metrics").await.body, "vllm:prompt_tokens_total", "") };
     for family in 0..4u32 {
         let prompt: Vec<u32> = (0..160).map(|i| 4 + (family * 131 + i * 17) % 1000).collect();
         let body = json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "temperature": 0});
