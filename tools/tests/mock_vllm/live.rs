@@ -57,6 +57,28 @@ fn samples(text: &str) -> Vec<(String, Vec<String>)> {
         .collect()
 }
 
+/// Streams compared by the role of each chunk (vLLM may put several tokens in one chunk, so
+/// their counts differ): the first, a middle one, the finishing one, the usage one.
+fn same_stream_shapes(what: &str, real: &[Value], mock: &[Value]) {
+    let finishing = |c: &[Value]| {
+        c.iter()
+            .position(|c| c["choices"][0]["finish_reason"].is_string())
+            .expect("a finishing chunk")
+    };
+    let (rf, mf) = (finishing(real), finishing(mock));
+    assert_same_shape(&format!("{what}: finishing chunk"), &real[rf], &mock[mf]);
+    if rf > 0 && mf > 0 {
+        assert_same_shape(&format!("{what}: first chunk"), &real[0], &mock[0]);
+    }
+    if rf > 1 && mf > 1 {
+        assert_same_shape(&format!("{what}: middle chunk"), &real[1], &mock[1]);
+    }
+    assert_eq!(real.len() - rf, mock.len() - mf, "{what}: chunks after the finish (usage)");
+    if real.len() > rf + 1 {
+        assert_same_shape(&format!("{what}: usage chunk"), &real[rf + 1], &mock[mf + 1]);
+    }
+}
+
 async fn subscribe(http: SocketAddr) -> zeromq::SubSocket {
     let sources = get(http, "/kv_event_sources").await;
     let source = parse_sources(sources.body.as_bytes(), http.ip()).unwrap().remove(0);
@@ -141,10 +163,7 @@ async fn live_vllm_mock_answers_in_real_vllms_shapes() {
     let mock_stream = post(md, "/v1/completions", decode(&mock["kv_transfer_params"])).await;
     assert_eq!((real_stream.status, mock_stream.status), (200, 200), "{real_stream:?}");
     let (rc, mc) = (sse_chunks(&real_stream.body), sse_chunks(&mock_stream.body));
-    assert_eq!(rc.len(), mc.len(), "chunks: {rc:?} vs {mc:?}");
-    for (i, (r, m)) in rc.iter().zip(&mc).enumerate() {
-        assert_same_shape(&format!("decode chunk {i}"), r, m);
-    }
+    same_stream_shapes("decode leg", &rc, &mc);
     let cached = |c: &[Value]| c.last().unwrap()["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
     assert_eq!(cached(&rc), cached(&mc), "the decode reports P's cached tokens");
 
@@ -158,9 +177,14 @@ async fn live_vllm_mock_answers_in_real_vllms_shapes() {
     }
     let body = json!({"model": model, "prompt": prompt, "max_tokens": 2, "stream": true});
     let (r, m) = (post(real_p, "/v1/completions", body.clone()).await, post(mp, "/v1/completions", body).await);
-    for (i, (r, m)) in sse_chunks(&r.body).iter().zip(&sse_chunks(&m.body)).enumerate() {
-        assert_same_shape(&format!("stream without usage, chunk {i}"), r, m);
-    }
+    same_stream_shapes("stream without usage", &sse_chunks(&r.body), &sse_chunks(&m.body));
+    let chat = json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "stream": true, "stream_options": {"include_usage": true}});
+    let (r, m) = (post(real_p, "/v1/chat/completions", chat.clone()).await, post(mp, "/v1/chat/completions", chat).await);
+    same_stream_shapes("chat stream", &sse_chunks(&r.body), &sse_chunks(&m.body));
+    let chat = json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
+    let (r, m) = (post(real_p, "/v1/chat/completions", chat.clone()).await, post(mp, "/v1/chat/completions", chat).await);
+    assert_same_shape("chat", &r.json(), &m.json());
 
     // /tokenize (equal tokens with the model's tokenizer).
     let body = json!({"model": model, "prompt": "def main(): return 42"});
