@@ -76,7 +76,9 @@ fn parse(args: &[String]) -> Result<MockVllmConfig, String> {
     }
     c.port = port.ok_or("--port is required")?;
     if c.block_size == 0 || c.max_model_len < 2 || c.cost.max_batch == 0 {
-        return Err("--block-size, --max-batch must be positive, --max-model-len at least 2".into());
+        return Err(
+            "--block-size, --max-batch must be positive, --max-model-len at least 2".into(),
+        );
     }
     if c.kv_replay_port.is_some() && c.kv_events_port.is_none() {
         return Err("--kv-replay-port needs --kv-events-port".into());

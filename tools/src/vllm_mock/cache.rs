@@ -169,7 +169,11 @@ mod tests {
         let h = super::super::hash::block_hashes(&t, 4);
         assert_eq!(cache.hits(&h, 8), 0);
         cache.commit(&h, &t);
-        assert_eq!(cache.hits(&h, 8), 1, "8 tokens = 2 blocks: the second recomputed");
+        assert_eq!(
+            cache.hits(&h, 8),
+            1,
+            "8 tokens = 2 blocks: the second recomputed"
+        );
         assert_eq!(cache.hits(&h, 9), 2);
     }
 

@@ -322,9 +322,9 @@ async fn serve_replay(
         let frames = request.into_vec();
         // Exactly `[identity, "", start (8 bytes)]`, as vLLM requires; anything else is dropped.
         let start = match frames.as_slice() {
-            [_, empty, start] if empty.is_empty() => <[u8; 8]>::try_from(&start[..])
-                .ok()
-                .map(u64::from_be_bytes),
+            [_, empty, start] if empty.is_empty() => {
+                <[u8; 8]>::try_from(&start[..]).ok().map(u64::from_be_bytes)
+            }
             _ => None,
         };
         let Some(start) = start else {
@@ -390,11 +390,16 @@ mod tests {
         assert_eq!(batch.dp_rank, Some(0));
         assert_eq!(batch.skipped.unknown_fields, 2, "lora_name and extra_keys");
         assert_eq!(batch.skipped.unknown_events, 0);
-        assert!(matches!(&batch.events[0], EngineEvent::Removed { hashes, .. } if hashes == &[u64::MAX]));
+        assert!(
+            matches!(&batch.events[0], EngineEvent::Removed { hashes, .. } if hashes == &[u64::MAX])
+        );
         let EngineEvent::Stored(s) = &batch.events[1] else {
             panic!("{:?}", batch.events[1]);
         };
-        assert_eq!((s.parent, s.block_size, s.token_ids.len()), (Some(9), 32, 64));
+        assert_eq!(
+            (s.parent, s.block_size, s.token_ids.len()),
+            (Some(9), 32, 64)
+        );
         assert_eq!(s.spec_kind.as_deref(), Some("full_attention"));
         assert_eq!(batch.events[2], EngineEvent::Cleared);
     }

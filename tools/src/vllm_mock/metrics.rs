@@ -32,8 +32,8 @@ const TTFT_BUCKETS: [f64; 22] = [
 ];
 /// vLLM's buckets of `vllm:e2e_request_latency_seconds`.
 const E2E_BUCKETS: [f64; 21] = [
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
 ];
 
 #[derive(Debug)]
@@ -172,7 +172,10 @@ impl Metrics {
             "num_requests_waiting_by_reason",
             "Number of waiting requests by reason.",
             &[
-                (format!("{base},reason=\"capacity\""), get(&self.waiting) as f64),
+                (
+                    format!("{base},reason=\"capacity\""),
+                    get(&self.waiting) as f64,
+                ),
                 (format!("{base},reason=\"deferred\""), 0.0),
             ],
         );
@@ -259,7 +262,10 @@ impl Metrics {
             ),
         ] {
             let h = h.lock();
-            let _ = writeln!(out, "# HELP vllm:{name} {help}\n# TYPE vllm:{name} histogram");
+            let _ = writeln!(
+                out,
+                "# HELP vllm:{name} {help}\n# TYPE vllm:{name} histogram"
+            );
             for (b, c) in h.bounds.iter().zip(&h.counts) {
                 let _ = writeln!(
                     out,
@@ -317,9 +323,8 @@ mod tests {
             block_size: 32,
             num_gpu_blocks: 100,
         });
-        assert!(text.contains(
-            "vllm:num_requests_running{engine=\"0\",model_name=\"tiny-llama\"} 2.0\n"
-        ));
+        assert!(text
+            .contains("vllm:num_requests_running{engine=\"0\",model_name=\"tiny-llama\"} 2.0\n"));
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.04\",model_name=\"tiny-llama\"} 1.0\n"));
         assert!(text.contains("vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"tiny-llama\"} 1.0\n"));
         let load = prefill_router::engine::parse_load(&text).unwrap();

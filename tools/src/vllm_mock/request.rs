@@ -317,7 +317,9 @@ pub fn pull_of(params: &Map<String, Value>, prompt_len: usize) -> Option<(Transf
         return None;
     }
     let num = |k: &str| params.get(k).and_then(Value::as_u64).map(|n| n as usize);
-    let tokens = num("remote_num_tokens").unwrap_or(prompt_len).min(prompt_len);
+    let tokens = num("remote_num_tokens")
+        .unwrap_or(prompt_len)
+        .min(prompt_len);
     let cached_tokens = num("remote_prefill_cached_tokens").unwrap_or(0);
     let side = if host.contains(':') {
         format!("[{host}]:{port}")
@@ -349,10 +351,19 @@ mod tests {
     fn prompts_of_every_shape_and_their_errors() {
         let tok = Tokenizer::Words;
         let p = |b: &str| parse(b.as_bytes(), false, &tok, &limits());
-        assert_eq!(p(r#"{"prompt":[5,6],"max_tokens":3}"#).unwrap().prompt, [5, 6]);
-        assert_eq!(p(r#"{"prompt":[[5,6]],"max_tokens":3}"#).unwrap().prompt, [5, 6]);
+        assert_eq!(
+            p(r#"{"prompt":[5,6],"max_tokens":3}"#).unwrap().prompt,
+            [5, 6]
+        );
+        assert_eq!(
+            p(r#"{"prompt":[[5,6]],"max_tokens":3}"#).unwrap().prompt,
+            [5, 6]
+        );
         assert!(!p(r#"{"prompt":"hi there"}"#).unwrap().prompt.is_empty());
-        assert_eq!(p(r#"{"prompt":[5],"extra":{"x":1}}"#).unwrap().max_tokens, 99);
+        assert_eq!(
+            p(r#"{"prompt":[5],"extra":{"x":1}}"#).unwrap().max_tokens,
+            99
+        );
         for (body, status, param) in [
             ("nope", 400, Some("body.0")),
             (r#"{"prompt":[5],"model":"x"}"#, 404, Some("model")),
@@ -360,13 +371,29 @@ mod tests {
             (r#"{"prompt":[]}"#, 400, None),
             (r#"{"prompt":[5,99999]}"#, 400, None),
             (r#"{"prompt":[5],"max_tokens":0}"#, 400, Some("max_tokens")),
-            (r#"{"prompt":[5],"max_tokens":"x"}"#, 400, Some("body.max_tokens")),
-            (r#"{"prompt":[5],"max_tokens":101}"#, 400, Some("max_tokens")),
-            (r#"{"prompt":[5],"stream_options":{}}"#, 400, Some("stream_options")),
+            (
+                r#"{"prompt":[5],"max_tokens":"x"}"#,
+                400,
+                Some("body.max_tokens"),
+            ),
+            (
+                r#"{"prompt":[5],"max_tokens":101}"#,
+                400,
+                Some("max_tokens"),
+            ),
+            (
+                r#"{"prompt":[5],"stream_options":{}}"#,
+                400,
+                Some("stream_options"),
+            ),
             (r#"{"prompt":{"a":1}}"#, 400, Some("body.prompt")),
         ] {
             let e = p(body).unwrap_err();
-            assert_eq!((e.status.as_u16(), e.param.as_deref()), (status, param), "{body}");
+            assert_eq!(
+                (e.status.as_u16(), e.param.as_deref()),
+                (status, param),
+                "{body}"
+            );
         }
     }
 
@@ -382,7 +409,12 @@ mod tests {
             }
         );
         assert_eq!(side, "127.0.0.1:9");
-        for drop in ["remote_engine_id", "remote_host", "remote_port", "do_remote_prefill"] {
+        for drop in [
+            "remote_engine_id",
+            "remote_host",
+            "remote_port",
+            "do_remote_prefill",
+        ] {
             let mut m = full.clone();
             m.remove(drop);
             assert!(pull_of(&m, 64).is_none(), "{drop}");

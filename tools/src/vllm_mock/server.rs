@@ -91,9 +91,9 @@ impl MockVllm {
     /// Start an engine of `config` on the current tokio runtime.
     pub async fn start(config: MockVllmConfig) -> Result<MockVllm, StartError> {
         let tokenizer = match &config.tokenizer {
-            Some(dir) => Tokenizer::Model(Arc::new(prefill_router::http::ModelTokenizer::from_dir(
-                dir,
-            )?)),
+            Some(dir) => Tokenizer::Model(Arc::new(
+                prefill_router::http::ModelTokenizer::from_dir(dir)?,
+            )),
             None => Tokenizer::Words,
         };
         let cancel = CancellationToken::new();
@@ -211,7 +211,12 @@ fn router(app: Arc<App>) -> Router {
         .route("/detokenize", post(detokenize))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/kv_event_sources", get(kv_event_sources))
-        .fallback(|| async { (StatusCode::NOT_FOUND, axum::Json(json!({"detail": "Not Found"}))) })
+        .fallback(|| async {
+            (
+                StatusCode::NOT_FOUND,
+                axum::Json(json!({"detail": "Not Found"})),
+            )
+        })
         .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(app)
 }
@@ -239,7 +244,10 @@ async fn models(State(app): State<Arc<App>>) -> Response {
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     let text = app.engine.metrics.render(&app.engine.labels());
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         text,
     )
         .into_response()
@@ -272,8 +280,10 @@ async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Response {
         };
         let text = serde_json::to_vec(&body_bytes).unwrap_or_default();
         let parsed = super::request::parse(&text, chat, &app.tokenizer, &limits)?;
-        Ok(json!({"count": parsed.prompt.len(), "max_model_len": app.engine.config.max_model_len,
-                  "tokens": parsed.prompt, "token_strs": null}))
+        Ok(
+            json!({"count": parsed.prompt.len(), "max_model_len": app.engine.config.max_model_len,
+                  "tokens": parsed.prompt, "token_strs": null}),
+        )
     };
     match run() {
         Ok(v) => axum::Json(v).into_response(),

@@ -12,7 +12,10 @@ use zeromq::{Socket, SocketRecv, SocketSend};
 
 use super::{engine, post};
 
-const SAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/vllm_kv_events");
+const SAMPLES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../tests/fixtures/vllm_kv_events"
+);
 
 fn sample(name: &str) -> (Vec<u8>, Value) {
     let bin = std::fs::read(format!("{SAMPLES}/{name}.bin")).unwrap();
@@ -21,7 +24,11 @@ fn sample(name: &str) -> (Vec<u8>, Value) {
 }
 
 fn u64s(v: &Value) -> Vec<u64> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
 }
 
 /// A captured batch's events as the mock's cache events.
@@ -34,7 +41,10 @@ fn cache_events(batch: &Value) -> Vec<CacheEvent> {
             "BlockStored" => vec![CacheEvent::Stored {
                 hashes: u64s(&e["block_hashes"]),
                 parent: e["parent_block_hash"].as_u64(),
-                token_ids: u64s(&e["token_ids"]).into_iter().map(|t| t as u32).collect(),
+                token_ids: u64s(&e["token_ids"])
+                    .into_iter()
+                    .map(|t| t as u32)
+                    .collect(),
             }],
             "BlockRemoved" => u64s(&e["block_hashes"])
                 .into_iter()
@@ -64,7 +74,10 @@ fn payloads_are_byte_for_byte_real_vllms() {
 fn block_hashes_are_real_vllms_sha256_cbor() {
     let (_, batch) = sample("05_BlockStored_P_instance_sha256_cbor.seq000000");
     let event = &batch[1][0];
-    let tokens: Vec<u32> = u64s(&event["token_ids"]).into_iter().map(|t| t as u32).collect();
+    let tokens: Vec<u32> = u64s(&event["token_ids"])
+        .into_iter()
+        .map(|t| t as u32)
+        .collect();
     assert_eq!(block_hashes(&tokens, 32), u64s(&event["block_hashes"]));
 }
 
@@ -90,25 +103,46 @@ async fn events_say_what_the_cache_did_and_replay_from_a_seq() {
     .await;
     let ports = e.events().unwrap().clone();
     let mut sub = zeromq::SubSocket::new();
-    sub.connect(&format!("tcp://127.0.0.1:{}", ports.events)).await.unwrap();
+    sub.connect(&format!("tcp://127.0.0.1:{}", ports.events))
+        .await
+        .unwrap();
     sub.subscribe("").await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await; // the subscription reaches PUB
     let a: Vec<u32> = (100..170).collect(); // 2 full blocks
     let b: Vec<u32> = (500..600).collect(); // 3 full blocks: the cache of 4 evicts 1
-    post(e.addr, "/v1/completions", json!({"prompt": a, "max_tokens": 1})).await;
+    post(
+        e.addr,
+        "/v1/completions",
+        json!({"prompt": a, "max_tokens": 1}),
+    )
+    .await;
     let (seq0, first) = next_batch(&mut sub).await;
     assert_eq!(seq0, 0);
-    let EngineEvent::Stored(stored) = &first.events[0] else { panic!("{first:?}") };
+    let EngineEvent::Stored(stored) = &first.events[0] else {
+        panic!("{first:?}")
+    };
     assert_eq!(stored.hashes, block_hashes(&a, 32));
-    assert_eq!((stored.parent, stored.block_size, stored.token_ids.len()), (None, 32, 64));
+    assert_eq!(
+        (stored.parent, stored.block_size, stored.token_ids.len()),
+        (None, 32, 64)
+    );
     assert_eq!(stored.token_ids[..], a[..64]);
-    post(e.addr, "/v1/completions", json!({"prompt": b, "max_tokens": 1})).await;
+    post(
+        e.addr,
+        "/v1/completions",
+        json!({"prompt": b, "max_tokens": 1}),
+    )
+    .await;
     let (seq1, second) = next_batch(&mut sub).await;
     assert_eq!(seq1, 1);
     let a_hashes = block_hashes(&a, 32);
     // The old chain's tail goes first.
-    assert!(matches!(&second.events[0], EngineEvent::Removed { hashes, .. } if hashes == &[a_hashes[1]]));
-    assert!(matches!(&second.events[1], EngineEvent::Stored(s) if s.hashes == block_hashes(&b, 32)));
+    assert!(
+        matches!(&second.events[0], EngineEvent::Removed { hashes, .. } if hashes == &[a_hashes[1]])
+    );
+    assert!(
+        matches!(&second.events[1], EngineEvent::Stored(s) if s.hashes == block_hashes(&b, 32))
+    );
     assert!(e.engine().cached(a_hashes[0]) && !e.engine().cached(a_hashes[1]));
     post(e.addr, "/reset_prefix_cache", json!({})).await;
     let (_, cleared) = next_batch(&mut sub).await;
@@ -116,13 +150,20 @@ async fn events_say_what_the_cache_did_and_replay_from_a_seq() {
 
     // The replay from seq 1: batches 1 and 2, then the end marker.
     let mut dealer = zeromq::DealerSocket::new();
-    dealer.connect(&format!("tcp://127.0.0.1:{}", ports.replay.unwrap())).await.unwrap();
-    let ask: zeromq::ZmqMessage =
-        vec![Bytes::new(), Bytes::copy_from_slice(&1u64.to_be_bytes())].try_into().unwrap();
+    dealer
+        .connect(&format!("tcp://127.0.0.1:{}", ports.replay.unwrap()))
+        .await
+        .unwrap();
+    let ask: zeromq::ZmqMessage = vec![Bytes::new(), Bytes::copy_from_slice(&1u64.to_be_bytes())]
+        .try_into()
+        .unwrap();
     dealer.send(ask).await.unwrap();
     let mut seqs = Vec::new();
     loop {
-        let m = tokio::time::timeout(Duration::from_secs(10), dealer.recv()).await.unwrap().unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
+            .await
+            .unwrap()
+            .unwrap();
         let f = m.into_vec();
         if f.len() == 4 && f[1].is_empty() && f[2][..] == [0xff; 8] {
             break;

@@ -43,7 +43,10 @@ pub async fn post_with(
 ) -> frontend::Response {
     let path = path.to_owned();
     tokio::task::spawn_blocking(move || {
-        let h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let h: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
         frontend::request_with(addr, "POST", &path, Some(body.to_string().as_bytes()), &h)
     })
     .await

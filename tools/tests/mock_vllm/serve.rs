@@ -24,7 +24,10 @@ async fn serve_kv_routes_a_repeated_prompt_back_to_the_engine_that_cached_it() {
         );
     }
     let decode = engine(|c| c.kv_role = KvRole::Consumer).await;
-    let urls: Vec<String> = prefill.iter().map(|e| format!("http://{}", e.addr)).collect();
+    let urls: Vec<String> = prefill
+        .iter()
+        .map(|e| format!("http://{}", e.addr))
+        .collect();
     let d_url = format!("http://{}", decode.addr);
     let args = vec![
         "serve".to_owned(),
@@ -60,16 +63,26 @@ async fn serve_kv_routes_a_repeated_prompt_back_to_the_engine_that_cached_it() {
     let addr: SocketAddr = listening["addr"].as_str().unwrap().parse().unwrap();
     assert_eq!(checked, 2, "--check-events passed for both prefill engines");
     tokio::task::spawn_blocking(move || {
-        super::frontend::until("serve ready", || super::frontend::get(addr, "/ready").status == 200)
+        super::frontend::until("serve ready", || {
+            super::frontend::get(addr, "/ready").status == 200
+        })
     })
     .await
     .unwrap();
 
-    let served =
-        |addr| async move { metric(&get(addr, "/metrics").await.body, "vllm:prompt_tokens_total", "") };
+    let served = |addr| async move {
+        metric(
+            &get(addr, "/metrics").await.body,
+            "vllm:prompt_tokens_total",
+            "",
+        )
+    };
     for family in 0..4u32 {
-        let prompt: Vec<u32> = (0..160).map(|i| 4 + (family * 131 + i * 17) % 1000).collect();
-        let body = json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "temperature": 0});
+        let prompt: Vec<u32> = (0..160)
+            .map(|i| 4 + (family * 131 + i * 17) % 1000)
+            .collect();
+        let body =
+            json!({"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "temperature": 0});
         let before = [served(prefill[0].addr).await, served(prefill[1].addr).await];
         let first = post(addr, "/v1/completions", body.clone()).await;
         assert_eq!(first.status, 200, "{first:?}");
@@ -89,11 +102,21 @@ async fn serve_kv_routes_a_repeated_prompt_back_to_the_engine_that_cached_it() {
             "vllm:prefix_cache_hits_total",
             "",
         );
-        assert_eq!(hits_after - hits_before, 128.0, "family {family}: 4 of 5 blocks hit on engine {owner}");
+        assert_eq!(
+            hits_after - hits_before,
+            128.0,
+            "family {family}: 4 of 5 blocks hit on engine {owner}"
+        );
         // The answer is the decode engine's deterministic output for the prompt.
         let direct = post(decode.addr, "/v1/completions", body).await.json();
-        assert_eq!(first.json()["choices"][0]["text"], direct["choices"][0]["text"]);
-        assert_eq!(again.json()["choices"][0]["text"], direct["choices"][0]["text"]);
+        assert_eq!(
+            first.json()["choices"][0]["text"],
+            direct["choices"][0]["text"]
+        );
+        assert_eq!(
+            again.json()["choices"][0]["text"],
+            direct["choices"][0]["text"]
+        );
     }
     drop(serve);
 }
