@@ -12,9 +12,9 @@ use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::app::App;
 use super::engine::{Job, Outcome, Step, Transfer};
 use super::request::{parse, pull_of, ApiError, Limits, Parsed};
-use super::server::App;
 
 /// `system_fingerprint`, as vLLM writes it (`vllm-<version>-<hash>`).
 pub const FINGERPRINT: &str = "vllm-0.32.0-mockvllm";
