@@ -40,6 +40,7 @@
 //! ([`engine::output_tokens`]), so every engine gives the same answer to the same prompt and a
 //! decode leg's answer equals an aggregated one.
 
+pub mod app;
 pub mod cache;
 pub mod completions;
 pub mod config;
