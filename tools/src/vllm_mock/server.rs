@@ -1,7 +1,7 @@
 //! The HTTP server (axum, HTTP/1.1), its small endpoints, and starting and stopping an engine.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::app::App;
 use super::completions::{chat, completions};
 use super::config::MockVllmConfig;
 use super::engine::Engine;
@@ -23,39 +24,6 @@ use super::request::ApiError;
 
 /// Request bodies above this are refused (413) before they are read whole.
 pub const BODY_LIMIT: usize = 4 * 1024 * 1024;
-
-/// What the handlers share.
-#[derive(Debug)]
-pub struct App {
-    /// The engine.
-    pub engine: Arc<Engine>,
-    /// How text prompts become tokens and tokens text.
-    pub tokenizer: Tokenizer,
-    /// The engine id in its P/D handles (`remote_engine_id`).
-    pub engine_id: String,
-    /// The NIXL side channel port its handles name (`remote_port`).
-    pub side_port: u16,
-    /// The event sockets, if it publishes.
-    pub events: Option<EventPorts>,
-    ids: AtomicU64,
-}
-
-impl App {
-    /// `n` pseudo-random hex digits (request ids), from the seed and a counter.
-    pub fn random_hex(&self, n: usize) -> String {
-        let k = self.ids.fetch_add(1, Ordering::Relaxed);
-        let mut z = (self.engine.config.seed ^ k.rotate_left(17)).wrapping_add(k);
-        let mut out = String::with_capacity(n);
-        while out.len() < n {
-            z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut x = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            out.push_str(&format!("{:016x}", x ^ (x >> 31)));
-        }
-        out.truncate(n);
-        out
-    }
-}
 
 /// Why an engine did not start.
 #[derive(Debug, thiserror::Error)]
@@ -144,6 +112,8 @@ impl MockVllm {
             events,
             tokenizer,
             ids: AtomicU64::new(0),
+            // Engines started with one seed still get ids of their own.
+            salt: config.seed ^ (u64::from(addr.port()) << 32),
             engine: Arc::new(Engine::new(config, publisher)),
         };
         let h = app.random_hex(32);
