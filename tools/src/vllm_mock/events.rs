@@ -388,7 +388,7 @@ mod tests {
         let batch = decode_engine_batch(&encode_batch(12.5, &events, 32)).unwrap();
         assert_eq!(batch.ts, 12.5);
         assert_eq!(batch.dp_rank, Some(0));
-        assert_eq!(batch.skipped.unknown_fields, 2, "lora_name and extra_keys");
+        assert_eq!(batch.skipped.unknown_fields, 0);
         assert_eq!(batch.skipped.unknown_events, 0);
         assert!(
             matches!(&batch.events[0], EngineEvent::Removed { hashes, .. } if hashes == &[u64::MAX])
