@@ -4,11 +4,13 @@
 //! channel, so a lookup sees every event sent before it: the replay stays deterministic (in
 //! production the two race; here the replay's own `--event-delay-ms` models lateness).
 
+use std::collections::BTreeMap;
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::thread;
 
 use dynamo_kv_router::indexer::MatchDetails;
-use dynamo_kv_router::protocols::{LocalBlockHash, RouterEvent};
+use dynamo_kv_router::protocols::{KvCacheEventData, LocalBlockHash, RouterEvent};
 use parking_lot::Mutex;
 
 /// What the tree's thread is asked to do.
@@ -29,8 +31,8 @@ pub enum IndexerError {
 /// drops.
 pub struct Indexer {
     tasks: Mutex<mpsc::Sender<Task>>,
-    /// Events the tree refused (`apply_event` errors: a parent it does not hold, ...).
-    refused: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Events the tree refused (`apply_event` errors), by event kind and error.
+    refused: Arc<Mutex<BTreeMap<String, u64>>>,
 }
 
 impl Indexer {
@@ -40,8 +42,8 @@ impl Indexer {
     /// [`IndexerError::Gone`] if the OS refuses a thread.
     pub fn start() -> Result<Self, IndexerError> {
         let (tx, rx) = mpsc::channel::<Task>();
-        let refused = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let counter = std::sync::Arc::clone(&refused);
+        let refused = Arc::new(Mutex::new(BTreeMap::new()));
+        let counter = Arc::clone(&refused);
         thread::Builder::new()
             .name("dynamo-radix-tree".to_owned())
             .spawn(move || {
@@ -49,8 +51,16 @@ impl Indexer {
                 for task in rx {
                     match task {
                         Task::Apply(event) => {
-                            if tree.apply_event(event).is_err() {
-                                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let kind = match &event.event.data {
+                                KvCacheEventData::Stored(_) => "stored",
+                                KvCacheEventData::Removed(_) => "removed",
+                                KvCacheEventData::Cleared => "cleared",
+                            };
+                            if let Err(error) = tree.apply_event(event) {
+                                *counter
+                                    .lock()
+                                    .entry(format!("{kind}: {error:?}"))
+                                    .or_insert(0) += 1;
                             }
                         }
                         // The router's lookup: every worker's overlap, no early exit.
@@ -87,8 +97,10 @@ impl Indexer {
         answer.recv().map_err(|_| IndexerError::Gone)
     }
 
-    /// Events the tree refused so far.
-    pub fn refused(&self) -> u64 {
-        self.refused.load(std::sync::atomic::Ordering::Relaxed)
+    /// Events the tree refused so far, by event kind and the tree's error
+    /// (`removed: BlockNotFound`, ...). Applied events are counted at their turn on the tree's
+    /// thread: call after a lookup to see every event sent before it.
+    pub fn refused(&self) -> BTreeMap<String, u64> {
+        self.refused.lock().clone()
     }
 }

@@ -61,8 +61,8 @@ fn parse(args: &[String]) -> Result<Options, String> {
         match flag.as_str() {
             "--trace" => {
                 let path = it.next().ok_or("--trace needs a file")?;
-                let trace = read_trace(std::path::Path::new(path))
-                    .map_err(|e| format!("{path}: {e}"))?;
+                let trace =
+                    read_trace(std::path::Path::new(path)).map_err(|e| format!("{path}: {e}"))?;
                 source = Some(trace);
             }
             "--workload" => {

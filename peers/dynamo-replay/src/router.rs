@@ -17,7 +17,7 @@
 //! the same reservoir draw over tied workers) instead of the process-wide one, so every replay
 //! of a configuration gives the same numbers.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,9 +25,8 @@ use std::time::Duration;
 use dynamo_kv_router::indexer::TieredMatchDetails;
 use dynamo_kv_router::protocols::{
     compute_block_hash_for_seq, compute_seq_hash_for_block, BlockHashOptions,
-    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
-    KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent, RoutingConstraints,
-    WorkerConfigLike,
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+    KvCacheStoredBlockData, LocalBlockHash, RouterEvent, RoutingConstraints, WorkerConfigLike,
 };
 use dynamo_kv_router::scheduling::{OverlapAnalysis, ScheduleMode, ScheduleRequest};
 use dynamo_kv_router::selector::DefaultWorkerSelector;
@@ -198,8 +197,9 @@ impl DynamoRouter {
         self.slots.active_blocks().values().sum()
     }
 
-    /// Events the radix tree refused so far.
-    pub fn refused_events(&self) -> u64 {
+    /// Events the radix tree refused so far, by event kind and error (see
+    /// [`Indexer::refused`]).
+    pub fn refused_events(&self) -> BTreeMap<String, u64> {
         self.indexer.refused()
     }
 
@@ -231,7 +231,11 @@ impl DynamoRouter {
                 })
             }
             ExternalKvEvent::Removed { blocks } => KvCacheEventData::Removed(KvCacheRemoveData {
-                block_hashes: blocks.iter().copied().map(ExternalSequenceBlockHash).collect(),
+                block_hashes: blocks
+                    .iter()
+                    .copied()
+                    .map(ExternalSequenceBlockHash)
+                    .collect(),
             }),
             ExternalKvEvent::Cleared => KvCacheEventData::Cleared,
         };
@@ -296,6 +300,11 @@ impl DynamoRouter {
 impl Drop for DynamoRouter {
     fn drop(&mut self) {
         self.cancel.cancel();
+        // Worth knowing beside the figures: a refused event leaves the tree behind the cache.
+        let refused = self.indexer.refused();
+        if !refused.is_empty() {
+            eprintln!("{POLICY_NAME}: the radix tree refused KV events: {refused:?}");
+        }
     }
 }
 

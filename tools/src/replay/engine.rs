@@ -344,12 +344,8 @@ impl ReplayBinding {
             prompt_tokens: record.input_length,
             output_tokens: record.output_length,
         };
-        let routable: Vec<InstanceId> = self
-            .view
-            .routable()
-            .iter()
-            .map(|i| i.instance_id)
-            .collect();
+        let routable: Vec<InstanceId> =
+            self.view.routable().iter().map(|i| i.instance_id).collect();
         async move {
             if routable.is_empty() {
                 return Err(PrefillError::NoRoutableWorker);
