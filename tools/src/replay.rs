@@ -24,6 +24,7 @@
 mod config;
 mod cost;
 mod engine;
+mod external;
 mod link;
 mod policy;
 mod report;
@@ -39,6 +40,10 @@ pub use config::{
     WAIT_FOR_HOP,
 };
 pub use cost::CostModel;
+pub use external::{
+    External, ExternalBlock, ExternalError, ExternalKvEvent, ExternalPolicy, ExternalRequest,
+    ExternalRouter, ExternalSetup,
+};
 pub use policy::Policy;
 pub use report::{
     AffinityReport, EventReport, JoinReport, JoinWindow, Percentiles, ReplayReport, Window,

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use super::cost::CostModel;
+use super::external::{External, ExternalError};
 use super::policy::Policy;
 use super::sessions::ClosedLoop;
 use super::trace::TraceRecord;
@@ -129,6 +130,9 @@ pub enum ReplayError {
     /// The configuration cannot replay the trace ([`ReplayConfig::check`]).
     #[error(transparent)]
     Join(#[from] JoinError),
+    /// [`Policy::External`] without its policy, or with what it cannot do.
+    #[error(transparent)]
+    External(#[from] ExternalError),
     /// The runtime could not be built (an OS resource failure).
     #[error("cannot build the replay runtime: {0}")]
     Runtime(#[from] std::io::Error),
@@ -202,6 +206,8 @@ pub struct ReplayConfig {
     pub report_delay: Duration,
     /// The last frontend joins late (`None`, the default: every frontend runs from the start).
     pub join: Option<Join>,
+    /// The router of [`Policy::External`] (`None`, the default; ignored by every other policy).
+    pub external: Option<External>,
 }
 
 impl ReplayConfig {
@@ -230,7 +236,35 @@ impl ReplayConfig {
             load_reports: true,
             report_delay: Duration::ZERO,
             join: None,
+            external: None,
         }
+    }
+
+    /// The name of the run's policy in reports: the external policy's own name under
+    /// [`Policy::External`].
+    pub fn policy_name(&self) -> String {
+        match (&self.external, self.policy) {
+            (Some(external), Policy::External) => external.0.name().to_owned(),
+            (_, policy) => policy.name().to_owned(),
+        }
+    }
+
+    /// Whether [`Policy::External`] can run as configured: it needs its policy, and picks
+    /// asynchronously, so it cannot answer conditional disaggregation's probe.
+    ///
+    /// # Errors
+    /// [`ExternalError::Missing`] or [`ExternalError::Conditional`].
+    pub fn check_external(&self) -> Result<(), ExternalError> {
+        if self.policy != Policy::External {
+            return Ok(());
+        }
+        if self.external.is_none() {
+            return Err(ExternalError::Missing);
+        }
+        if self.conditional.is_some() {
+            return Err(ExternalError::Conditional);
+        }
+        Ok(())
     }
 
     /// Whether this configuration can replay `trace` (its first [`limit`](Self::limit)

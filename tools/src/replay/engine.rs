@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use super::cost::CostModel;
+use super::external::{ExternalError, ExternalRequest, ExternalRouter, ExternalSetup};
 use super::link::{self, request_index, ReplayLink, Served, Shared};
 use super::policy::Policy;
 use prefill_router::advert::{self, DecodeDefaults};
@@ -90,6 +91,8 @@ pub(crate) struct ReplayBinding {
     /// Uncached prompt tokens picked on this binding and not yet prefilled (the conditional
     /// policy's pool load, as [`PrefillBinding`](prefill_router::binding::PrefillBinding) counts it).
     inflight_tokens: Arc<AtomicU64>,
+    /// The router of an external policy (`Policy::External` only), fed the workers' events.
+    external: Option<Arc<dyn ExternalRouter>>,
 }
 
 impl ReplayBinding {
@@ -169,6 +172,26 @@ impl ReplayBinding {
                 }
             }
         }
+        let external = match &shared.external {
+            Some(policy) => {
+                let setup = ExternalSetup {
+                    block_tokens: shared.block_tokens,
+                    workers: target.admitted.borrow().iter().copied().collect(),
+                    frontend,
+                };
+                let router = policy
+                    .0
+                    .router(&setup)
+                    .map_err(|e| BuildError::new(e.to_string()))?;
+                // Like a kv-events dispatcher, it learns the caches from the next events on.
+                shared
+                    .external_subscribers
+                    .lock()
+                    .push(Arc::downgrade(&router));
+                Some(router)
+            }
+            None => None,
+        };
         Ok(ReplayBinding {
             shared,
             view,
@@ -176,6 +199,7 @@ impl ReplayBinding {
             oracle: Mutex::new((oracle, LoadBoard::default())),
             view_cancel,
             inflight_tokens: Arc::default(),
+            external,
         })
     }
 
@@ -294,8 +318,55 @@ impl ReplayBinding {
     fn picks_outside(&self) -> bool {
         matches!(
             self.shared.policy,
-            Policy::Dynamo | Policy::DynamoBlocks | Policy::KvOracle
+            Policy::Dynamo | Policy::DynamoBlocks | Policy::KvOracle | Policy::External
         )
+    }
+
+    /// An external policy's prefill: its router picks among the routable workers (booking the
+    /// request itself), the dispatcher sends to the pick through the replay's link, and the
+    /// router is told when the prefill ended, however it ended.
+    fn prefill_external(
+        &self,
+        router: Arc<dyn ExternalRouter>,
+        request: GenerateRequest,
+    ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        let failed_with = |e: ExternalError| PrefillError::Failed {
+            message: e.to_string(),
+        };
+        let index = request_index(&request);
+        let record = index.and_then(|i| self.shared.trace.get(i));
+        let (Some(index), Some(record)) = (index, record) else {
+            return failed("request without a trace record".to_owned());
+        };
+        let asked = ExternalRequest {
+            id: index as u64,
+            tokens: super::run::tokens(record, self.shared.unit_tokens),
+            prompt_tokens: record.input_length,
+            output_tokens: record.output_length,
+        };
+        let routable: Vec<InstanceId> =
+            self.view.routable().iter().map(|i| i.instance_id).collect();
+        async move {
+            if routable.is_empty() {
+                return Err(PrefillError::NoRoutableWorker);
+            }
+            let id = router
+                .select(asked, routable.clone())
+                .await
+                .map_err(failed_with)?;
+            let outcome = if routable.contains(&id) {
+                match self.push.generate_direct(id, request).await {
+                    Ok(stream) => PrefillOutcome::collect(id, stream).await,
+                    Err(error) => Err(error.into()),
+                }
+            } else {
+                Err(failed_with(ExternalError::NotRoutable(id)))
+            };
+            // Freed whatever the outcome: the router booked it at the pick.
+            router.release(index as u64).await.map_err(failed_with)?;
+            outcome
+        }
+        .boxed()
     }
 
     /// The worker the policy picks for request `index`, the held selection (push-router
@@ -313,6 +384,12 @@ impl ReplayBinding {
             Policy::Dynamo => Some(self.dynamo_pick(index, true)),
             Policy::DynamoBlocks => Some(self.dynamo_pick(index, false)),
             Policy::KvOracle => Some(self.oracle_pick(index)),
+            // Refused before the run (`ReplayConfig::check_external`): it picks asynchronously.
+            Policy::External => {
+                return Err(PrefillError::Failed {
+                    message: ExternalError::Conditional.to_string(),
+                })
+            }
             _ => None,
         };
         if let Some(pick) = pick {
@@ -374,6 +451,9 @@ impl Binding for ReplayBinding {
         &self,
         request: GenerateRequest,
     ) -> BoxFuture<'_, Result<PrefillOutcome, PrefillError>> {
+        if let Some(router) = &self.external {
+            return self.prefill_external(Arc::clone(router), request);
+        }
         if self.picks_outside() {
             return match self.pick(&request) {
                 Ok(pick) => self.prefill_picked(pick, request),

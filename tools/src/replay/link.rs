@@ -23,6 +23,7 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use super::cost::CostModel;
+use super::external::{self, External, ExternalKvEvent, ExternalRouter};
 use super::policy::Policy;
 use super::trace::TraceRecord;
 use crate::mock::BlockCache;
@@ -131,7 +132,7 @@ impl Worker {
             let hits = cache.prefill(keys);
             (hits, cache.take_event_batches())
         };
-        shared.publish(id, batches);
+        shared.publish(id, batches, keys, record);
         let hits = u32::try_from(hits).unwrap_or(u32::MAX);
         let uncached = record
             .input_length
@@ -348,6 +349,12 @@ pub(crate) struct Shared {
     pub(crate) cache_blocks: usize,
     /// Tokens per KV block of the router and the workers.
     pub(crate) block_tokens: u32,
+    /// Tokens per `hash_ids` entry of the trace.
+    pub(crate) unit_tokens: u32,
+    /// The policy of `Policy::External` (`None` under every other policy).
+    pub(crate) external: Option<External>,
+    /// The external routers fed the workers' KV events (one per binding).
+    pub(crate) external_subscribers: Mutex<Vec<Weak<dyn ExternalRouter>>>,
     pub(crate) workers: Mutex<BTreeMap<InstanceId, Arc<Worker>>>,
     /// Per request index, what its prefill found.
     pub(crate) served: Mutex<Vec<Option<Served>>>,
@@ -370,7 +377,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn add_workers(&self, ids: impl IntoIterator<Item = InstanceId>) {
-        let epoch = (self.policy == Policy::KvEvents).then_some(1);
+        let epoch = self.policy.publishes().then_some(1);
         let mut workers = self.workers.lock();
         for id in ids {
             workers.insert(
@@ -380,9 +387,16 @@ impl Shared {
         }
     }
 
-    /// Deliver worker `id`'s event batches to every live subscribed dispatcher, after the
-    /// configured delay and minus the configured losses.
-    pub(super) fn publish(&self, id: InstanceId, batches: Vec<EventBatch>) {
+    /// Deliver worker `id`'s event batches (of the prefill of `record`, whose block keys are
+    /// `keys`) to every live subscribed dispatcher and external router, after the configured
+    /// delay and minus the configured losses.
+    pub(super) fn publish(
+        &self,
+        id: InstanceId,
+        batches: Vec<EventBatch>,
+        keys: &[u64],
+        record: &TraceRecord,
+    ) {
         let mut kept = Vec::with_capacity(batches.len());
         for batch in batches {
             let n = self.batches.fetch_add(1, Ordering::Relaxed) + 1;
@@ -398,11 +412,28 @@ impl Shared {
             subscribers.retain(|d| d.strong_count() > 0);
             subscribers.iter().filter_map(Weak::upgrade).collect()
         };
+        let routers: Vec<Arc<dyn ExternalRouter>> = {
+            let mut subscribers = self.external_subscribers.lock();
+            subscribers.retain(|r| r.strong_count() > 0);
+            subscribers.iter().filter_map(Weak::upgrade).collect()
+        };
+        // The external routers' copy, with each stored block's tokens (converted only when
+        // someone listens: the tokens cost a copy per block).
+        let external: Vec<ExternalKvEvent> = if routers.is_empty() {
+            Vec::new()
+        } else {
+            let tokens = super::run::tokens(record, self.unit_tokens);
+            let events: Vec<_> = kept.iter().flat_map(|b| b.events.clone()).collect();
+            external::convert(&events, keys, &tokens, self.block_tokens as usize)
+        };
         let deliver = move || {
             for dispatcher in &dispatchers {
                 for batch in &kept {
                     dispatcher.apply_kv_events(id, batch);
                 }
+            }
+            for router in &routers {
+                router.apply_events(id, &external);
             }
         };
         if self.event_delay.is_zero() {

@@ -27,6 +27,11 @@ pub enum Policy {
     /// blocks, no pending prefill term), kept as a second baseline: it is the stronger of the
     /// two on every workload measured.
     DynamoBlocks,
+    /// A policy implemented outside this package ([`ReplayConfig::external`](super::ReplayConfig::external),
+    /// the seam of [`super::ExternalPolicy`]): it is fed the workers' KV events as `kv-events`
+    /// is, picks itself and books its own load; the dispatcher only sends. Not in
+    /// [`ALL`](Self::ALL) and not parsed by name: it needs an implementation.
+    External,
 }
 
 impl Policy {
@@ -51,6 +56,7 @@ impl Policy {
             Policy::Random => "random",
             Policy::Dynamo => "dynamo",
             Policy::DynamoBlocks => "dynamo-blocks",
+            Policy::External => "external",
         }
     }
 
@@ -66,12 +72,21 @@ impl Policy {
         matches!(self, Policy::Kv | Policy::KvEvents | Policy::KvOracle)
     }
 
+    /// Whether the workers' caches publish KV events under the policy (`kv-events`, and an
+    /// external policy, fed the same events).
+    pub(crate) fn publishes(self) -> bool {
+        matches!(self, Policy::KvEvents | Policy::External)
+    }
+
     /// The router mode the pool's card advertises: the binding's dispatcher resolves it as
-    /// in production. Dynamo's baseline scores workers itself and ignores its dispatcher.
+    /// in production. Dynamo's baseline and an external policy score workers themselves and
+    /// ignore their dispatcher.
     pub(crate) fn router_mode(self) -> SelectionMode {
         match self {
             Policy::Kv | Policy::KvEvents | Policy::KvOracle => SelectionMode::KV,
-            Policy::RoundRobin | Policy::Dynamo | Policy::DynamoBlocks => SelectionMode::RoundRobin,
+            Policy::RoundRobin | Policy::Dynamo | Policy::DynamoBlocks | Policy::External => {
+                SelectionMode::RoundRobin
+            }
             Policy::Random => SelectionMode::Random,
         }
     }

@@ -32,9 +32,12 @@ use prefill_router::router::{AfterWait, FallbackPolicy, PrefillRouter, PrefillRo
 ///
 /// # Errors
 /// [`ReplayError::Join`] for a late join the trace cannot have ([`ReplayConfig::check`]),
+/// [`ReplayError::External`] for an external policy that cannot run
+/// ([`ReplayConfig::check_external`]),
 /// [`ReplayError::Runtime`] if the runtime cannot be built (an OS resource failure).
 pub fn run(config: &ReplayConfig, trace: &[TraceRecord]) -> Result<ReplayReport, ReplayError> {
     config.check(trace)?;
+    config.check_external()?;
     let wall = std::time::Instant::now();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -101,6 +104,12 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         seed: config.seed,
         cache_blocks,
         block_tokens: block,
+        unit_tokens: config.unit_tokens,
+        external: config
+            .external
+            .clone()
+            .filter(|_| config.policy == Policy::External),
+        external_subscribers: Mutex::new(Vec::new()),
         workers: Mutex::new(BTreeMap::new()),
         served: Mutex::new(vec![None; records.len()]),
         builds: AtomicU64::new(0),
@@ -255,7 +264,7 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
                 if config.progress {
                     eprintln!(
                         "replay {}: frontend {last} joins at trace time {:.0} s ({}), request {index}",
-                        config.policy.name(),
+                        config.policy_name(),
                         join.at.as_secs_f64(),
                         if join.snapshot { "KV snapshot" } else { "cold" }
                     );
@@ -269,7 +278,7 @@ async fn replay(config: &ReplayConfig, records: Arc<[TraceRecord]>) -> ReplayRep
         if config.progress && index > 0 && index % tenth == 0 {
             eprintln!(
                 "replay {}: {}% ({index} of {} requests, trace time {:.0} s)",
-                config.policy.name(),
+                config.policy_name(),
                 index * 100 / records.len(),
                 records.len(),
                 start.elapsed().as_secs_f64()

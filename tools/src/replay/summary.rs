@@ -176,7 +176,7 @@ pub(crate) fn summarize(
         }
     });
     ReplayReport {
-        policy: config.policy.name().to_owned(),
+        policy: config.policy_name(),
         workers: config.workers,
         frontends: config.frontends.max(1),
         spread: config.spread.name().to_owned(),
