@@ -127,6 +127,13 @@ grep -q "test result: ok. 1 passed" "$work/live.log"
 grep -q "test result: ok. 3 passed" "$work/live.log"
 if grep -q "test result: FAILED" "$work/live.log"; then exit 1; fi
 
+say "the mock vLLM engine against the real pair (same requests, same shapes, same event payloads)"
+cargo test --release -p prefill-router-tools --test mock_vllm live_vllm -- --nocapture \
+    --test-threads 1 2>&1 | tee "$work/mock.log" \
+    | grep -E "^live|^test |test result|panicked" || true
+grep -q "test result: ok. 1 passed" "$work/mock.log"
+if grep -q "test result: FAILED" "$work/mock.log"; then exit 1; fi
+
 if [ -f tools/tests/engines/vllm_e2e.py ]; then
     say "serve in front of the pair, checked with the openai client"
     cargo build --release

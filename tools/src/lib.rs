@@ -10,6 +10,8 @@
 //!   (`docs/engines.md`, "Engines as workers: static and register").
 //! - [`sim`]: the deterministic simulator of the hop under seeded faults
 //!   (`docs/simulation.md`).
+//! - [`vllm_mock`]: a lightweight engine speaking vLLM's protocol (OpenAI endpoints, P/D
+//!   `kv_transfer_params`, metrics, KV events over ZMQ), behind the `mock-vllm` binary.
 //! - [`replay`]: a request trace replayed in virtual time through the router, per routing
 //!   policy (`docs/replay.md`).
 //!
@@ -19,3 +21,4 @@ pub mod engines;
 pub mod mock;
 pub mod replay;
 pub mod sim;
+pub mod vllm_mock;
