@@ -3,7 +3,6 @@
 //! Nothing busy-waits: every wait is a tokio timer or a semaphore.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -287,9 +286,6 @@ impl Engine {
         self.config.cost.prefill_time(uncached, 0)
     }
 }
-
-/// The engine behind an `Arc`, as handlers hold it.
-pub type SharedEngine = Arc<Engine>;
 
 #[cfg(test)]
 mod tests {

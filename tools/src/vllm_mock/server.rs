@@ -281,10 +281,10 @@ async fn detokenize(State(app): State<Arc<App>>, body: Bytes) -> Response {
     }
 }
 
-/// `POST /reset_prefix_cache` (vLLM's dev-mode endpoint).
+/// `POST /reset_prefix_cache` (vLLM's dev-mode endpoint; vLLM 0.32 answers `{"success": bool}`).
 async fn reset_prefix_cache(State(app): State<Arc<App>>) -> Response {
     app.engine.reset_prefix_cache();
-    StatusCode::OK.into_response()
+    axum::Json(json!({"success": true})).into_response()
 }
 
 /// `GET /kv_event_sources`: the publisher config per data-parallel rank, as vLLM resolves it

@@ -180,9 +180,10 @@ async fn a_repeated_prompt_is_cached_in_usage_and_metrics() {
     let load = prefill_router::engine::parse_load(&text).unwrap();
     assert_eq!((load.running, load.waiting), (0.0, 0.0));
     // The reset empties it.
+    let reset = post(e.addr, "/reset_prefix_cache", json!({})).await;
     assert_eq!(
-        post(e.addr, "/reset_prefix_cache", json!({})).await.status,
-        200
+        (reset.status, reset.json()),
+        (200, json!({"success": true}))
     );
     let third = post(
         e.addr,
