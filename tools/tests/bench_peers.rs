@@ -49,8 +49,16 @@ fn the_harness_runs_our_two_modes_on_one_pool_and_kv_finds_more_cache() {
         assert_eq!(row["requests"], 60, "{row}");
         assert_eq!(row["failed"], 0, "{row}");
     }
-    assert_eq!(rows[1]["same_output"], 60, "KV routing changed an answer: {}", rows[1]);
-    let hit = |row: &serde_json::Value| row["hit_rate"].as_f64().expect("engines reported a hit rate");
+    assert_eq!(
+        rows[1]["same_output"], 60,
+        "KV routing changed an answer: {}",
+        rows[1]
+    );
+    let hit = |row: &serde_json::Value| {
+        row["hit_rate"]
+            .as_f64()
+            .expect("engines reported a hit rate")
+    };
     assert!(
         hit(&rows[1]) > hit(&rows[0]),
         "kv {} vs round robin {}",

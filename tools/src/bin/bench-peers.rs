@@ -99,20 +99,35 @@ fn parse(args: &[String]) -> Result<Options, String> {
             return Err(String::new());
         }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
-        let number = |v: &str| v.parse::<u64>().map_err(|_| format!("{flag}: not a number: {v}"));
+        let number = |v: &str| {
+            v.parse::<u64>()
+                .map_err(|_| format!("{flag}: not a number: {v}"))
+        };
         match flag.as_str() {
             "--routers" if value == "all" => {}
             "--routers" => options.routers = list(value, RouterSpec::parse, "router")?,
             "--workloads" => options.workloads = list(value, WorkloadKind::parse, "workload")?,
             "--loops" => loops.clone_from(value),
             "--prefill" => options.prefill = usize::try_from(number(value)?).unwrap_or(usize::MAX),
-            "--block-tokens" => options.workload.block_tokens = u32::try_from(number(value)?).map_err(|e| e.to_string())?,
-            "--cache-blocks" => options.cache_blocks = u32::try_from(number(value)?).map_err(|e| e.to_string())?,
-            "--requests" => options.workload.requests = usize::try_from(number(value)?).unwrap_or(usize::MAX),
-            "--rate" => options.workload.rate = value.parse().map_err(|_| format!("--rate: {value}"))?,
+            "--block-tokens" => {
+                options.workload.block_tokens =
+                    u32::try_from(number(value)?).map_err(|e| e.to_string())?
+            }
+            "--cache-blocks" => {
+                options.cache_blocks = u32::try_from(number(value)?).map_err(|e| e.to_string())?
+            }
+            "--requests" => {
+                options.workload.requests = usize::try_from(number(value)?).unwrap_or(usize::MAX)
+            }
+            "--rate" => {
+                options.workload.rate = value.parse().map_err(|_| format!("--rate: {value}"))?
+            }
             "--users" => users = usize::try_from(number(value)?).unwrap_or(1),
             "--think-ms" => think = number(value)?,
-            "--max-tokens" => options.workload.max_tokens = u32::try_from(number(value)?).map_err(|e| e.to_string())?,
+            "--max-tokens" => {
+                options.workload.max_tokens =
+                    u32::try_from(number(value)?).map_err(|e| e.to_string())?
+            }
             "--seed" => options.workload.seed = number(value)?,
             "--trace" => options.trace = value.into(),
             "--tokenizer" => options.tokenizer = Some(value.into()),
@@ -247,8 +262,15 @@ async fn run(options: Options) -> Result<(), String> {
     }
     for spec in &options.routers {
         let (program, args) = binaries.command(*spec, &pool.addrs, 0, 0);
-        let name = program.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        header.push_str(&format!("- `{}`: `{name} {}`\n", spec.label(), args.join(" ")));
+        let name = program
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        header.push_str(&format!(
+            "- `{}`: `{name} {}`\n",
+            spec.label(),
+            args.join(" ")
+        ));
     }
     eprint!("{header}");
     let harness = HeadToHead {
@@ -262,7 +284,8 @@ async fn run(options: Options) -> Result<(), String> {
     for kind in &options.workloads {
         let requests = match kind {
             WorkloadKind::Conversation => {
-                let trace = read_trace(&options.trace).map_err(|e| format!("{}: {e}", options.trace.display()))?;
+                let trace = read_trace(&options.trace)
+                    .map_err(|e| format!("{}: {e}", options.trace.display()))?;
                 conversation(&trace, &options.workload)
             }
             WorkloadKind::SharedPrefix => shared_prefix(&options.workload),
@@ -277,7 +300,13 @@ async fn run(options: Options) -> Result<(), String> {
         for mode in &options.loops {
             let mut reference = None;
             let found = harness
-                .run(&options.routers, kind.name(), &requests, *mode, &mut reference)
+                .run(
+                    &options.routers,
+                    kind.name(),
+                    &requests,
+                    *mode,
+                    &mut reference,
+                )
                 .await;
             rows.extend(found);
             write_outputs(&options.out, &header, &rows)?;
@@ -296,5 +325,8 @@ fn write_outputs(out: &Path, header: &str, rows: &[Row]) -> Result<(), String> {
         "peers.jsonl",
         rows.iter().map(|r| r.json().to_string() + "\n").collect(),
     )?;
-    write("peers.svg", svg(rows, "TTFT p99 per router, same engines, same requests"))
+    write(
+        "peers.svg",
+        svg(rows, "TTFT p99 per router, same engines, same requests"),
+    )
 }

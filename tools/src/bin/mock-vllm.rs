@@ -14,7 +14,8 @@ usage: mock-vllm --port P [options]
   --host H                  listen address (default 127.0.0.1)
   --model NAME              served model name (default tiny-llama)
   --tokenizer DIR           HF model folder (tokenizer.json, chat template) for text prompts;
-                            default: the library's built-in word tokenizer
+                            default: the library's built-in word tokenizer (every token id
+                            is then in vocabulary: its ids are 32-bit hashes)
   --block-size N            tokens per KV block (default 32)
   --num-gpu-blocks N        prefix cache capacity in blocks (default 4096)
   --kv-events-port E        KV events ZMQ PUB port (off if absent; 0: any free port)
@@ -82,6 +83,11 @@ fn parse(args: &[String]) -> Result<MockVllmConfig, String> {
     }
     if c.kv_replay_port.is_some() && c.kv_events_port.is_none() {
         return Err("--kv-replay-port needs --kv-events-port".into());
+    }
+    // Without a model's tokenizer, prompts are the built-in word tokenizer's, whose ids are
+    // 32-bit hashes: a router using that tokenizer sends them, so every id is in vocabulary.
+    if c.tokenizer.is_none() {
+        c.vocab_size = u32::MAX;
     }
     Ok(c)
 }

@@ -101,7 +101,9 @@ async fn stream(
     let mut done = false;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| format!("read: {e}"))?;
-        let Ok(data) = frame.into_data() else { continue };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
         read += data.len();
         if read > MAX_STREAM {
             return Err("stream too large".into());
@@ -114,7 +116,9 @@ async fn stream(
             let event: Vec<u8> = pending.drain(..end + 2).collect();
             let event = String::from_utf8_lossy(&event);
             for line in event.lines() {
-                let Some(data) = line.strip_prefix("data:") else { continue };
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
                 let data = data.trim();
                 if data == "[DONE]" {
                     done = true;
@@ -131,7 +135,10 @@ async fn stream(
     driver.abort();
     if status != 200 {
         let answer = String::from_utf8_lossy(&pending);
-        return Err(format!("HTTP {status}: {}", answer.chars().take(200).collect::<String>()));
+        return Err(format!(
+            "HTTP {status}: {}",
+            answer.chars().take(200).collect::<String>()
+        ));
     }
     if !done {
         return Err("stream ended without [DONE]".into());

@@ -150,7 +150,13 @@ impl Pool {
         for url in self.addrs.prefill.iter().chain(&self.addrs.decode) {
             let ok = match socket_of(url) {
                 Ok(addr) => matches!(
-                    http_post_json(addr, "/reset_prefix_cache", &serde_json::json!({}), Duration::from_secs(10)).await,
+                    http_post_json(
+                        addr,
+                        "/reset_prefix_cache",
+                        &serde_json::json!({}),
+                        Duration::from_secs(10)
+                    )
+                    .await,
                     Ok((200, _))
                 ),
                 Err(_) => false,
@@ -217,6 +223,9 @@ mod tests {
     #[test]
     fn an_engine_url_is_a_socket_address_or_a_typed_error() {
         assert_eq!(socket_of("http://127.0.0.1:8100/").unwrap().port(), 8100);
-        assert!(matches!(socket_of("http://e:1"), Err(PoolError::BadAddress(_))));
+        assert!(matches!(
+            socket_of("http://e:1"),
+            Err(PoolError::BadAddress(_))
+        ));
     }
 }

@@ -43,7 +43,11 @@ fn processes() -> HashMap<u32, (u32, u64)> {
     let mut parents: HashMap<u32, (u32, u64)> = HashMap::new();
     if let Ok(entries) = fs::read_dir("/proc") {
         for entry in entries.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<u32>().ok())
+            else {
                 continue;
             };
             if let Some(parsed) = fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -93,20 +97,30 @@ pub fn kill_tree(root: u32) {
     signal("TERM", &tree);
     for _ in 0..30 {
         let alive = processes();
-        if tree.iter().all(|pid| !alive.contains_key(pid) || zombie(*pid)) {
+        if tree
+            .iter()
+            .all(|pid| !alive.contains_key(pid) || zombie(*pid))
+        {
             return;
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     let alive = processes();
-    signal("KILL", &tree.into_iter().filter(|p| alive.contains_key(p)).collect());
+    signal(
+        "KILL",
+        &tree.into_iter().filter(|p| alive.contains_key(p)).collect(),
+    );
 }
 
 /// Whether `pid` has exited and waits for its parent to reap it.
 fn zombie(pid: u32) -> bool {
     fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
-        .and_then(|s| s.rfind(')').and_then(|i| s.get(i + 2..i + 3)).map(|c| c == "Z"))
+        .and_then(|s| {
+            s.rfind(')')
+                .and_then(|i| s.get(i + 2..i + 3))
+                .map(|c| c == "Z")
+        })
         .unwrap_or(true)
 }
 

@@ -45,13 +45,20 @@ pub fn quantile(sorted: &[Duration], q: f64) -> Option<Duration> {
     if sorted.is_empty() {
         return None;
     }
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
     let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
     Some(sorted[rank - 1])
 }
 
 fn ms(d: Option<Duration>) -> String {
-    d.map_or_else(|| "-".into(), |d| format!("{:.0}", d.as_secs_f64() * 1000.0))
+    d.map_or_else(
+        || "-".into(),
+        |d| format!("{:.0}", d.as_secs_f64() * 1000.0),
+    )
 }
 
 impl Row {
@@ -79,7 +86,11 @@ impl Row {
     pub fn fill(&mut self, outcomes: &[Outcome], wall: Duration) {
         self.requests = outcomes.len();
         self.failed = outcomes.iter().filter(|o| !o.ok()).count();
-        let mut ttft: Vec<Duration> = outcomes.iter().filter(|o| o.ok()).filter_map(|o| o.ttft).collect();
+        let mut ttft: Vec<Duration> = outcomes
+            .iter()
+            .filter(|o| o.ok())
+            .filter_map(|o| o.ttft)
+            .collect();
         let mut e2e: Vec<Duration> = outcomes.iter().filter(|o| o.ok()).map(|o| o.e2e).collect();
         ttft.sort();
         e2e.sort();
@@ -168,7 +179,9 @@ pub fn markdown(rows: &[Row]) -> String {
 
 /// Grouped bars of TTFT p99 per workload and loop, one bar per router, as an SVG document.
 pub fn svg(rows: &[Row], title: &str) -> String {
-    const COLORS: [&str; 7] = ["#1b7837", "#7fbf7b", "#2166ac", "#92c5de", "#b2182b", "#f4a582", "#d6604d"];
+    const COLORS: [&str; 7] = [
+        "#1b7837", "#7fbf7b", "#2166ac", "#92c5de", "#b2182b", "#f4a582", "#d6604d",
+    ];
     let mut groups: Vec<(String, Vec<&Row>)> = Vec::new();
     for row in rows {
         let key = format!("{} ({})", row.workload, row.mode);
@@ -216,7 +229,9 @@ pub fn svg(rows: &[Row], title: &str) -> String {
         #[allow(clippy::cast_precision_loss)]
         let x0 = left + gap / 2.0 + g as f64 * group_width;
         for row in members {
-            let Some(k) = routers.iter().position(|r| *r == row.router) else { continue };
+            let Some(k) = routers.iter().position(|r| *r == row.router) else {
+                continue;
+            };
             let Some(p99) = row.ttft_p99 else { continue };
             let h = height * p99.as_secs_f64() * 1000.0 / max;
             #[allow(clippy::cast_precision_loss)]
@@ -281,7 +296,10 @@ mod tests {
     fn failed_requests_are_counted_and_left_out_of_the_latencies() {
         let spec = RouterSpec::ALL[0];
         let mut row = Row::new(spec, "w", "open");
-        row.fill(&[outcome(10, true), outcome(20, true), outcome(9000, false)], Duration::from_secs(2));
+        row.fill(
+            &[outcome(10, true), outcome(20, true), outcome(9000, false)],
+            Duration::from_secs(2),
+        );
         assert_eq!((row.requests, row.failed), (3, 1));
         assert_eq!(row.ttft_p99, Some(Duration::from_millis(20)));
         assert!((row.throughput - 1.0).abs() < 1e-9);

@@ -38,13 +38,34 @@ pub struct RouterSpec {
 impl RouterSpec {
     /// Every router and mode the harness knows, in report order.
     pub const ALL: [RouterSpec; 7] = [
-        RouterSpec { peer: Peer::Ours, policy: "kv" },
-        RouterSpec { peer: Peer::Ours, policy: "round-robin" },
-        RouterSpec { peer: Peer::Smg, policy: "cache_aware" },
-        RouterSpec { peer: Peer::Smg, policy: "round_robin" },
-        RouterSpec { peer: Peer::VllmRouter, policy: "kv_aware" },
-        RouterSpec { peer: Peer::VllmRouter, policy: "cache_aware" },
-        RouterSpec { peer: Peer::VllmRouter, policy: "round_robin" },
+        RouterSpec {
+            peer: Peer::Ours,
+            policy: "kv",
+        },
+        RouterSpec {
+            peer: Peer::Ours,
+            policy: "round-robin",
+        },
+        RouterSpec {
+            peer: Peer::Smg,
+            policy: "cache_aware",
+        },
+        RouterSpec {
+            peer: Peer::Smg,
+            policy: "round_robin",
+        },
+        RouterSpec {
+            peer: Peer::VllmRouter,
+            policy: "kv_aware",
+        },
+        RouterSpec {
+            peer: Peer::VllmRouter,
+            policy: "cache_aware",
+        },
+        RouterSpec {
+            peer: Peer::VllmRouter,
+            policy: "round_robin",
+        },
     ];
 
     /// `router/policy`, the name on the command line and in reports.
@@ -107,7 +128,12 @@ impl Binaries {
                 push(&["--prefill-url", &pool.prefill.join(",")]);
                 push(&["--decode-url", &pool.decode.join(",")]);
                 push(&["--router-mode", spec.policy]);
-                push(&["--request-timeout-ms", "120000", "--max-tokens-limit", "4096"]);
+                push(&[
+                    "--request-timeout-ms",
+                    "120000",
+                    "--max-tokens-limit",
+                    "4096",
+                ]);
                 if spec.kv_aware() {
                     push(&["--check-events=60"]);
                 }
@@ -126,7 +152,12 @@ impl Binaries {
                 for url in &pool.decode {
                     push(&["--decode", url]);
                 }
-                push(&["--prefill-policy", spec.policy, "--decode-policy", "round_robin"]);
+                push(&[
+                    "--prefill-policy",
+                    spec.policy,
+                    "--decode-policy",
+                    "round_robin",
+                ]);
                 push(&["--request-timeout-secs", "120", "--log-level", "warn"]);
                 self.peers_bin.join("smg")
             }
@@ -140,7 +171,12 @@ impl Binaries {
                 for url in &pool.decode {
                     push(&["--decode", url]);
                 }
-                push(&["--prefill-policy", spec.policy, "--decode-policy", "round_robin"]);
+                push(&[
+                    "--prefill-policy",
+                    spec.policy,
+                    "--decode-policy",
+                    "round_robin",
+                ]);
                 if spec.policy == "kv_aware" {
                     // Its P/D event sources assume 16-token blocks ("Block size is 16").
                     for (url, events) in pool.prefill.iter().zip(&pool.events) {
@@ -172,16 +208,23 @@ impl Binaries {
                 ],
             ),
         };
-        run_for_line(&program, &args).unwrap_or_else(|| format!("{} (version unknown)", peer.name()))
+        run_for_line(&program, &args)
+            .unwrap_or_else(|| format!("{} (version unknown)", peer.name()))
     }
 }
 
 /// The first line `program args` prints, if it runs.
 fn run_for_line(program: &Path, args: &[&str]) -> Option<String> {
-    let output = std::process::Command::new(program).args(args).output().ok()?;
+    let output = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .ok()?;
     let text = String::from_utf8_lossy(&output.stdout).into_owned()
         + &String::from_utf8_lossy(&output.stderr);
-    text.lines().map(str::trim).find(|l| !l.is_empty()).map(str::to_owned)
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .map(str::to_owned)
 }
 
 #[cfg(test)]
@@ -222,7 +265,11 @@ mod tests {
         assert!(joined.contains("--pd-kv-events http://127.0.0.1:1=tcp://127.0.0.1:11"));
         assert!(joined.contains("--pd-kv-events http://127.0.0.1:2=tcp://127.0.0.1:12"));
         let rr = RouterSpec::parse("vllm-router/round_robin").unwrap();
-        assert!(!binaries().command(rr, &pool(), 9000, 9001).1.join(" ").contains("kv-events"));
+        assert!(!binaries()
+            .command(rr, &pool(), 9000, 9001)
+            .1
+            .join(" ")
+            .contains("kv-events"));
     }
 
     #[test]

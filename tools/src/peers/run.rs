@@ -76,7 +76,9 @@ async fn start(
     let (program, args) = binaries.command(spec, &pool.addrs, port, free_port());
     let log = logs.join(format!("{}.log", spec.label().replace('/', "-")));
     let file = std::fs::File::create(&log).map_err(|e| RunError::Spawn(spec.label(), e))?;
-    let err = file.try_clone().map_err(|e| RunError::Spawn(spec.label(), e))?;
+    let err = file
+        .try_clone()
+        .map_err(|e| RunError::Spawn(spec.label(), e))?;
     tracing::info!(router = %spec.label(), program = %program.display(), args = ?args, "starting");
     let child = Command::new(&program)
         .args(&args)
@@ -93,13 +95,24 @@ async fn start(
     let within = Duration::from_secs(120);
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
-        let probe = complete(running.addr, model, "ready probe", 2, Duration::from_secs(10)).await;
+        let probe = complete(
+            running.addr,
+            model,
+            "ready probe",
+            2,
+            Duration::from_secs(10),
+        )
+        .await;
         if probe.ok() {
             return Ok(running);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    Err(RunError::NotReady(spec.label(), within, running.log.display().to_string()))
+    Err(RunError::NotReady(
+        spec.label(),
+        within,
+        running.log.display().to_string(),
+    ))
 }
 
 /// Send `requests` per `mode` to `addr`: each request's outcome, in request order, and the
@@ -119,12 +132,18 @@ pub async fn drive(
         LoopMode::Open => {
             let mut tasks = Vec::with_capacity(requests.len());
             for (i, request) in requests.iter().enumerate() {
-                let (at, prompt, max_tokens) =
-                    (start + request.at, request.prompt.clone(), request.max_tokens);
+                let (at, prompt, max_tokens) = (
+                    start + request.at,
+                    request.prompt.clone(),
+                    request.max_tokens,
+                );
                 let model = model.clone();
                 tasks.push(tokio::spawn(async move {
                     tokio::time::sleep_until(at).await;
-                    (i, complete(addr, &model, &prompt, max_tokens, timeout).await)
+                    (
+                        i,
+                        complete(addr, &model, &prompt, max_tokens, timeout).await,
+                    )
                 }));
             }
             for task in tasks {
@@ -142,7 +161,9 @@ pub async fn drive(
                     let mut mine = Vec::new();
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(request) = requests.get(i) else { break };
+                        let Some(request) = requests.get(i) else {
+                            break;
+                        };
                         let outcome =
                             complete(addr, &model, &request.prompt, request.max_tokens, timeout)
                                 .await;
@@ -165,7 +186,10 @@ pub async fn drive(
         text: String::new(),
         error: Some("the client task was lost".into()),
     };
-    let outcomes: Vec<Outcome> = outcomes.into_iter().map(|o| o.unwrap_or_else(|| lost(()))).collect();
+    let outcomes: Vec<Outcome> = outcomes
+        .into_iter()
+        .map(|o| o.unwrap_or_else(|| lost(())))
+        .collect();
     (outcomes, start.elapsed())
 }
 
@@ -201,9 +225,11 @@ impl HeadToHead<'_> {
             let refused = self.pool.reset_caches().await;
             if !refused.is_empty() {
                 tracing::warn!(?refused, "engines did not clear their caches");
-                row.notes.push(format!("{} engines kept their caches", refused.len()));
+                row.notes
+                    .push(format!("{} engines kept their caches", refused.len()));
             }
-            let running = match start(self.binaries, spec, self.pool, self.model, &self.logs).await {
+            let running = match start(self.binaries, spec, self.pool, self.model, &self.logs).await
+            {
                 Ok(running) => running,
                 Err(error) => {
                     eprintln!("bench-peers: {error}");
@@ -218,14 +244,21 @@ impl HeadToHead<'_> {
             tokio::time::sleep(Duration::from_millis(500)).await;
             let (queries0, hits0) = self.pool.prefix_counters().await;
             let cpu0 = tree_usage(running.child.id()).cpu_seconds;
-            let (outcomes, wall) = drive(running.addr, self.model, requests, mode, self.timeout).await;
+            let (outcomes, wall) =
+                drive(running.addr, self.model, requests, mode, self.timeout).await;
             let usage = tree_usage(running.child.id());
             let (queries1, hits1) = self.pool.prefix_counters().await;
             drop(running);
             let texts: Vec<String> = outcomes.iter().map(|o| o.text.clone()).collect();
             match reference {
                 Some(first) => {
-                    row.same_output = Some(texts.iter().zip(first.iter()).filter(|(a, b)| a == b).count());
+                    row.same_output = Some(
+                        texts
+                            .iter()
+                            .zip(first.iter())
+                            .filter(|(a, b)| a == b)
+                            .count(),
+                    );
                 }
                 None => *reference = Some(texts),
             }

@@ -147,7 +147,8 @@ pub fn conversation(trace: &[TraceRecord], config: &WorkloadConfig) -> Vec<PeerR
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // small, positive
             let tokens = (f64::from(r.input_length) * scale).ceil().max(1.0) as u32;
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            let output = ((f64::from(r.output_length) * scale).ceil() as u32).clamp(1, config.max_tokens);
+            let output =
+                ((f64::from(r.output_length) * scale).ceil() as u32).clamp(1, config.max_tokens);
             #[allow(clippy::cast_precision_loss)]
             let at = Duration::from_secs_f64(r.timestamp as f64 / 1000.0 * speedup);
             PeerRequest {
@@ -206,7 +207,9 @@ pub fn multi_tenant(config: &WorkloadConfig) -> Vec<PeerRequest> {
                 draw -= w;
             }
             let tenant = tenant as u64;
-            let mut ids: Vec<u64> = (0..PREFIX_BLOCKS).map(|b| 5_000_000 + tenant * 1000 + b).collect();
+            let mut ids: Vec<u64> = (0..PREFIX_BLOCKS)
+                .map(|b| 5_000_000 + tenant * 1000 + b)
+                .collect();
             ids.extend((0..OWN_BLOCKS).map(|b| 9_000_000 + i * 10 + b));
             let tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX) * config.block_tokens;
             PeerRequest {
@@ -280,10 +283,18 @@ mod tests {
         let second: Vec<_> = prefill_router::http::tokenizer::tokenize(&requests[1].prompt);
         assert_eq!(first.len(), 32);
         assert_eq!(second.len(), 22, "700 tokens at 512 per block scale to 22");
-        assert_eq!(first[..16], second[..16], "the shared block 0 is one shared engine block");
+        assert_eq!(
+            first[..16],
+            second[..16],
+            "the shared block 0 is one shared engine block"
+        );
         assert_ne!(first[16], second[16]);
         assert_eq!(requests[0].max_tokens, 16, "512 output tokens scale to 16");
-        assert_eq!(requests[1].at, Duration::from_secs(1), "2 requests at 2/s span 1 s");
+        assert_eq!(
+            requests[1].at,
+            Duration::from_secs(1),
+            "2 requests at 2/s span 1 s"
+        );
     }
 
     #[test]
@@ -291,12 +302,17 @@ mod tests {
         let config = WorkloadConfig::default();
         let requests = shared_prefix(&config);
         assert_eq!(requests.len(), config.requests);
-        let systems: std::collections::HashSet<_> =
-            requests.iter().map(|r| r.prompt.split(' ').next().unwrap().to_owned()).collect();
+        let systems: std::collections::HashSet<_> = requests
+            .iter()
+            .map(|r| r.prompt.split(' ').next().unwrap().to_owned())
+            .collect();
         assert_eq!(systems.len(), 4);
         assert!(requests.windows(2).all(|w| w[0].at <= w[1].at));
         let ceiling = ceiling(&requests, config.block_tokens);
-        assert!(ceiling > 0.9 && ceiling < 0.96, "48 of 50 blocks shared: {ceiling}");
+        assert!(
+            ceiling > 0.9 && ceiling < 0.96,
+            "48 of 50 blocks shared: {ceiling}"
+        );
     }
 
     #[test]
@@ -308,7 +324,10 @@ mod tests {
         let requests = multi_tenant(&config);
         let count = |tenant: u64| {
             let word = format!("b{}x0", 5_000_000 + tenant * 1000);
-            requests.iter().filter(|r| r.prompt.starts_with(&format!("{word} "))).count()
+            requests
+                .iter()
+                .filter(|r| r.prompt.starts_with(&format!("{word} ")))
+                .count()
         };
         assert!(count(0) > 2 * count(3), "{} vs {}", count(0), count(3));
         assert!(count(19) > 0);

@@ -70,7 +70,9 @@ pub struct MockVllmConfig {
     pub transfer_per_block: Duration,
     /// The longest prompt plus output (`--max-model-len`).
     pub max_model_len: usize,
-    /// Token ids are below this (the tiny model's vocabulary).
+    /// Token ids are below this (the tiny model's vocabulary; with the built-in word tokenizer,
+    /// whose ids are 32-bit hashes, every id: the `mock-vllm` binary lifts it when given no
+    /// `--tokenizer`).
     pub vocab_size: u32,
     /// Seeds the engine id (so a restarted engine with the same seed has the same id).
     pub seed: u64,

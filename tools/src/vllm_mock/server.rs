@@ -178,6 +178,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
+        .route("/v1/completions/render", post(render_completion))
         .route("/detokenize", post(detokenize))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/kv_event_sources", get(kv_event_sources))
@@ -257,6 +258,28 @@ async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Response {
     };
     match run() {
         Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /v1/completions/render` (vLLM's render API, which vllm-router's KV-aware policy asks
+/// for token ids: an HTTP pool is not tokenized in that router): the completion request as
+/// the list of one `GenerateRequest` vLLM would run, `token_ids` being what KV routing needs.
+async fn render_completion(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    let limits = super::request::Limits {
+        model: &app.engine.config.model,
+        max_model_len: app.engine.config.max_model_len,
+        vocab_size: app.engine.config.vocab_size,
+    };
+    match super::request::parse(&body, false, &app.tokenizer, &limits) {
+        Ok(parsed) => axum::Json(json!([{
+            "request_id": app.random_hex(32),
+            "token_ids": parsed.prompt,
+            "sampling_params": {"max_tokens": parsed.max_tokens},
+            "model": app.engine.config.model,
+            "stream": parsed.stream,
+        }]))
+        .into_response(),
         Err(e) => e.into_response(),
     }
 }

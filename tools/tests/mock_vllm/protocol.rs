@@ -294,3 +294,39 @@ async fn tokenize_models_and_sources_answer_in_vllms_shapes() {
     let quiet = engine(|_| {}).await;
     assert_eq!(get(quiet.addr, "/kv_event_sources").await.body, "{}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn render_gives_the_token_ids_a_kv_aware_router_asks_for() {
+    let e = engine(|_| {}).await;
+    let p = prompt(3, 20);
+    let r = post(
+        e.addr,
+        "/v1/completions/render",
+        json!({"model": "tiny-llama", "prompt": p, "max_tokens": 3}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let v = r.json();
+    assert_eq!(v[0]["token_ids"], json!(p));
+    assert!(v[0]["request_id"].is_string());
+    let text = post(
+        e.addr,
+        "/v1/completions/render",
+        json!({"prompt": "hop hop", "max_tokens": 1}),
+    )
+    .await
+    .json();
+    let tokens = post(e.addr, "/tokenize", json!({"prompt": "hop hop"}))
+        .await
+        .json();
+    assert_eq!(
+        text[0]["token_ids"], tokens["tokens"],
+        "render and tokenize agree"
+    );
+    assert_eq!(
+        post(e.addr, "/v1/completions/render", json!({"prompt": 5}))
+            .await
+            .status,
+        400
+    );
+}
