@@ -77,6 +77,9 @@ engine() {
         # shellcheck source=/dev/null
         source .ci/engines/env.sh
         export OMP_NUM_THREADS=1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$side"
+        # Dev mode adds POST /reset_prefix_cache: bench-peers clears the caches between routers
+        # on a pool kept with KEEP_ENGINES=1 (loopback-only test engines).
+        export VLLM_SERVER_DEV_MODE=1
         export UCX_TLS=self,sm,tcp UCX_NET_DEVICES=lo
         exec nice -n 10 "$ENGINE_DIR/venv/bin/vllm" serve "$ENGINE_DIR/tiny-llama" \
             --served-model-name tiny-llama --dtype float32 --host 127.0.0.1 --port "$port" \
@@ -128,7 +131,7 @@ grep -q "test result: ok. 3 passed" "$work/live.log"
 if grep -q "test result: FAILED" "$work/live.log"; then exit 1; fi
 
 say "the mock vLLM engine against the real pair (same requests, same shapes, same event payloads)"
-cargo test --release -p prefill-router-tools --test mock_vllm live_vllm -- --nocapture \
+cargo test --release --test mock_vllm live_vllm -- --nocapture \
     --test-threads 1 2>&1 | tee "$work/mock.log" \
     | grep -E "^live|^test |test result|panicked" || true
 grep -q "test result: ok. 1 passed" "$work/mock.log"

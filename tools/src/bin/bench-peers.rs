@@ -266,10 +266,19 @@ async fn run(options: Options) -> Result<(), String> {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
+        // Ports are drawn per run: the header says where they go.
+        let shown: Vec<String> = args
+            .iter()
+            .map(|a| match a.as_str() {
+                "0" => "PORT".to_owned(),
+                "127.0.0.1:0" => "127.0.0.1:PORT".to_owned(),
+                _ => a.clone(),
+            })
+            .collect();
         header.push_str(&format!(
             "- `{}`: `{name} {}`\n",
             spec.label(),
-            args.join(" ")
+            shown.join(" ")
         ));
     }
     eprint!("{header}");
