@@ -149,7 +149,7 @@ if [ -n "$two_prefill" ]; then
     say "two prefill engines (KV events on both); then one of them SIGKILLed under serve"
     # VLLM_LOAD_FIGURE=1: also the engine-load figure (docs/engines.md; not run by CI).
     "$ENGINE_DIR/venv/bin/python" tools/tests/engines/vllm_two_prefill.py \
-        ${VLLM_LOAD_FIGURE:+--load-figure} --bin "$root/target/release/prefill-router" \
+        ${VLLM_LOAD_FIGURE:+--load-figure} ${VLLM_HIT_FIGURE:+--hit-figure} --bin "$root/target/release/prefill-router" \
         --prefill "127.0.0.1:$P_PORT,127.0.0.1:$P2_PORT" --decode "127.0.0.1:$D_PORT" \
         --kill-pid "${pids[-1]}" --model-dir "$ENGINE_DIR/tiny-llama" --work "$work"
 fi

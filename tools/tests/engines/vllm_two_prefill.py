@@ -36,6 +36,9 @@ ap.add_argument("--model-dir", required=True)
 ap.add_argument("--model", default="tiny-llama")
 ap.add_argument("--work", required=True)
 ap.add_argument("--load-figure", action="store_true")
+# The hit-rate figure (7 sessions x 5 turns under KV events, then under round robin: about 70
+# requests on real engines) asserts nothing: off in CI (VLLM_HIT_FIGURE=1 .ci/vllm.sh).
+ap.add_argument("--hit-figure", action="store_true")
 args = ap.parse_args()
 
 failures = 0
@@ -184,15 +187,16 @@ try:
     stayed = len(set(workers[1:])) == 1 and workers[1] == workers[0]
     print(f"FIGURE conversation_prefill_workers={','.join(map(str, workers))} stayed={stayed}",
           flush=True)
-    kv_hits = conversations(client)
+    kv_hits = conversations(client) if args.hit_figure else None
     procs.pop().kill()
 
     # Round robin over both engines, then one of them SIGKILLed: nothing fails.
     base = serve("serve-rr", [])
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
-    rr_hits = conversations(client)
-    print(f"FIGURE prefix_cache_hit_rate kv_events={kv_hits:.3f} round_robin={rr_hits:.3f} "
-          "(7 sessions x 5 turns, 128 + 64/turn tokens, engines' own counters; best possible 0.720)", flush=True)
+    if args.hit_figure:
+        rr_hits = conversations(client)
+        print(f"FIGURE prefix_cache_hit_rate kv_events={kv_hits:.3f} round_robin={rr_hits:.3f} "
+              "(7 sessions x 5 turns, 128 + 64/turn tokens, engines' own counters; best possible 0.720)", flush=True)
     if args.load_figure:
         load_figure()
     seen = set()
