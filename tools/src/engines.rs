@@ -115,6 +115,11 @@ pub struct RegistrarConfig {
     pub timeout: Duration,
     /// Consecutive failed probes before the engine is withdrawn.
     pub failures_to_withdraw: u32,
+    /// Consecutive probes that got no answer in time before the engine is withdrawn, when
+    /// every failure in the run was a timeout (at least `failures_to_withdraw`). An engine busy
+    /// with a long queue answers `/health` late (vLLM on CPU under load took over 2 s); one
+    /// that is gone refuses or errors, and that is withdrawn after `failures_to_withdraw`.
+    pub timeouts_to_withdraw: u32,
 }
 
 /// The prefill set's routing mode when none is asked for: round robin. An engine publishes no
@@ -124,7 +129,8 @@ pub const DEFAULT_ENGINE_ROUTER_MODE: SelectionMode = SelectionMode::RoundRobin;
 
 impl RegistrarConfig {
     /// Defaults for one engine of `component` in `namespace`: probes every second within 2 s,
-    /// withdrawn after 3 consecutive failures, a round-robin prefill set.
+    /// withdrawn after 3 consecutive failures, or 10 consecutive timeouts (about 30 s of no
+    /// answer), a round-robin prefill set.
     pub fn new(component: &'static str, namespace: &str, id: InstanceId) -> Self {
         RegistrarConfig {
             protocol: EngineProtocol::Vllm,
@@ -137,6 +143,7 @@ impl RegistrarConfig {
             interval: Duration::from_secs(1),
             timeout: Duration::from_secs(2),
             failures_to_withdraw: 3,
+            timeouts_to_withdraw: 10,
         }
     }
 }
@@ -245,7 +252,8 @@ async fn probe_once(
 /// registration held then (the caller deregisters it, first thing on SIGTERM).
 ///
 /// Registered at the first healthy probe whose card can be read; withdrawn (deregistered)
-/// after [`RegistrarConfig::failures_to_withdraw`] failed probes in a row; registered again,
+/// after [`RegistrarConfig::failures_to_withdraw`] failed probes in a row (or
+/// [`RegistrarConfig::timeouts_to_withdraw`] when every one of them timed out); registered again,
 /// with a freshly read card, when it answers again. `cancel` interrupts a probe in flight, so
 /// a stopping sidecar withdraws at once rather than after a probe's timeout.
 pub async fn run_registrar(
@@ -258,6 +266,8 @@ pub async fn run_registrar(
     let endpoint = EndpointId::new(&config.namespace, config.component, "generate");
     let mut held: Option<Registration> = None;
     let mut failures = 0u32;
+    // Whether every failure of the current run was a timeout (a busy engine, not a gone one).
+    let mut only_timeouts = true;
     let mut last_card_error = None;
     loop {
         // Only the probing is interrupted: a register or deregister under way completes, so
@@ -270,6 +280,7 @@ pub async fn run_registrar(
         match found {
             Probe::Healthy(card) => {
                 failures = 0;
+                only_timeouts = true;
                 if let Some(card) = card {
                     let instance = Instance {
                         endpoint: endpoint.clone(),
@@ -291,8 +302,14 @@ pub async fn run_registrar(
             }
             Probe::Failed(error) => {
                 failures = failures.saturating_add(1);
+                only_timeouts &= matches!(error, ProbeError::Timeout(_));
                 tracing::debug!(url = %engine.url, %error, failures, "engine probe failed");
-                if failures >= config.failures_to_withdraw {
+                let threshold = if only_timeouts {
+                    config.timeouts_to_withdraw.max(config.failures_to_withdraw)
+                } else {
+                    config.failures_to_withdraw
+                };
+                if failures >= threshold {
                     if let Some(registration) = held.take() {
                         if let Err(e) = registration.deregister().await {
                             tracing::warn!(url = %engine.url, error = %e, "withdrawing failed");

@@ -21,6 +21,8 @@ fn fast(component: &'static str, id: u64) -> RegistrarConfig {
     let mut config = RegistrarConfig::new(component, "engines", id);
     config.interval = Duration::from_millis(50);
     config.timeout = Duration::from_millis(500);
+    // More than failures_to_withdraw (3): a slow engine is given longer than a refusing one.
+    config.timeouts_to_withdraw = 5;
     config
 }
 
@@ -131,14 +133,15 @@ async fn an_engine_is_registered_withdrawn_after_failures_and_registered_again()
     assert_eq!(run.next_event().await, RegistrarEvent::Registered(card));
     assert_eq!(run.registered_ids().await, vec![1]);
 
-    // Silent: each probe times out; withdrawn after three of them.
+    // Silent: each probe times out; a busy engine answers late, so it is withdrawn after
+    // timeouts_to_withdraw (5) of them, not failures_to_withdraw (3).
     stub.set("/health", Reply::Silent);
     match run.next_event().await {
         RegistrarEvent::Withdrawn {
-            failures: 3,
+            failures: 5,
             error: ProbeError::Timeout(_),
         } => {}
-        other => panic!("withdrawn on timeouts, got {other:?}"),
+        other => panic!("withdrawn after five timeouts, got {other:?}"),
     }
     assert!(run.registered_ids().await.is_empty());
     stub.set("/health", Reply::Status(200));
