@@ -304,3 +304,6 @@ impl From<MigrationError> for DecodeError {
         DecodeError::Migration(error)
     }
 }
+
+#[cfg(test)]
+mod tests;
