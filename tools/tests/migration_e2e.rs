@@ -9,7 +9,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use prefill_router::advert::{ModelCard, SelectionMode};
@@ -180,7 +180,20 @@ async fn a_stream_whose_decode_worker_dies_continues_token_for_token() {
     let mut stream = setup.hop.generate(request()).await.unwrap();
     let mut items = read_tokens(&mut stream, BEFORE_KILL).await;
     let killed = kill_serving(&setup, &before);
+    // The cost of the migration: the gap the client sees from the kill to the next token.
+    let killed_at = Instant::now();
+    let next = tokio::time::timeout(WAIT, stream.next())
+        .await
+        .expect("the stream goes on after the kill")
+        .expect("an item after the kill");
+    let gap = killed_at.elapsed();
+    items.push(next);
     items.extend(collect(&mut stream).await);
+    eprintln!(
+        "migration gap: {:.1} ms from the kill to the next token (token interval {:?})",
+        gap.as_secs_f64() * 1e3,
+        mock().token_interval
+    );
 
     assert!(items.iter().all(Result::is_ok), "{items:?}");
     assert_eq!(
