@@ -132,11 +132,11 @@ impl Variant {
     /// What the driver sees of the machine's answer `step`.
     pub(super) fn after(self, original: &GenerateRequest, s: &World, mut step: Step) -> Step {
         match (self, &mut step.next) {
-            (Variant::ForgetsLastToken, Some(Next::Continue(c))) => {
-                if c.request.token_ids.len() > original.token_ids.len() {
-                    c.request.token_ids.pop();
-                    c.request.max_tokens += 1;
-                }
+            (Variant::ForgetsLastToken, Some(Next::Continue(c)))
+                if c.request.token_ids.len() > original.token_ids.len() =>
+            {
+                c.request.token_ids.pop();
+                c.request.max_tokens += 1;
             }
             (Variant::ReusesHandoff, Some(Next::Continue(c))) => {
                 c.request.handoff = original.handoff.clone();
