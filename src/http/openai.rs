@@ -582,4 +582,24 @@ mod tests {
             .get(axum::http::header::RETRY_AFTER)
             .is_none());
     }
+
+    #[test]
+    fn a_stream_that_could_not_migrate_is_a_typed_502_or_504() {
+        use crate::migration::BreakReason;
+        let used_up = DecodeError::Migration(MigrationError::LimitUsedUp {
+            limit: 3,
+            migrations: 3,
+            reason: BreakReason::ConnectionDropped,
+        });
+        let api = ApiError::from(&used_up);
+        assert_eq!(api.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(api.body()["error"]["code"], "migration_limit_used_up");
+        let late = GenerateError::Decode(DecodeError::Migration(MigrationError::DeadlinePassed {
+            emitted: 5,
+            migrations: 1,
+        }));
+        let api = ApiError::from(&late);
+        assert_eq!(api.status, StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(api.body()["error"]["code"], "deadline_exceeded");
+    }
 }
