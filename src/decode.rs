@@ -4,9 +4,11 @@
 //! decode set (the one a [`PrefillHop`](crate::PrefillHop) embeds).
 
 mod following;
+mod migrating;
 mod pool;
 
 pub use following::FollowingDecode;
+pub use migrating::{break_reason, MigratingDecode, MigrationCounts};
 pub use pool::DecodePool;
 
 use std::pin::Pin;
@@ -25,6 +27,10 @@ pub enum DecodeError {
     /// The decode dispatcher could not route or carry the request.
     #[error("decode routing failed: {0}")]
     Push(#[from] PushError),
+    /// The stream broke and could not be continued on another decode worker (its migration
+    /// limit was used up, or its deadline passed).
+    #[error("decode stream lost: {0}")]
+    Migration(crate::migration::MigrationError),
     /// Any other failure, described.
     #[error("decode failed: {message}")]
     Failed {

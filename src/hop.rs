@@ -38,8 +38,9 @@ use tokio_util::task::TaskTracker;
 
 use crate::advert::{DecodeDefaults, SelectionMode};
 use crate::binding::{BindingStats, DefaultBindingFactory, FactoryConfig};
-use crate::decode::{DecodeStream, FollowingDecode};
+use crate::decode::{Decode, DecodeStream, FollowingDecode, MigratingDecode};
 use crate::discovery::{Discovery, DiscoveryError, StoreStatus};
+use crate::migration::MigrationConfig;
 use crate::push::{PushConfig, PushMode};
 use crate::request::GenerateRequest;
 use crate::router::{GenerateError, PrefillRouter, PrefillRouterConfig};
@@ -95,6 +96,9 @@ pub struct PrefillHopConfig {
     /// (docs/engines.md).
     #[cfg(feature = "engine")]
     pub engine: crate::engine::EngineLinkConfig,
+    /// Migration of broken decode streams: how many times one request's stream may continue
+    /// on another decode worker after its worker died (0: never; docs/health.md, "Migration").
+    pub migration: MigrationConfig,
 }
 
 impl Default for PrefillHopConfig {
@@ -111,6 +115,7 @@ impl Default for PrefillHopConfig {
             decode_catch_up: Duration::from_secs(1),
             #[cfg(feature = "engine")]
             engine: crate::engine::EngineLinkConfig::default(),
+            migration: MigrationConfig::default(),
         }
     }
 }
@@ -160,6 +165,8 @@ pub struct PrefillHop {
     router: Arc<HopRouter>,
     stats: Arc<BindingStats>,
     decode: Arc<FollowingDecode>,
+    /// The decode hop requests take: `decode`, migrating broken streams.
+    migrating: MigratingDecode,
     watcher: parking_lot::Mutex<Option<TopologyWatcher>>,
     topology: watch::Receiver<TopologySnapshot>,
     store: watch::Receiver<StoreStatus>,
@@ -205,6 +212,16 @@ impl PrefillHop {
         #[cfg(feature = "engine")]
         let decode = decode.with_engine(config.engine.clone());
         let decode = Arc::new(decode);
+        let deadline = config
+            .decode_push
+            .as_ref()
+            .unwrap_or(&config.push)
+            .request_timeout;
+        let migrating = MigratingDecode::new(
+            Arc::clone(&decode) as Arc<dyn Decode>,
+            config.migration,
+            deadline,
+        );
         let (decode_changed_tx, decode_changed) = watch::channel(());
         tracker.spawn(follow::follow(
             Arc::clone(&decode),
@@ -241,6 +258,7 @@ impl PrefillHop {
             router,
             stats,
             decode,
+            migrating,
             watcher: parking_lot::Mutex::new(Some(watcher)),
             topology,
             store,
@@ -263,7 +281,7 @@ impl PrefillHop {
                 reason: BypassReason::ShutDown,
             });
         }
-        self.router.generate(request, &*self.decode).await
+        self.router.generate(request, &self.migrating).await
     }
 
     /// The hop's status now (lifecycle, targets, decode endpoint, readiness).
@@ -305,6 +323,11 @@ impl PrefillHop {
         &self.decode
     }
 
+    /// The decode hop requests take, migrating broken streams (its counts and bounds).
+    pub fn migrating(&self) -> &MigratingDecode {
+        &self.migrating
+    }
+
     /// The topology as last published by the watcher.
     pub fn topology(&self) -> watch::Receiver<TopologySnapshot> {
         self.topology.clone()
@@ -325,6 +348,11 @@ impl PrefillHop {
             .sub_registry_with_prefix("prefill_router")
             .register_collector(Box::new(status::BindingCollector {
                 stats: Arc::clone(&self.stats),
+            }));
+        registry
+            .sub_registry_with_prefix("prefill_router")
+            .register_collector(Box::new(status::MigrationCollector {
+                counts: Arc::clone(self.migrating.counts()),
             }));
     }
 

@@ -69,6 +69,7 @@ pub mod http;
 pub mod kv_events;
 pub mod lifecycle;
 pub mod load_report;
+pub mod migration;
 #[cfg(feature = "runtime")]
 pub mod prelude;
 #[cfg(feature = "runtime")]

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::discovery::InstanceId;
 
 /// One generation request (prefill, or prefill plus decode).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct GenerateRequest {
     /// The prompt, already tokenized.
     pub token_ids: Vec<u32>,
@@ -49,7 +49,7 @@ impl GenerateRequest {
 }
 
 /// What a prefill worker reports so decode can take over (the handoff).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct PrefillInfo {
     /// The worker that ran the prefill and now holds the KV blocks.
     pub worker: InstanceId,

@@ -22,6 +22,9 @@
 //!   `Handoff` machine, issue 38): carried at most once, every handoff's ending counted
 //!   exactly once, no decode after an abandon, with the dispatcher's retries, worker removal and
 //!   the client leaving at any step.
+//! - [`migration`]: a small separate model of one request's decode stream across migrations
+//!   (the real `Migration` machine, issue 42): a deterministic engine's output as the
+//!   reference, workers dying at any point, late tokens of dead workers, cancel and deadline.
 //! - [`config`], [`step`]: the model's bounds and its steps (the world's actions).
 //!
 //! See docs/model.md for the bounds and why every path is finite and acyclic.
@@ -31,6 +34,7 @@ pub mod cli;
 pub mod config;
 pub mod handoff;
 pub mod health;
+pub mod migration;
 pub mod model;
 pub mod mutants;
 pub mod properties;

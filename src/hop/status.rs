@@ -172,6 +172,42 @@ impl prometheus_client::collector::Collector for StoreCollector {
     }
 }
 
+/// What migration counted, at scrape time: `prefill_router_migrations_total{reason}` (streams
+/// continued on another decode worker, by how the last one broke) and
+/// `prefill_router_migrations_exhausted_total` (broken streams not continued: limit or deadline).
+#[derive(Debug)]
+pub(crate) struct MigrationCollector {
+    pub(crate) counts: std::sync::Arc<crate::decode::MigrationCounts>,
+}
+
+impl prometheus_client::collector::Collector for MigrationCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        let kind = ConstCounter::new(0u64).metric_type();
+        let mut family = encoder.encode_descriptor(
+            "migrations",
+            "Decode streams continued on another decode worker after theirs broke, by reason",
+            None,
+            kind,
+        )?;
+        for reason in crate::migration::BreakReason::ALL {
+            let labels = [("reason", reason.as_str())];
+            let e = family.encode_family(&labels)?;
+            ConstCounter::new(self.counts.migrations(reason)).encode(e)?;
+        }
+        crate::router::metrics::counter(
+            &mut encoder,
+            "migrations_exhausted",
+            "Broken decode streams not continued (migration limit used up or deadline passed)",
+            self.counts.exhausted(),
+        )
+    }
+}
+
 /// What the hop's bindings counted, at scrape time: KV-mode picks with and without overlap
 /// (`prefill_router_kv_overlap_decisions_total`, `prefill_router_kv_zero_overlap_decisions_total`)
 /// and, with feature `engine`, every engine's KV event feed (`engine::kv_events::metrics`).

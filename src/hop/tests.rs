@@ -76,3 +76,27 @@ fn readiness_rule_matches_the_fallback_policy() {
     )
     .is_ready());
 }
+
+#[test]
+fn migrations_are_counted_per_reason_in_the_metrics() {
+    let counts = std::sync::Arc::new(crate::decode::MigrationCounts::default());
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry
+        .sub_registry_with_prefix("prefill_router")
+        .register_collector(Box::new(status::MigrationCollector {
+            counts: std::sync::Arc::clone(&counts),
+        }));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    for reason in crate::migration::BreakReason::ALL {
+        let line = format!(
+            "prefill_router_migrations_total{{reason=\"{}\"}} 0",
+            reason.as_str()
+        );
+        assert!(text.contains(&line), "{line} in {text}");
+    }
+    assert!(
+        text.contains("prefill_router_migrations_exhausted_total 0"),
+        "{text}"
+    );
+}

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::tokenizer::Tokenizer;
 use crate::binding::PrefillError;
 use crate::decode::DecodeError;
+use crate::migration::MigrationError;
 use crate::push::PushError;
 use crate::router::GenerateError;
 
@@ -384,6 +385,24 @@ fn push_error(error: &PushError, message: String) -> ApiError {
     }
 }
 
+/// A decode stream that broke and could not be continued (docs/health.md, "Migration").
+fn migration_error(error: &MigrationError, message: String) -> ApiError {
+    match error {
+        MigrationError::LimitUsedUp { .. } => ApiError {
+            status: StatusCode::BAD_GATEWAY,
+            kind: "upstream_error",
+            code: "migration_limit_used_up",
+            message,
+        },
+        MigrationError::DeadlinePassed { .. } => ApiError {
+            status: StatusCode::GATEWAY_TIMEOUT,
+            kind: "timeout_error",
+            code: "deadline_exceeded",
+            message,
+        },
+    }
+}
+
 impl From<&GenerateError> for ApiError {
     fn from(error: &GenerateError) -> Self {
         let message = error.to_string();
@@ -404,6 +423,7 @@ impl From<&GenerateError> for ApiError {
             },
             GenerateError::Prefill(PrefillError::Push(e))
             | GenerateError::Decode(DecodeError::Push(e)) => push_error(e, message),
+            GenerateError::Decode(DecodeError::Migration(e)) => migration_error(e, message),
             _ => ApiError {
                 status: StatusCode::BAD_GATEWAY,
                 kind: "upstream_error",
@@ -419,6 +439,7 @@ impl From<&DecodeError> for ApiError {
         let message = error.to_string();
         match error {
             DecodeError::Push(e) => push_error(e, message),
+            DecodeError::Migration(e) => migration_error(e, message),
             _ => ApiError {
                 status: StatusCode::BAD_GATEWAY,
                 kind: "upstream_error",
@@ -560,5 +581,25 @@ mod tests {
             .headers()
             .get(axum::http::header::RETRY_AFTER)
             .is_none());
+    }
+
+    #[test]
+    fn a_stream_that_could_not_migrate_is_a_typed_502_or_504() {
+        use crate::migration::BreakReason;
+        let used_up = DecodeError::Migration(MigrationError::LimitUsedUp {
+            limit: 3,
+            migrations: 3,
+            reason: BreakReason::ConnectionDropped,
+        });
+        let api = ApiError::from(&used_up);
+        assert_eq!(api.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(api.body()["error"]["code"], "migration_limit_used_up");
+        let late = GenerateError::Decode(DecodeError::Migration(MigrationError::DeadlinePassed {
+            emitted: 5,
+            migrations: 1,
+        }));
+        let api = ApiError::from(&late);
+        assert_eq!(api.status, StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(api.body()["error"]["code"], "deadline_exceeded");
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prefill_router::http::{ApiKeys, HttpConfig};
+use prefill_router::migration::MigrationConfig;
 use prefill_router::push::PushConfig;
 use prefill_router::router::{AfterWait, FallbackPolicy, PrefillRouterConfig};
 use prefill_router::{PrefillHop, PrefillHopConfig};
@@ -56,6 +57,9 @@ options:
   --listen ADDR            the HTTP address (default 127.0.0.1:8000: loopback only)
   --fallback POLICY        while prefill is not active: decode (bypass, the default), reject
                            (503), or wait-MS (wait up to MS ms, then bypass)
+  --migration-limit N      how many times one stream may continue on another decode worker
+                           after its decode worker died (default 3; 0: never, the client
+                           gets the error; docs/health.md, \"Migration\")
   --request-timeout-ms N   deadline of one request, from its first byte to its last token
                            (default 30000): 504, or 408 while its body is still arriving
   --header-timeout-ms N    a request's headers must arrive within N ms of its first byte (of
@@ -130,6 +134,8 @@ pub struct ServeOptions {
     check_events: Option<Duration>,
     /// `--engine-load-ms N`: how often engines' load is read (`None`: never).
     engine_load: Option<Duration>,
+    /// `--migration-limit N`: continuations per stream after a decode worker died.
+    migration: MigrationConfig,
 }
 
 fn fallback(raw: &str) -> Result<FallbackPolicy, CliError> {
@@ -186,6 +192,7 @@ impl ServeOptions {
             tokenizer: None,
             check_events: None,
             engine_load: None,
+            migration: MigrationConfig::default(),
         };
         let mut check_tokenizer = None;
         let mut flags = Flags::new(args);
@@ -241,6 +248,7 @@ impl ServeOptions {
                     }
                 }
                 "--engine-load-ms" => options.engine_load = Some(millis(&mut flags, flag)?),
+                "--migration-limit" => options.migration.limit = flags.parsed(flag)?,
                 "--help" | "-h" => return Err(CliError::Help(USAGE.to_owned())),
                 other if options.tls.take(other, &mut flags, true)? => {}
                 other if options.engines.take(other, &mut flags)? => {}
@@ -406,6 +414,7 @@ async fn serve(mut options: ServeOptions) -> Result<(), String> {
             load_interval: options.engine_load,
             ..Default::default()
         },
+        migration: options.migration,
         ..PrefillHopConfig::default()
     };
     let hop = PrefillHop::start(discovery, &options.namespace, config)
@@ -505,6 +514,23 @@ mod tests {
     }
 
     #[test]
+    fn migration_limit_parses_and_zero_turns_it_off() {
+        for (flag, limit) in [
+            ("", 3),
+            ("--migration-limit 5", 5),
+            ("--migration-limit 0", 0),
+        ] {
+            let line = format!("--discovery file:///tmp/x --namespace ns {flag}");
+            let options = ServeOptions::parse(&args(&line)).ok().unwrap();
+            assert_eq!(options.migration.limit, limit, "{line}");
+        }
+        assert!(ServeOptions::parse(&args(
+            "--discovery file:///tmp/x --namespace ns --migration-limit x"
+        ))
+        .is_err());
+    }
+
+    #[test]
     fn check_events_and_engine_load_parse() {
         let line =
             "--engine vllm --prefill-url http://127.0.0.1:1 --decode-url http://127.0.0.1:1 \
@@ -522,6 +548,7 @@ mod tests {
         .unwrap();
         assert_eq!(bare.check_events, Some(Duration::from_secs(60)));
         assert_eq!(bare.engine_load, None);
+        assert_eq!(bare.migration, MigrationConfig::default());
     }
 
     #[test]
