@@ -340,7 +340,7 @@ impl ReplayBinding {
         };
         let asked = ExternalRequest {
             id: index as u64,
-            tokens: super::run::tokens(record, self.shared.unit_tokens),
+            tokens: super::trace::tokens(record, self.shared.unit_tokens),
             prompt_tokens: record.input_length,
             output_tokens: record.output_length,
         };

@@ -422,7 +422,7 @@ impl Shared {
         let external: Vec<ExternalKvEvent> = if routers.is_empty() {
             Vec::new()
         } else {
-            let tokens = super::run::tokens(record, self.unit_tokens);
+            let tokens = super::trace::tokens(record, self.unit_tokens);
             let events: Vec<_> = kept.iter().flat_map(|b| b.events.clone()).collect();
             external::convert(&events, keys, &tokens, self.block_tokens as usize)
         };

@@ -18,7 +18,7 @@ use super::policy::Policy;
 use super::report::ReplayReport;
 use super::sessions::{session_key, sessions};
 use super::summary::summarize;
-use super::trace::{TraceRecord, BLOCK_TOKENS};
+use super::trace::{tokens, TraceRecord, BLOCK_TOKENS};
 use prefill_router::advert::{ModelCard, RouterConfig};
 use prefill_router::binding::PrefillError;
 use prefill_router::binding::{WorkerSetTarget, WorkerSetTargetId};
@@ -54,22 +54,8 @@ pub fn run(config: &ReplayConfig, trace: &[TraceRecord]) -> Result<ReplayReport,
     Ok(report)
 }
 
-/// The prompt of `record` as token ids: entry *i* of its `hash_ids` is `unit` copies of that
-/// id, so the push router's chained block hashes, at any block size, agree exactly when the
-/// trace's leading ids do (up to the block holding the first difference). The same tokens at
-/// every block size: only which of them a block covers changes.
-pub(crate) fn tokens(record: &TraceRecord, unit: u32) -> Vec<u32> {
-    let mut tokens = Vec::with_capacity(record.hash_ids.len() * unit as usize);
-    for &h in &record.hash_ids {
-        // parse_trace guarantees ids below 2^32.
-        let token = u32::try_from(h).unwrap_or(u32::MAX);
-        tokens.extend(std::iter::repeat_n(token, unit as usize));
-    }
-    tokens
-}
-
-/// The prompt the router gets for `record`: its [`tokens`]. Only the KV policies read tokens;
-/// the others get an empty prompt and skip the work.
+/// The prompt the router gets for `record`: its [`tokens`](super::trace::tokens). Only the KV
+/// policies read tokens; the others get an empty prompt and skip the work.
 pub(crate) fn prompt(record: &TraceRecord, policy: Policy, unit: u32) -> Vec<u32> {
     if !policy.chained() {
         return Vec::new();

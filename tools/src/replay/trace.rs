@@ -121,6 +121,20 @@ pub(crate) fn ratio(a: u64, b: u64) -> f64 {
     r
 }
 
+/// The prompt of `record` as token ids: entry *i* of its `hash_ids` is `unit` copies of that
+/// id, so the push router's chained block hashes, at any block size, agree exactly when the
+/// trace's leading ids do (up to the block holding the first difference). The same tokens at
+/// every block size: only which of them a block covers changes.
+pub(crate) fn tokens(record: &TraceRecord, unit: u32) -> Vec<u32> {
+    let mut tokens = Vec::with_capacity(record.hash_ids.len() * unit as usize);
+    for &h in &record.hash_ids {
+        // parse_trace guarantees ids below 2^32.
+        let token = u32::try_from(h).unwrap_or(u32::MAX);
+        tokens.extend(std::iter::repeat_n(token, unit as usize));
+    }
+    tokens
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
