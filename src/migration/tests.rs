@@ -466,7 +466,12 @@ fn reference(original: &GenerateRequest, limit: u32, ops: &[Op]) -> Transcript {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
+    // Shrinking is bounded so that a broken machine (a cargo-mutants mutant) fails in seconds.
+    #![proptest_config(ProptestConfig {
+        cases: 2000,
+        max_shrink_iters: 512,
+        ..ProptestConfig::default()
+    })]
 
     /// Over any interleaving, the client sees what the reference says: a prefix of the
     /// uninterrupted output (every token once, in order), at most `limit` migrations, one ending
