@@ -143,47 +143,32 @@ impl Binaries {
                 self.ours.clone()
             }
             Peer::Smg => {
-                push(&["launch", "--host", "127.0.0.1", "--port", &port.to_string()]);
-                push(&["--prometheus-port", &metrics_port.to_string()]);
-                push(&["--backend", "vllm", "--pd-disaggregation"]);
-                for url in &pool.prefill {
-                    push(&["--prefill", url]);
-                }
-                for url in &pool.decode {
-                    push(&["--decode", url]);
-                }
-                push(&[
-                    "--prefill-policy",
-                    spec.policy,
-                    "--decode-policy",
-                    "round_robin",
-                ]);
-                push(&["--request-timeout-secs", "120", "--log-level", "warn"]);
+                push(&["launch"]);
+                push_gateway_args(
+                    &mut push,
+                    pool,
+                    spec,
+                    (port, metrics_port),
+                    "warn",
+                    &["--backend", "vllm", "--pd-disaggregation"],
+                );
                 self.peers_bin.join("smg")
             }
             Peer::VllmRouter => {
-                push(&["--host", "127.0.0.1", "--port", &port.to_string()]);
-                push(&["--prometheus-port", &metrics_port.to_string()]);
-                push(&["--vllm-pd-disaggregation", "--kv-connector", "nixl"]);
-                for url in &pool.prefill {
-                    push(&["--prefill", url]);
-                }
-                for url in &pool.decode {
-                    push(&["--decode", url]);
-                }
-                push(&[
-                    "--prefill-policy",
-                    spec.policy,
-                    "--decode-policy",
-                    "round_robin",
-                ]);
+                push_gateway_args(
+                    &mut push,
+                    pool,
+                    spec,
+                    (port, metrics_port),
+                    "warning",
+                    &["--vllm-pd-disaggregation", "--kv-connector", "nixl"],
+                );
                 if spec.policy == "kv_aware" {
                     // Its P/D event sources assume 16-token blocks ("Block size is 16").
                     for (url, events) in pool.prefill.iter().zip(&pool.events) {
                         push(&["--pd-kv-events", &format!("{url}={events}")]);
                     }
                 }
-                push(&["--request-timeout-secs", "120", "--log-level", "warning"]);
                 self.peers_bin.join("vllm-router")
             }
         };
@@ -211,6 +196,35 @@ impl Binaries {
         run_for_line(&program, &args)
             .unwrap_or_else(|| format!("{} (version unknown)", peer.name()))
     }
+}
+
+/// What both peers' launchers (the SGLang gateway's command line, which vLLM's router
+/// forked) take in P/D mode: loopback address and ports, `pd_flags`, every prefill and decode
+/// engine, the prefill policy (decode round robin), the request bound and `log_level`.
+fn push_gateway_args(
+    push: &mut impl FnMut(&[&str]),
+    pool: &PoolAddrs,
+    spec: RouterSpec,
+    (port, metrics_port): (u16, u16),
+    log_level: &str,
+    pd_flags: &[&str],
+) {
+    push(&["--host", "127.0.0.1", "--port", &port.to_string()]);
+    push(&["--prometheus-port", &metrics_port.to_string()]);
+    push(pd_flags);
+    for url in &pool.prefill {
+        push(&["--prefill", url]);
+    }
+    for url in &pool.decode {
+        push(&["--decode", url]);
+    }
+    push(&[
+        "--prefill-policy",
+        spec.policy,
+        "--decode-policy",
+        "round_robin",
+    ]);
+    push(&["--request-timeout-secs", "120", "--log-level", log_level]);
 }
 
 /// The first line `program args` prints, if it runs.

@@ -160,6 +160,16 @@ pub fn conversation(trace: &[TraceRecord], config: &WorkloadConfig) -> Vec<PeerR
         .collect()
 }
 
+/// A request of the whole blocks `ids` arriving at `at`.
+fn request_of(ids: &[u64], at: Duration, config: &WorkloadConfig) -> PeerRequest {
+    let tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX) * config.block_tokens;
+    PeerRequest {
+        at,
+        prompt: prompt_of(ids, config.block_tokens, tokens),
+        max_tokens: config.max_tokens,
+    }
+}
+
 /// Four system prompts of 48 blocks, picked uniformly, each followed by a question of 2 new
 /// blocks; Poisson arrivals at `config.rate`.
 pub fn shared_prefix(config: &WorkloadConfig) -> Vec<PeerRequest> {
@@ -174,12 +184,7 @@ pub fn shared_prefix(config: &WorkloadConfig) -> Vec<PeerRequest> {
             let system = ((unit(config.seed, i) * SYSTEMS as f64) as u64).min(SYSTEMS - 1);
             let mut ids: Vec<u64> = (0..SYSTEM_BLOCKS).map(|b| system * 1000 + b).collect();
             ids.extend((0..QUESTION_BLOCKS).map(|b| 1_000_000 + i * 10 + b));
-            let tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX) * config.block_tokens;
-            PeerRequest {
-                at,
-                prompt: prompt_of(&ids, config.block_tokens, tokens),
-                max_tokens: config.max_tokens,
-            }
+            request_of(&ids, at, config)
         })
         .collect()
 }
@@ -211,31 +216,23 @@ pub fn multi_tenant(config: &WorkloadConfig) -> Vec<PeerRequest> {
                 .map(|b| 5_000_000 + tenant * 1000 + b)
                 .collect();
             ids.extend((0..OWN_BLOCKS).map(|b| 9_000_000 + i * 10 + b));
-            let tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX) * config.block_tokens;
-            PeerRequest {
-                at,
-                prompt: prompt_of(&ids, config.block_tokens, tokens),
-                max_tokens: config.max_tokens,
-            }
+            request_of(&ids, at, config)
         })
         .collect()
 }
 
 /// The best hit rate any router can reach on `requests` with unbounded caches: the share of
-/// whole prompt blocks whose prefix an earlier request already had (one cache shared by all).
+/// whole prompt blocks whose prefix an earlier request already had (one cache shared by all),
+/// on the blocks the router hashes (the built-in tokenizer's tokens, chained per block).
 pub fn ceiling(requests: &[PeerRequest], block_tokens: u32) -> f64 {
     let mut seen = std::collections::HashSet::new();
     let (mut hits, mut total) = (0u64, 0u64);
     for request in requests {
-        let words: Vec<&str> = request.prompt.split(' ').collect();
-        let mut prefix = 0u64;
+        let tokens = prefill_router::http::tokenizer::tokenize(&request.prompt);
         let mut cached = true;
-        for block in words.chunks_exact(block_tokens as usize) {
-            for w in block {
-                prefix = mix(prefix ^ crate::peers::workload::word_hash(w));
-            }
+        for block in prefill_router::push::block_hashes(&tokens, block_tokens) {
             total += 1;
-            cached &= !seen.insert(prefix);
+            cached &= !seen.insert(block);
             if cached {
                 hits += 1;
             }
@@ -247,13 +244,6 @@ pub fn ceiling(requests: &[PeerRequest], block_tokens: u32) -> f64 {
     } else {
         hits as f64 / total as f64
     }
-}
-
-/// FNV-1a of a word (for [`ceiling`]'s prefix chain).
-fn word_hash(word: &str) -> u64 {
-    word.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 #[cfg(test)]
