@@ -233,6 +233,10 @@ struct Rollout {
     retries: f64,
     /// `prefill_router_bypassed_total`: requests decoded without prefill.
     bypassed: f64,
+    /// `prefill_router_migrations_total`: decode streams that broke and were continued on
+    /// another decode worker (a stream sent to a pod that is gone is rescued this way, so the
+    /// client sees no failure: the count is what shows the misroute).
+    migrations: f64,
     /// The `stopped` events of the pods that drained.
     stopped: Vec<serde_json::Value>,
     /// Each client's last prefill worker, and the new generation's prefill ids.
@@ -339,17 +343,20 @@ fn rollout(hide_terminating: bool) -> Rollout {
         failed,
         retries: counter(&metrics, "prefill_router_prefill_retries_total"),
         bypassed: counter(&metrics, "prefill_router_bypassed_total"),
+        migrations: counter(&metrics, "prefill_router_migrations_total"),
         stopped,
         last_workers,
         new_prefill,
     };
     eprintln!(
-        "k8s rollout (terminating {}): {} streams, {} failed, {} prefill retries, {} bypassed",
+        "k8s rollout (terminating {}): {} streams, {} failed, {} prefill retries, {} bypassed, \
+         {} migrations",
         if hide_terminating { "hidden" } else { "shown" },
         outcome.total,
         outcome.failed.len(),
         outcome.retries,
-        outcome.bypassed
+        outcome.bypassed,
+        outcome.migrations
     );
     outcome
 }
@@ -361,6 +368,7 @@ fn a_rollout_of_every_pod_under_streaming_traffic_fails_and_misroutes_nothing() 
         failed,
         retries,
         bypassed,
+        migrations,
         stopped,
         last_workers,
         new_prefill,
@@ -369,6 +377,7 @@ fn a_rollout_of_every_pod_under_streaming_traffic_fails_and_misroutes_nothing() 
     assert!(failed.is_empty(), "failed streams: {failed:?}");
     assert_eq!(retries, 0.0, "a request went to a pod that was gone");
     assert_eq!(bypassed, 0.0, "the prefill set was empty at some point");
+    assert_eq!(migrations, 0.0, "a decode stream broke and had to move");
     for event in &stopped {
         assert_eq!(event["drained"], true, "every pod drained in time: {event}");
         assert_eq!(event["cut_connections"], 0, "{event}");
@@ -381,12 +390,13 @@ fn a_rollout_of_every_pod_under_streaming_traffic_fails_and_misroutes_nothing() 
 }
 
 /// The test bites: with terminating endpoints hidden from discovery, the frontend keeps
-/// routing to the pods that are killed without draining, and streams fail or are retried.
+/// routing to the pods that are killed without draining, and streams fail, are retried, or
+/// (decode streams, since migration) move to another decode worker mid-way.
 #[test]
 fn a_rollout_whose_terminating_endpoints_are_hidden_is_caught() {
     let outcome = rollout(true);
     assert!(
-        !outcome.failed.is_empty() || outcome.retries > 0.0,
+        !outcome.failed.is_empty() || outcome.retries > 0.0 || outcome.migrations > 0.0,
         "hiding terminating endpoints went unnoticed ({} streams)",
         outcome.total
     );
