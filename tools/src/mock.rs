@@ -19,5 +19,5 @@ mod engines;
 mod worker;
 
 pub use cache::{BlockCache, SnapshotCopy};
-pub use engines::{MockConfig, MockDecode, MockPrefill, MockStats};
+pub use engines::{output_token, MockConfig, MockDecode, MockPrefill, MockStats};
 pub use worker::{spawn_registered, SpawnError};

@@ -161,8 +161,10 @@ impl Worker {
     }
 }
 
-/// A token the mocks emit: deterministic, so tests can check a stream's content.
-fn token(prompt_len: usize, i: u32) -> u32 {
+/// The `i`-th token the mocks emit after a prompt of `prompt_len` tokens: a function of the
+/// position alone, so tests can check a stream's content, and a continuation (the prompt plus
+/// the tokens so far, as migration sends) goes on exactly where the first worker stopped.
+pub fn output_token(prompt_len: usize, i: u32) -> u32 {
     u32::try_from(prompt_len)
         .unwrap_or(u32::MAX)
         .wrapping_add(i)
@@ -235,7 +237,7 @@ impl Engine for MockPrefill {
         let response = GenerateResponse {
             text: None,
             usage: None,
-            token_ids: vec![token(request.token_ids.len(), 0)],
+            token_ids: vec![output_token(request.token_ids.len(), 0)],
             finish: Some(FinishReason::Length),
             prefill: Some(info),
         };
@@ -321,7 +323,7 @@ impl Engine for MockDecode {
             let response = GenerateResponse {
                 text: None,
                 usage: None,
-                token_ids: vec![token(s.prompt_len, i)],
+                token_ids: vec![output_token(s.prompt_len, i)],
                 finish: (s.emitted == s.max_tokens).then_some(FinishReason::Length),
                 prefill: s.prefill.take(),
             };

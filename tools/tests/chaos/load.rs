@@ -16,6 +16,11 @@ use crate::frontend::{request_head, try_parse};
 
 /// Tokens each streaming request asks for.
 pub const TOKENS: u32 = 20;
+/// Tokens of the long generations (about 1 s at the decode workers' 10 ms a token), which
+/// the first LONG_CLIENTS clients ask for: a decode worker killed mid-stream holds several.
+pub const LONG_TOKENS: u32 = 100;
+/// How many of the clients send long generations.
+pub const LONG_CLIENTS: usize = 2;
 /// How often the balancer asks each frontend's `/ready`.
 const PROBE_EVERY: Duration = Duration::from_millis(50);
 /// Bound on one request (connect to last byte); serve's own deadline is shorter.
@@ -88,19 +93,26 @@ impl Balancer {
     }
 }
 
+/// When a response's SSE events arrived: the first one (from the request's start), and the
+/// longest wait between two (a stream that moved to another decode worker shows it there).
+#[derive(Clone, Copy, Default)]
+struct Timing {
+    first_event: Option<Duration>,
+    longest_gap: Duration,
+}
+
 /// Why a request went wrong.
 enum Attempt {
     /// The connection was refused or never made: nothing was sent, re-send elsewhere.
     NotSent,
-    /// Sent, and the response (status, SSE events) came back whole, with its time to first
-    /// event.
-    Answered(crate::frontend::Response, Option<Duration>),
+    /// Sent, and the response (status, SSE events) came back whole, with when its events came.
+    Answered(crate::frontend::Response, Timing),
     /// Sent, and the exchange broke (reset, timeout, a head that never came).
     Broken(String),
 }
 
 /// Send one `Connection: close` request on `stream` and read to its end (bounded by
-/// `bound`): the raw response and the time to its first SSE event.
+/// `bound`): the raw response and when its SSE events came.
 fn exchange(
     mut stream: TcpStream,
     addr: SocketAddr,
@@ -108,22 +120,30 @@ fn exchange(
     path: &str,
     body: &[u8],
     bound: Duration,
-) -> std::io::Result<(Vec<u8>, Option<Duration>)> {
+) -> std::io::Result<(Vec<u8>, Timing)> {
     let started = Instant::now();
+    let mut timing = Timing::default();
+    let (mut events, mut last_event) = (0, None::<Instant>);
     stream.set_read_timeout(Some(bound))?;
     stream.write_all(request_head(addr, method, path, body.len(), &[]).as_bytes())?;
     stream.write_all(body)?;
     let mut raw = Vec::new();
-    let mut first_event = None;
     let mut buf = [0u8; 8192];
     loop {
         let n = stream.read(&mut buf)?;
         if n == 0 {
-            return Ok((raw, first_event));
+            return Ok((raw, timing));
         }
         raw.extend_from_slice(&buf[..n]);
-        if first_event.is_none() && raw.windows(6).any(|w| w == b"data: ") {
-            first_event = Some(started.elapsed());
+        // Events so far (a read may end inside one: counted once whole, at the next read).
+        let now_events = raw.windows(6).filter(|w| w == b"data: ").count();
+        if now_events > events {
+            let now = Instant::now();
+            match last_event {
+                None => timing.first_event = Some(started.elapsed()),
+                Some(last) => timing.longest_gap = timing.longest_gap.max(now - last),
+            }
+            (events, last_event) = (now_events, Some(now));
         }
         if started.elapsed() > bound {
             return Err(std::io::Error::new(ErrorKind::TimedOut, "request bound"));
@@ -155,8 +175,8 @@ fn attempt(addr: SocketAddr, body: &[u8]) -> Attempt {
         body,
         REQUEST_BOUND,
     ) {
-        Ok((raw, ttft)) => match try_parse(&raw) {
-            Some(response) => Attempt::Answered(response, ttft),
+        Ok((raw, timing)) => match try_parse(&raw) {
+            Some(response) => Attempt::Answered(response, timing),
             None => Attempt::Broken(format!(
                 "no response head ({} bytes: {:?})",
                 raw.len(),
@@ -174,6 +194,20 @@ pub struct Done {
     pub at: Duration,
     pub ttft: Duration,
     pub total: Duration,
+    /// The longest wait between two of its events.
+    pub longest_gap: Duration,
+    /// A long generation (LONG_TOKENS).
+    pub long: bool,
+}
+
+impl Done {
+    /// Whether it was in flight at `t` (from the start of the run).
+    pub fn spans(&self, t: Duration) -> bool {
+        self.at
+            .checked_sub(self.total)
+            .is_some_and(|start| start <= t)
+            && t <= self.at
+    }
 }
 
 /// A failed request.
@@ -270,13 +304,17 @@ fn client(
     let mut n = 0u64;
     while !stop.load(Ordering::Relaxed) {
         n += 1;
+        let content = format!("client {c} request {n}: a prompt of a few words");
+        let long = c < LONG_CLIENTS;
+        let max_tokens = if long { LONG_TOKENS } else { TOKENS };
         let body = serde_json::json!({
             "model": "mock-llm",
-            "messages": [{"role": "user", "content": format!("client {c} request {n}: a prompt of a few words")}],
-            "max_tokens": TOKENS,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
             "stream": true,
         })
         .to_string();
+        let expected = expected_text(&content, max_tokens);
         let started = Instant::now();
         let mut avoid = None;
         // Bounded: a request that finds no frontend for REQUEST_BOUND is a failure.
@@ -298,17 +336,23 @@ fn client(
                     avoid = Some(i);
                     tally.lock().unwrap().resent += 1;
                 }
-                Attempt::Answered(r, ttft) => break check(&r).map(|()| ttft).map_err(|e| (i, e)),
+                Attempt::Answered(r, timing) => {
+                    break check(&r, max_tokens, &expected)
+                        .map(|()| timing)
+                        .map_err(|e| (i, e))
+                }
                 Attempt::Broken(e) => break Err((i, e)),
             }
         };
         let at = epoch.elapsed();
         let mut tally = tally.lock().unwrap();
         match outcome {
-            Ok(ttft) => tally.done.push(Done {
+            Ok(timing) => tally.done.push(Done {
                 at,
-                ttft: ttft.unwrap_or_default(),
+                ttft: timing.first_event.unwrap_or_default(),
                 total: started.elapsed(),
+                longest_gap: timing.longest_gap,
+                long,
             }),
             Err((frontend, what)) => {
                 eprintln!(
@@ -321,16 +365,46 @@ fn client(
     }
 }
 
-/// A whole stream: 200, TOKENS content chunks, `[DONE]` last.
-fn check(r: &crate::frontend::Response) -> Result<(), String> {
+/// The text of an uninterrupted answer to the chat message `content`: serve's word tokenizer
+/// gives the prompt's length, the mock decode workers' tokens are a function of the position
+/// (`mock::output_token`), and serve renders each as a word. A stream that moved to another
+/// decode worker mid-way must come out exactly so: no token missing, none twice.
+fn expected_text(content: &str, max_tokens: u32) -> String {
+    use prefill_router::http::tokenizer::{chat_prompt, render, tokenize, Turn};
+    let prompt = tokenize(&chat_prompt([Turn {
+        role: "user",
+        content,
+    }]));
+    (0..max_tokens)
+        .map(|i| render(prefill_router_tools::mock::output_token(prompt.len(), i)))
+        .collect()
+}
+
+/// A whole stream: 200, `max_tokens` content chunks whose text is `expected`, `[DONE]` last.
+fn check(r: &crate::frontend::Response, max_tokens: u32, expected: &str) -> Result<(), String> {
     if r.status != 200 {
         return Err(format!("status {}: {}", r.status, r.body));
     }
     let (tokens, done) = r.chat_stream();
-    if !done || tokens != TOKENS as usize {
+    if !done || tokens != max_tokens as usize {
         return Err(format!(
             "stream cut: {tokens} tokens, last event {:?}",
             r.events().last()
+        ));
+    }
+    let text: String = r
+        .events()
+        .iter()
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    if text != expected {
+        return Err(format!(
+            "text differs from an uninterrupted run's: {text:?}"
         ));
     }
     Ok(())

@@ -10,16 +10,19 @@
 //! ```
 //!
 //! Faults (one at a time, each recovered before the next; drawn as shuffled decks so every
-//! kind comes up once per deck): SIGKILL a prefill worker, SIGTERM a prefill or a decode
-//! worker (graceful drain), SIGSTOP a prefill worker for 1.5-3 s, SIGTERM a frontend (it
+//! kind comes up once per deck): SIGKILL a prefill or a decode worker, SIGTERM a prefill or a
+//! decode worker (graceful drain), SIGSTOP a prefill worker for 1.5-3 s, SIGTERM a frontend (it
 //! drains: `/ready` 503 for the drain delay, then it stops accepting), SIGSTOP the etcd
 //! leader for 1.5-3 s, SIGKILL an etcd member and restart it on its data dir; and once, at 60%
 //! of the run, member 0 (first in every process's list, so the one they all start on) is
 //! killed for good, after which etcd faults stop (one more loss would cost the quorum).
 //!
-//! Left out by design: SIGKILL of a *decode* worker. Its streams in flight are cut (tokens
-//! already sent cannot move to another worker: no mid-stream migration), so it cannot be
-//! survived with 0 failures; the drain on SIGTERM is the path that can.
+//! A decode worker SIGKILLed mid-stream (issue #42) holds streams in flight, among them long
+//! generations (two of the clients ask for LONG_TOKENS): `serve` continues each on another
+//! decode worker with the prompt plus the tokens already sent (migration), and every stream's
+//! text must equal an uninterrupted run's, token for token. The run reports the migrations,
+//! and the TTFT and longest inter-token gap of the streams in flight at a decode kill against
+//! the others.
 
 #[path = "../frontend/mod.rs"]
 mod frontend;
@@ -72,6 +75,7 @@ impl Rng {
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 enum Fault {
     KillPrefill,
+    KillDecode,
     TermPrefill,
     TermDecode,
     StopPrefill,
@@ -82,8 +86,9 @@ enum Fault {
 }
 
 impl Fault {
-    const DECK: [Fault; 7] = [
+    const DECK: [Fault; 8] = [
         Fault::KillPrefill,
+        Fault::KillDecode,
         Fault::TermPrefill,
         Fault::TermDecode,
         Fault::StopPrefill,
@@ -95,6 +100,7 @@ impl Fault {
     fn name(self) -> &'static str {
         match self {
             Fault::KillPrefill => "kill-prefill",
+            Fault::KillDecode => "kill-decode",
             Fault::TermPrefill => "term-prefill",
             Fault::TermDecode => "term-decode",
             Fault::StopPrefill => "stop-prefill",
@@ -123,6 +129,8 @@ struct Fleet {
     next_id: u64,
     /// `discovery_outages_total` of frontends that have exited, summed.
     outages_of_stopped: u64,
+    /// `migrations_total` of frontends that have exited, summed.
+    migrations_of_stopped: u64,
 }
 
 const PREFILL_ARGS: [&str; 4] = ["--ttl-ms", TTL_MS, "--drain-timeout-ms", "10000"];
@@ -176,11 +184,18 @@ fn metric(body: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// Frontend `i`'s `prefill_router_discovery_outages_total`.
-fn outages(balancer: &Balancer, i: usize) -> u64 {
+/// Frontend `i`'s counters the run reports: `prefill_router_discovery_outages_total`, and
+/// `prefill_router_migrations_total` summed over its reasons.
+fn counters(balancer: &Balancer, i: usize) -> (u64, u64) {
     let addr = balancer.addr(i).expect("a running frontend's address");
     let body = frontend::get(addr, "/metrics").body;
-    metric(&body, "prefill_router_discovery_outages_total").unwrap_or(0.0) as u64
+    let outages = metric(&body, "prefill_router_discovery_outages_total").unwrap_or(0.0);
+    let migrations: f64 = body
+        .lines()
+        .filter(|l| l.starts_with("prefill_router_migrations_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    (outages as u64, migrations as u64)
 }
 
 #[test]
@@ -216,6 +231,7 @@ fn chaos_on_a_three_member_store_fails_no_request() {
         frontends: vec![None, None],
         next_id: 0,
         outages_of_stopped: 0,
+        migrations_of_stopped: 0,
     };
     for _ in 0..3 {
         let w = fleet.prefill_worker();
@@ -244,6 +260,8 @@ fn chaos_on_a_three_member_store_fails_no_request() {
     let mut worker_stops = Vec::new();
     let mut frontend_stops = Vec::new();
     let mut recoveries = Vec::new();
+    // When each decode worker was SIGKILLed (from the start of the run).
+    let mut decode_kills = Vec::new();
     while epoch.elapsed() < run_for {
         // The gap between faults: traffic runs undisturbed for 1.5-3.5 s.
         std::thread::sleep(rng.millis(1_500, 3_500));
@@ -285,6 +303,18 @@ fn chaos_on_a_three_member_store_fails_no_request() {
                 eprintln!("  t={:.1}s prefill-{} up", t(), w.0);
                 fleet.prefill.push(w);
             }
+            Fault::KillDecode => {
+                // Its streams in flight (a few long generations among them) move to the
+                // other decode worker; the replacement starts after the kill.
+                let k = rng.below(fleet.decode.len());
+                let (id, proc) = fleet.decode.remove(k);
+                eprintln!("FAULT t={:.1}s kill decode-{id}", t());
+                decode_kills.push(epoch.elapsed());
+                proc.kill();
+                let w = fleet.decode_worker();
+                eprintln!("  t={:.1}s decode-{} up", t(), w.0);
+                fleet.decode.push(w);
+            }
             Fault::TermPrefill | Fault::TermDecode => {
                 let prefill = fault == Fault::TermPrefill;
                 let pool = if prefill {
@@ -325,7 +355,9 @@ fn chaos_on_a_three_member_store_fails_no_request() {
                 // The load balancer needs the other one: wait (bounded) until it is ready.
                 frontend::until("the other frontend ready", || balancer.ready(1 - k));
                 let proc = fleet.frontends[k].take().unwrap();
-                fleet.outages_of_stopped += outages(&balancer, k);
+                let (outages, migrations) = counters(&balancer, k);
+                fleet.outages_of_stopped += outages;
+                fleet.migrations_of_stopped += migrations;
                 eprintln!("FAULT t={:.1}s term frontend-{k}", t());
                 let (status, event) = proc.stop();
                 balancer.set(k, None);
@@ -391,9 +423,12 @@ fn chaos_on_a_three_member_store_fails_no_request() {
     }
     let elapsed = epoch.elapsed();
     let mut outages_total = fleet.outages_of_stopped;
+    let mut migrations_total = fleet.migrations_of_stopped;
     for i in 0..2 {
         if fleet.frontends[i].is_some() {
-            outages_total += outages(&balancer, i);
+            let (outages, migrations) = counters(&balancer, i);
+            outages_total += outages;
+            migrations_total += migrations;
         }
     }
     for i in 0..2 {
@@ -404,7 +439,8 @@ fn chaos_on_a_three_member_store_fails_no_request() {
                 .filter(|l| !l.starts_with('#') && !l.ends_with(" 0"))
                 .filter(|l| {
                     [
-                        "retr", "fail", "bypass", "fallback", "drain", "breaker", "outage", "error",
+                        "retr", "fail", "bypass", "fallback", "drain", "breaker", "outage",
+                        "error", "migrat",
                     ]
                     .iter()
                     .any(|w| l.contains(w))
@@ -436,10 +472,24 @@ fn chaos_on_a_three_member_store_fails_no_request() {
     // Requests held by a fault (a stopped prefill worker or member): first token after 1 s.
     let slow = ttft.iter().filter(|d| **d > Duration::from_secs(1)).count();
     let worst_recovery = recoveries.iter().max().copied().unwrap_or_default();
+    // The streams in flight at a decode worker's SIGKILL (the migrated ones are among them)
+    // against the rest: TTFT and the longest wait between two tokens, p99.
+    let (across, others): (Vec<&load::Done>, Vec<&load::Done>) = tally
+        .done
+        .iter()
+        .partition(|d| decode_kills.iter().any(|&k| d.spans(k)));
+    let p99 = |done: &[&load::Done], f: fn(&load::Done) -> Duration| {
+        let mut xs: Vec<Duration> = done.iter().map(|d| f(d)).collect();
+        quantile_ms(&mut xs, 0.99)
+    };
+    let across_long = across.iter().filter(|d| d.long).count();
     eprintln!(
         "CHAOS seed={seed} secs={:.0} requests={requests} failed={} resent={} attempts={sent} faults={faults} {} \
          ttft_p50_ms={:.1} ttft_p99_ms={:.1} ttft_max_ms={:.0} ttft_over_1s={slow} total_p50_ms={:.1} total_p99_ms={:.1} max_gap_ms={:.0} \
-         max_gap_end_s={:.1} worst_recovery_ms={:.0} discovery_outages={outages_total}",
+         max_gap_end_s={:.1} worst_recovery_ms={:.0} discovery_outages={outages_total} \
+         migrations={migrations_total} across_decode_kill={} (long {across_long}) \
+         across_ttft_p99_ms={:.1} across_token_gap_p99_ms={:.1} \
+         other_ttft_p99_ms={:.1} other_token_gap_p99_ms={:.1}",
         elapsed.as_secs_f64(),
         tally.failed.len(),
         tally.resent,
@@ -452,6 +502,11 @@ fn chaos_on_a_three_member_store_fails_no_request() {
         max_gap.as_secs_f64() * 1e3,
         max_gap_end.as_secs_f64(),
         worst_recovery.as_secs_f64() * 1e3,
+        across.len(),
+        p99(&across, |d| d.ttft),
+        p99(&across, |d| d.longest_gap),
+        p99(&others, |d| d.ttft),
+        p99(&others, |d| d.longest_gap),
     );
 
     assert!(
@@ -466,7 +521,13 @@ fn chaos_on_a_three_member_store_fails_no_request() {
     );
     assert!(max_gap < MAX_GAP, "completions paused for {max_gap:?}");
     assert!(lost.is_some(), "the run lost a member for good");
-    // Every kind once (the decks make it so after 7 faults before the loss).
+    // A decode worker killed with streams on it: they moved (and came out whole, above).
+    assert!(
+        migrations_total > 0,
+        "{} decode kills and no stream migrated",
+        decode_kills.len()
+    );
+    // Every kind once (the decks make it so after 8 faults before the loss).
     for kind in Fault::DECK {
         assert!(counts.contains_key(&kind), "no {kind:?} in {counts:?}");
     }
