@@ -82,7 +82,7 @@ until_ready() {
 # Slow prefills (150 ms per uncached block): requests are in flight when a worker is killed.
 worker p1 prefill 1 --block-cost-us 150000 --print-requests
 worker p2 prefill 2 --block-cost-us 150000
-worker d decode 100 --token-interval-us 5000
+worker d decode 100 --token-interval-us 5000 --print-requests
 addr="$(serve frontend --fallback decode)"
 strict="$(serve strict --fallback reject)"
 base="http://$addr"
@@ -207,6 +207,17 @@ until_ready "$base" 200 unavailable && pass "/ready stays 200 under policy decod
 code="$(curl -s -m 5 -o "$work/ready.json" -w '%{http_code}' "$strict_base/ready")"
 [[ "$code" == 503 ]] && grep -q 'prefill not active' "$work/ready.json" \
     && pass "curl: /ready 503 says why" || fail "curl: /ready $code $(cat "$work/ready.json")"
+
+# A decode worker SIGKILLed mid-stream (issue #42): a second decode worker and a new prefill
+# worker join; the script kills whichever decode worker serves its long generation, and the
+# stream continues on the other one, text identical to an uninterrupted run's.
+worker p3 prefill 3
+worker d2 decode 101 --token-interval-us 5000 --print-requests
+until_ready "$base" 200 active && pass "a new prefill worker makes the pool active again" || fail "p3 ready"
+"$py" tools/tests/clients/openai_client.py migrate --base "$base" --decode-pids "$pid_d,$pid_d2" \
+    --decode-logs "$work/d.log,$work/d2.log" || failures=$((failures + 1))
+grep -q '^prefill_router_migrations_total{reason="connection_dropped"} 1' <<<"$(curl -s -m 5 "$base/metrics")" \
+    && pass "/metrics counts the migration" || fail "/metrics: no migration counted"
 
 if (( failures > 0 )); then
     echo "clients: $failures failure(s)"

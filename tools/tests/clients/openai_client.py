@@ -9,6 +9,9 @@ Each check prints PASS or FAIL; the exit status is non-zero if any failed. Phase
           it (or with a wrong one) every call raises openai.AuthenticationError
   bypass  no prefill worker left: --base (policy decode) serves through decode (--decode-id),
           --strict-base (policy reject) answers 503
+  migrate a long streaming generation whose decode worker is SIGKILLed mid-way (of
+          --decode-pids / --decode-logs, the one whose log shows the request) completes, its
+          text equal to an uninterrupted run's, one finish_reason, usage counting each token once
 """
 import argparse
 import os
@@ -234,9 +237,63 @@ def keys(args):
                 )
 
 
+def migrate(args):
+    c = client(args.base, timeout=30.0)
+    messages = [{"role": "user", "content": "Tell a long story about a prefill hop."}]
+    tokens = 300  # 1.5 s at the decode workers' 5 ms a token
+
+    def run(kill_after=None):
+        logs = [open(path).read().count('"event":"request"') for path in args.decode_logs]
+        stream = c.chat.completions.create(
+            model="mock-llm", messages=messages, max_tokens=tokens, stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, finishes, usage, chunks, killed = "", [], None, 0, None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    text += choice.delta.content
+                    chunks += 1
+                if choice.finish_reason is not None:
+                    finishes.append(choice.finish_reason)
+            if kill_after is not None and killed is None and chunks >= kill_after:
+                # The decode worker serving this stream: the one whose log gained a request.
+                now = [open(path).read().count('"event":"request"') for path in args.decode_logs]
+                serving = [k for k, (a, b) in enumerate(zip(logs, now)) if b > a]
+                killed = serving[0] if len(serving) == 1 else -1
+                if killed >= 0:
+                    os.kill(args.decode_pids[killed], signal.SIGKILL)
+        return text, finishes, usage, chunks, killed
+
+    reference = run()
+    check(
+        "migrate: an uninterrupted long generation",
+        reference[3] == tokens and reference[1] == ["length"]
+        and reference[2].completion_tokens == tokens,
+        reference[1:],
+    )
+    text, finishes, usage, chunks, killed = run(kill_after=60)
+    check("migrate: the serving decode worker was found and SIGKILLed mid-stream", killed >= 0, killed)
+    check(
+        "migrate: the stream completes with every token once",
+        chunks == tokens and finishes == ["length"],
+        (chunks, finishes),
+    )
+    check("migrate: its text equals the uninterrupted run's", text == reference[0],
+          (text[:80], reference[0][:80]))
+    check(
+        "migrate: usage counts the prompt and each token once",
+        usage is not None and usage.completion_tokens == tokens
+        and usage.prompt_tokens == reference[2].prompt_tokens,
+        (usage, reference[2]),
+    )
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("phase", choices=["basic", "kill", "keys", "bypass"])
+    parser.add_argument("phase", choices=["basic", "kill", "keys", "bypass", "migrate"])
     parser.add_argument("--base", required=True)
     parser.add_argument("--strict-base")
     parser.add_argument("--prefill-ids", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
@@ -245,8 +302,11 @@ def main():
     parser.add_argument("--survivor", type=int)
     parser.add_argument("--decode-id", type=int)
     parser.add_argument("--api-key", help="the key serve accepts (phase keys)")
+    parser.add_argument("--decode-pids", type=lambda s: [int(x) for x in s.split(",")], default=[])
+    parser.add_argument("--decode-logs", type=lambda s: s.split(","), default=[],
+                        help="the decode workers' stdout, in --decode-pids' order (--print-requests)")
     args = parser.parse_args()
-    {"basic": basic, "kill": kill, "keys": keys, "bypass": bypass}[args.phase](args)
+    {"basic": basic, "kill": kill, "keys": keys, "bypass": bypass, "migrate": migrate}[args.phase](args)
     if FAILED:
         print(f"{len(FAILED)} check(s) failed: {FAILED}")
         sys.exit(1)
