@@ -8,7 +8,7 @@ mod migrating;
 mod pool;
 
 pub use following::FollowingDecode;
-pub use migrating::{break_reason, MigratingDecode, MigrationCounts};
+pub use migrating::{break_reason, ContinuationPrefill, MigratingDecode, MigrationCounts};
 pub use pool::DecodePool;
 
 use std::pin::Pin;

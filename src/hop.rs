@@ -38,7 +38,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::advert::{DecodeDefaults, SelectionMode};
 use crate::binding::{BindingStats, DefaultBindingFactory, FactoryConfig};
-use crate::decode::{Decode, DecodeStream, FollowingDecode, MigratingDecode};
+use crate::decode::{ContinuationPrefill, Decode, DecodeStream, FollowingDecode, MigratingDecode};
 use crate::discovery::{Discovery, DiscoveryError, StoreStatus};
 use crate::migration::MigrationConfig;
 use crate::push::{PushConfig, PushMode};
@@ -221,7 +221,8 @@ impl PrefillHop {
             Arc::clone(&decode) as Arc<dyn Decode>,
             config.migration,
             deadline,
-        );
+        )
+        .with_prefill(Arc::clone(&router) as Arc<dyn ContinuationPrefill>);
         let (decode_changed_tx, decode_changed) = watch::channel(());
         tracker.spawn(follow::follow(
             Arc::clone(&decode),

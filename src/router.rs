@@ -20,6 +20,7 @@
 
 pub mod conditional;
 mod config;
+mod continuation;
 mod driver;
 mod error;
 mod fallback;

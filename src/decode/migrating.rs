@@ -5,8 +5,10 @@
 //! prefill's handoff; when its stream breaks without a finish, the machine's continuation (the
 //! original prompt plus every token the client got, `max_tokens` what is left, no handoff) goes
 //! through the same inner hop, so through the same dispatcher and `WorkerLink` (our workers and
-//! engines alike: no engine branch here). The continuation's decode worker prefills the longer
-//! prompt itself; prefilling it on the prefill pool first is not done yet.
+//! engines alike: no engine branch here). With a prefill pool installed
+//! ([`MigratingDecode::with_prefill`]: `PrefillHop` installs its router) and Active, the
+//! continuation is prefilled there first, on the KV-aware pick, and decoded with the new
+//! handoff; otherwise the decode worker prefills the longer prompt itself.
 //!
 //! What breaks a stream ([`break_reason`]): the connection dropped or the stream ended without
 //! a finish (`connection_dropped`), the worker's record vanished while it streamed
@@ -35,6 +37,7 @@ use crate::request::{EngineUsage, GenerateRequest, GenerateResponse};
 pub struct MigrationCounts {
     by_reason: [AtomicU64; 3],
     exhausted: AtomicU64,
+    prefilled: AtomicU64,
 }
 
 impl MigrationCounts {
@@ -47,6 +50,25 @@ impl MigrationCounts {
     pub fn exhausted(&self) -> u64 {
         self.exhausted.load(Ordering::Relaxed)
     }
+
+    /// Continuations prefilled on the prefill pool (the rest were prefilled by their decode
+    /// worker).
+    pub fn prefilled(&self) -> u64 {
+        self.prefilled.load(Ordering::Relaxed)
+    }
+}
+
+/// The prefill pool a continuation goes through first, when it is Active: implemented by the
+/// prefill router (`PrefillRouter`), which `PrefillHop` installs.
+pub trait ContinuationPrefill: Send + Sync {
+    /// Prefill `request` on the pool's pick and decode it on `decode` with the new handoff.
+    /// `None`: the pool is not Active or the prefill failed, and nothing reached a decode
+    /// worker (the caller sends the request to decode, which prefills it itself).
+    fn prefill_then_decode<'a>(
+        &'a self,
+        request: GenerateRequest,
+        decode: &'a dyn Decode,
+    ) -> BoxFuture<'a, Option<Result<DecodeStream, DecodeError>>>;
 }
 
 fn reason_index(reason: BreakReason) -> usize {
@@ -80,6 +102,7 @@ pub fn break_reason(error: &DecodeError) -> Option<(BreakReason, Option<Instance
 /// hop unchanged.
 pub struct MigratingDecode {
     inner: Arc<dyn Decode>,
+    prefill: Option<Arc<dyn ContinuationPrefill>>,
     config: MigrationConfig,
     deadline: Option<Duration>,
     counts: Arc<MigrationCounts>,
@@ -90,6 +113,7 @@ impl std::fmt::Debug for MigratingDecode {
         f.debug_struct("MigratingDecode")
             .field("config", &self.config)
             .field("deadline", &self.deadline)
+            .field("prefill", &self.prefill.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -104,10 +128,18 @@ impl MigratingDecode {
     ) -> Self {
         MigratingDecode {
             inner,
+            prefill: None,
             config,
             deadline,
             counts: Arc::default(),
         }
+    }
+
+    /// Continuations go through `prefill` first while it is Active.
+    #[must_use]
+    pub fn with_prefill(mut self, prefill: Arc<dyn ContinuationPrefill>) -> Self {
+        self.prefill = Some(prefill);
+        self
     }
 
     /// What it counted.
@@ -145,6 +177,7 @@ impl Decode for MigratingDecode {
             let first = self.inner.decode(request, prefill).await?;
             let driver = Driver {
                 inner: Arc::clone(&self.inner),
+                prefill: self.prefill.clone(),
                 counts: Arc::clone(&self.counts),
                 machine,
                 current: Some(first),
@@ -161,6 +194,7 @@ impl Decode for MigratingDecode {
 /// One client stream's state: the machine and the attempt it reads.
 struct Driver {
     inner: Arc<dyn Decode>,
+    prefill: Option<Arc<dyn ContinuationPrefill>>,
     counts: Arc<MigrationCounts>,
     machine: Migration,
     current: Option<DecodeStream>,
@@ -257,7 +291,8 @@ impl Driver {
                     "decode stream migrates to another decode worker"
                 );
                 self.current = None;
-                match self.inner.decode(c.request, None).await {
+                let (inner, prefill) = (Arc::clone(&self.inner), self.prefill.clone());
+                match continue_on_a_decode_worker(inner, prefill, &self.counts, c.request).await {
                     Ok(stream) => self.current = Some(stream),
                     Err(error) => {
                         self.over = true;
@@ -297,6 +332,24 @@ impl Driver {
         out.filter(|r| !r.token_ids.is_empty() || r.prefill.is_some() || r.usage.is_some())
             .map(Ok)
     }
+}
+
+/// Starts a continuation: through the prefill pool if one is installed and Active, else
+/// straight to decode (whose worker prefills the prompt itself). Owns its handles: the
+/// driver's current stream is not `Sync`, so it must not be borrowed across the awaits.
+async fn continue_on_a_decode_worker(
+    inner: Arc<dyn Decode>,
+    prefill: Option<Arc<dyn ContinuationPrefill>>,
+    counts: &MigrationCounts,
+    request: GenerateRequest,
+) -> Result<DecodeStream, DecodeError> {
+    if let Some(prefill) = prefill {
+        if let Some(result) = prefill.prefill_then_decode(request.clone(), &*inner).await {
+            counts.prefilled.fetch_add(1, Ordering::Relaxed);
+            return result;
+        }
+    }
+    inner.decode(request, None).await
 }
 
 impl From<MigrationError> for DecodeError {

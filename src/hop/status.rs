@@ -174,7 +174,8 @@ impl prometheus_client::collector::Collector for StoreCollector {
 
 /// What migration counted, at scrape time: `prefill_router_migrations_total{reason}` (streams
 /// continued on another decode worker, by how the last one broke) and
-/// `prefill_router_migrations_exhausted_total` (broken streams not continued: limit or deadline).
+/// `prefill_router_migrations_exhausted_total` (broken streams not continued: limit or deadline),
+/// `prefill_router_migrations_prefilled_total` (continuations prefilled on the prefill pool).
 #[derive(Debug)]
 pub(crate) struct MigrationCollector {
     pub(crate) counts: std::sync::Arc<crate::decode::MigrationCounts>,
@@ -204,6 +205,12 @@ impl prometheus_client::collector::Collector for MigrationCollector {
             "migrations_exhausted",
             "Broken decode streams not continued (migration limit used up or deadline passed)",
             self.counts.exhausted(),
+        )?;
+        crate::router::metrics::counter(
+            &mut encoder,
+            "migrations_prefilled",
+            "Continuations prefilled on the prefill pool (the rest were prefilled by their decode worker)",
+            self.counts.prefilled(),
         )
     }
 }

@@ -95,8 +95,8 @@ fn migrations_are_counted_per_reason_in_the_metrics() {
         );
         assert!(text.contains(&line), "{line} in {text}");
     }
-    assert!(
-        text.contains("prefill_router_migrations_exhausted_total 0"),
-        "{text}"
-    );
+    for name in ["exhausted", "prefilled"] {
+        let line = format!("prefill_router_migrations_{name}_total 0");
+        assert!(text.contains(&line), "{line} in {text}");
+    }
 }

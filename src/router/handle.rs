@@ -221,6 +221,35 @@ impl<F: BindingFactory> PrefillRouter<F> {
             .await
     }
 
+    /// A migrated stream's continuation (docs/health.md, "Migration"): prefilled on the active
+    /// binding's pick (the KV-aware pick finds the prefix the first prefill left) and decoded
+    /// on `decode` with the new handoff. `None` when nothing reached a decode worker: the hop
+    /// is not Active (no waiting: the client's stream is paused), or the prefill failed; the
+    /// caller then sends the continuation to decode, which prefills it itself. Counted as any
+    /// request in the router's tallies.
+    pub(crate) async fn prefill_continuation(
+        &self,
+        request: GenerateRequest,
+        decode: &dyn Decode,
+    ) -> Option<Result<DecodeStream, DecodeError>> {
+        let Route::Prefill(binding) = self.route() else {
+            return None;
+        };
+        match self
+            .prefill_then_decode(binding, request, decode, false)
+            .await
+        {
+            Ok(stream) => Some(Ok(stream)),
+            Err(Failed::Error(GenerateError::Decode(error))) => Some(Err(error)),
+            Err(Failed::Error(error)) => {
+                tracing::info!(%error, "a continuation's prefill failed: its decode worker prefills it");
+                None
+            }
+            // Not asked for (`may_reroute` false); decode takes it as when the hop is idle.
+            Err(Failed::Reroute(_)) => None,
+        }
+    }
+
     async fn prefill_then_decode(
         &self,
         binding: Arc<F::Binding>,

@@ -51,16 +51,19 @@ struct DecodeWorker {
 struct Setup {
     hop: PrefillHop,
     decodes: Vec<DecodeWorker>,
+    prefill_stats: Arc<MockStats>,
     _prefill: (ServerHandle, Registration),
 }
 
 async fn setup(limit: u32) -> Setup {
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
+    let prefill_engine = MockPrefill::new(1, mock());
+    let prefill_stats = prefill_engine.stats();
     let prefill = spawn_registered(
         &discovery,
         EndpointId::new("mig", "prefill", "generate"),
         1,
-        MockPrefill::new(1, mock()),
+        prefill_engine,
         ModelCard::routed("m", SelectionMode::RoundRobin, 16),
         ServerConfig::default(),
     )
@@ -105,6 +108,7 @@ async fn setup(limit: u32) -> Setup {
     Setup {
         hop,
         decodes,
+        prefill_stats,
         _prefill: prefill,
     }
 }
@@ -179,6 +183,7 @@ async fn a_stream_whose_decode_worker_dies_continues_token_for_token() {
     let before = requests(&setup);
     let mut stream = setup.hop.generate(request()).await.unwrap();
     let mut items = read_tokens(&mut stream, BEFORE_KILL).await;
+    let prefills_before_kill = setup.prefill_stats.requests.load(Ordering::Relaxed);
     let killed = kill_serving(&setup, &before);
     // The cost of the migration: the gap the client sees from the kill to the next token.
     let killed_at = Instant::now();
@@ -216,9 +221,15 @@ async fn a_stream_whose_decode_worker_dies_continues_token_for_token() {
     let counts = setup.hop.migrating().counts();
     let migrations: u64 = BreakReason::ALL.iter().map(|&r| counts.migrations(r)).sum();
     assert_eq!(migrations, 1);
-    // The continuation ran on the other worker.
+    // The continuation ran on the other worker, prefilled first on the Active prefill pool.
     let other = 1 - killed;
     assert!(setup.decodes[other].stats.requests.load(Ordering::Relaxed) > before[other]);
+    assert_eq!(counts.prefilled(), 1);
+    assert_eq!(
+        setup.prefill_stats.requests.load(Ordering::Relaxed),
+        prefills_before_kill + 1,
+        "the continuation was prefilled on the prefill pool"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

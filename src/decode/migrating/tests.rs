@@ -225,3 +225,76 @@ fn break_reasons_come_from_how_the_worker_failed() {
         None
     );
 }
+
+/// A prefill pool for continuations: Active or not per continuation, as scripted; when
+/// Active it "prefills" on worker 2 and decodes with that fresh handoff.
+struct Pool {
+    active: Mutex<VecDeque<bool>>,
+    prefilled: Mutex<Vec<GenerateRequest>>,
+}
+
+impl ContinuationPrefill for Pool {
+    fn prefill_then_decode<'a>(
+        &'a self,
+        request: GenerateRequest,
+        decode: &'a dyn Decode,
+    ) -> BoxFuture<'a, Option<Result<DecodeStream, DecodeError>>> {
+        async move {
+            if !self.active.lock().pop_front().unwrap_or(false) {
+                return None;
+            }
+            self.prefilled.lock().push(request.clone());
+            let handoff = PrefillInfo {
+                worker: 2,
+                prompt_tokens: u32::try_from(request.token_ids.len()).unwrap(),
+                engine_params: Some("fresh".into()),
+                ..PrefillInfo::default()
+            };
+            let outcome = PrefillOutcome {
+                worker: 2,
+                tokens: vec![],
+                finish: None,
+                handoff: Some(handoff),
+            };
+            Some(decode.decode(request, Some(outcome)).await)
+        }
+        .boxed()
+    }
+}
+
+#[tokio::test]
+async fn a_continuation_is_prefilled_on_an_active_pool_first_and_by_decode_otherwise() {
+    let inner = Scripted::new(vec![
+        (3, End::Error(reset())),
+        (2, End::Close),
+        (10, End::Finish),
+    ]);
+    let pool = Arc::new(Pool {
+        active: Mutex::new([true, false].into()),
+        prefilled: Mutex::new(Vec::new()),
+    });
+    let hop = MigratingDecode::new(
+        Arc::clone(&inner) as Arc<dyn Decode>,
+        MigrationConfig { limit: 3 },
+        None,
+    )
+    .with_prefill(Arc::clone(&pool) as Arc<dyn ContinuationPrefill>);
+    let (request, outcome) = original();
+    let stream = hop.decode(request, Some(outcome)).await.unwrap();
+    let items = stream.collect::<Vec<_>>().await;
+    assert_eq!(tokens(&items), (4..14).collect::<Vec<u32>>());
+    // The first continuation went through the pool: prompt plus the 3 tokens, decoded with the
+    // pool's new handoff (never the first prefill's); the second, with the pool not Active,
+    // went to decode without a handoff.
+    let prefilled = pool.prefilled.lock();
+    assert_eq!(prefilled.len(), 1);
+    assert_eq!(prefilled[0].token_ids, (0..7).collect::<Vec<u32>>());
+    assert!(prefilled[0].handoff.is_none());
+    let requests = inner.requests.lock();
+    let fresh = |r: &GenerateRequest| r.handoff.as_ref().and_then(|h| h.engine_params.clone());
+    assert_eq!(fresh(&requests[0]).as_deref(), Some("{}"));
+    assert_eq!(fresh(&requests[1]).as_deref(), Some("fresh"));
+    assert!(requests[2].handoff.is_none());
+    assert_eq!(hop.counts().prefilled(), 1);
+    assert_eq!(hop.counts().migrations(BreakReason::ConnectionDropped), 2);
+}
