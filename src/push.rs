@@ -38,6 +38,7 @@ pub use dispatcher::{
 pub use error::{Attempt, PushError, RetryCounts};
 pub use health::{failure_class, Prober, PROBE_TIMEOUT};
 pub use kv::{block_hashes, KvSelector, DEEP_HOLDERS_LIMIT};
+#[cfg(feature = "engine")]
 pub(crate) use kv_feed::KvFeed;
 pub use kv_feed::{KvDecisionCounts, KvEventCounts};
 pub use load_board::{LoadBoard, Walk, RECENT_WORK_HALF_LIFE};

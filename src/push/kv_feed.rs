@@ -411,6 +411,9 @@ impl KvFeed {
         self.set_reported(worker, units);
     }
 
+    /// The sink of an engine's event feed (the engine's feed is its one connection: adopted
+    /// at once).
+    #[cfg(feature = "engine")]
     pub(crate) fn engine_sink(self: &Arc<Self>, worker: InstanceId) -> Arc<dyn KvEventSink> {
         let (sink, generation) = self.sink(worker);
         self.adopt(worker, generation);
