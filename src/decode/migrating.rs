@@ -225,7 +225,9 @@ impl Driver {
                 None => Event::Item(current.next().await),
             };
             let attempt = self.machine.attempt();
-            let now = std::time::Instant::now();
+            // The deadline's clock (tokio's: paused in tests, where std's would spin until
+            // the real deadline).
+            let now = tokio::time::Instant::now().into_std();
             let (step, response) = match event {
                 Event::Deadline => (self.machine.handle_timeout(now), None),
                 Event::Item(Some(Ok(response))) => {
