@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 use prefill_router::discovery::{Discovery, MemoryConfig, MemoryDiscovery, Registration};
 use prefill_router::engine::EngineLinkConfig;
 use prefill_router::handoff::AbandonReason;
+use prefill_router::migration::MigrationConfig;
 use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse};
 use prefill_router::router::HandoffCounts;
 use prefill_router::{PrefillHop, PrefillHopConfig};
@@ -166,13 +167,24 @@ const HANDLE: &str = r#"{"do_remote_prefill":true,"remote_block_ids":[[1, 2]],"r
 
 /// A hop over one prefill and one decode stub; the registrations live as long as it.
 async fn hop(prefill: &Stub, decode: &Stub) -> (PrefillHop, Vec<Registration>) {
+    hop_migrating(prefill, &[decode], MigrationConfig::DEFAULT_LIMIT).await
+}
+
+/// [`hop`] over `decodes` (ids 100, 101, ...) with a migration limit of `limit` (0: a broken
+/// decode stream fails the request).
+async fn hop_migrating(
+    prefill: &Stub,
+    decodes: &[&Stub],
+    limit: u32,
+) -> (PrefillHop, Vec<Registration>) {
     let discovery = MemoryDiscovery::new(MemoryConfig::with_ttl(Duration::from_secs(10)));
-    let registrations = vec![
-        register(&discovery, "prefill", 1, prefill.addr).await,
-        register(&discovery, "decode", 100, decode.addr).await,
-    ];
+    let mut registrations = vec![register(&discovery, "prefill", 1, prefill.addr).await];
+    for (id, decode) in (100..).zip(decodes) {
+        registrations.push(register(&discovery, "decode", id, decode.addr).await);
+    }
     let mut config = PrefillHopConfig::default();
     config.push.request_timeout = Some(Duration::from_secs(5));
+    config.migration = MigrationConfig { limit };
     config.engine = EngineLinkConfig {
         first_byte_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_millis(500),
@@ -270,6 +282,8 @@ async fn a_prefill_without_a_handoff_makes_decode_recompute() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_failures_after_the_handoff_fail_typed_and_never_resend_it() {
+    // One decode attempt's rules: migration off (a cut stream would continue after a new
+    // prefill; `a_cut_stream_continues_after_a_new_prefill_each_time` checks that).
     for act in [
         Act::Status(500, "KV load failure"),
         Act::Status(400, "max_tokens too large"),
@@ -279,7 +293,7 @@ async fn decode_failures_after_the_handoff_fail_typed_and_never_resend_it() {
     ] {
         let prefill = stub(Act::Prefill(Some(HANDLE))).await;
         let decode = stub(act.clone()).await;
-        let (hop, _keep) = hop(&prefill, &decode).await;
+        let (hop, _keep) = hop_migrating(&prefill, &[&decode], 0).await;
         let error = run(&hop).await.expect_err("the decode failed");
         assert!(!error.is_empty(), "{act:?}");
         assert_eq!(
@@ -349,6 +363,42 @@ async fn a_dead_decode_engine_abandons_the_handoff_counted() {
         Some(&1),
         "{counts:?}"
     );
+}
+
+/// Two decode engines that cut every stream after one token: the break continues (migration
+/// limit 1) as a new request, the prompt plus the token so far, prefilled again for a new
+/// handoff (the first one is never sent twice), on the other engine (the cut one's breaker is
+/// open); its break is past the limit and the client gets the typed error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_stream_continues_after_a_new_prefill() {
+    let prefill = stub(Act::Prefill(Some(HANDLE))).await;
+    let decodes = [stub(Act::CutStream).await, stub(Act::CutStream).await];
+    let (hop, _keep) = hop_migrating(&prefill, &[&decodes[0], &decodes[1]], 1).await;
+    let error = run(&hop).await.expect_err("every attempt is cut");
+    assert!(error.contains("the limit is 1"), "{error}");
+    let prompts = |stub: &Stub| -> Vec<usize> {
+        stub.bodies
+            .lock()
+            .iter()
+            .map(|b| {
+                let body: serde_json::Value = serde_json::from_str(b).unwrap();
+                body["prompt"].as_array().map_or(0, Vec::len)
+            })
+            .collect()
+    };
+    // The original (3 prompt tokens), then the continuation one token longer.
+    assert_eq!(prompts(&prefill), [3, 4]);
+    let mut decoded: Vec<usize> = decodes.iter().flat_map(prompts).collect();
+    decoded.sort_unstable();
+    assert_eq!(decoded, [3, 4], "one attempt on each engine");
+    assert!(decodes
+        .iter()
+        .flat_map(|d| d.bodies.lock().clone())
+        .all(|b| b.contains("kv_transfer_params")));
+    let counts = handoffs(&hop);
+    assert_eq!(counts.issued, 2, "one handoff per prefill: {counts:?}");
+    assert_eq!(counts.delivered, 2, "each delivered once: {counts:?}");
+    assert_eq!(hop.migrating().counts().prefilled(), 1);
 }
 
 /// [`hop`] without waiting for the decode engine to be routable (a dead one never is, once its
