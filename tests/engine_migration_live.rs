@@ -32,7 +32,8 @@ const CUT_AFTER_EVENTS: usize = 8;
 const MAX_TOKENS: u32 = 40;
 
 /// A loopback TCP proxy to `upstream`; while `armed`, the first response that carries
-/// CUT_AFTER_EVENTS `data: ` events is cut there (and the proxy disarms).
+/// CUT_AFTER_EVENTS `data: ` events is cut there (and the proxy disarms). Counted per response
+/// (a connection carries several).
 struct CuttingProxy {
     addr: SocketAddr,
     armed: Arc<AtomicBool>,
@@ -91,7 +92,13 @@ async fn relay(
         if n == 0 {
             break;
         }
-        events += buf[..n].windows(6).filter(|w| w == b"data: ").count();
+        // Counted per response: the link keeps its connections alive, so a new response head
+        // starts the count again.
+        let chunk = &buf[..n];
+        let head = chunk.windows(9).rposition(|w| w == b"HTTP/1.1 ");
+        let since = head.map_or(chunk, |at| &chunk[at..]);
+        let seen = since.windows(6).filter(|w| w == b"data: ").count();
+        events = if head.is_some() { seen } else { events + seen };
         let cut = events >= CUT_AFTER_EVENTS
             && armed
                 .compare_exchange(true, false, Ordering::AcqRel, Ordering::Acquire)
