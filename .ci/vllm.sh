@@ -55,10 +55,11 @@ free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
 
-# engine NAME ROLE(P|D|A) HTTP_PORT SIDE_PORT [EVENTS_PORT [ARGS...]]: one vLLM OpenAI server,
-# NixlConnector for P and D (A: aggregated, no connector), block 32, eager, one process less
-# (uni), KV events on EVENTS_PORT if given, ARGS added. Waits for /health.
-engine() {
+# engine_once NAME ROLE(P|D|A) HTTP_PORT SIDE_PORT [EVENTS_PORT [ARGS...]]: one vLLM OpenAI
+# server, NixlConnector for P and D (A: aggregated, no connector), block 32, eager, one process
+# less (uni), KV events on EVENTS_PORT if given, ARGS added. Waits for /health. Returns 2 if it
+# died on a port taken meanwhile (see `engine`).
+engine_once() {
     local name="$1" role="$2" port="$3" side="$4" events="${5:-}"
     shift 5 2>/dev/null || shift $#
     local extra=("$@")
@@ -95,6 +96,10 @@ engine() {
             return 0
         fi
         if ! kill -0 "$pid" 2>/dev/null; then
+            if grep -q "Address already in use" "$work/$name.log"; then
+                say "$name: a port was taken before it bound it"
+                return 2
+            fi
             echo "vllm: $name died; its log:"; tail -50 "$work/$name.log"; return 1
         fi
         sleep 1
@@ -102,9 +107,29 @@ engine() {
     echo "vllm: $name not healthy after 600 s; its log:"; tail -50 "$work/$name.log"; return 1
 }
 
-P_PORT=$(free_port); D_PORT=$(free_port); P_SIDE=$(free_port); D_SIDE=$(free_port)
-engine prefill P "$P_PORT" "$P_SIDE" "$(free_port)"
-engine decode D "$D_PORT" "$D_SIDE"
+# engine NAME ROLE EVENTS(0|1) [ARGS...]: engine_once on free ports, KV events on if EVENTS is 1;
+# sets ENGINE_PORT (HTTP). `free_port` releases a port for the engine to bind a moment later,
+# and the engines already up open sockets on ephemeral ports meanwhile: an engine that died on
+# a taken port is started again on new ones (three tries).
+engine() {
+    local name="$1" role="$2" with_events="$3" try status
+    shift 3
+    for try in 1 2 3; do
+        ENGINE_PORT=$(free_port)
+        local side events=""
+        side=$(free_port)
+        if [ "$with_events" = 1 ]; then events=$(free_port); fi
+        status=0
+        engine_once "$name" "$role" "$ENGINE_PORT" "$side" "$events" "$@" || status=$?
+        if [ "$status" != 2 ]; then return "$status"; fi
+    done
+    echo "vllm: $name: ports taken three times"; return 1
+}
+
+engine prefill P 1
+P_PORT=$ENGINE_PORT
+engine decode D 0
+D_PORT=$ENGINE_PORT
 export PREFILL_VLLM_PREFILL="127.0.0.1:$P_PORT" PREFILL_VLLM_DECODE="127.0.0.1:$D_PORT"
 export PREFILL_VLLM_EVENTS="127.0.0.1:$P_PORT"
 two_prefill=""
@@ -112,8 +137,8 @@ if [ -f tools/tests/engines/vllm_two_prefill.py ] && [ -z "${VLLM_ONE_PAIR:-}" ]
     two_prefill=1
     # A second prefill engine, KV events on, its cache small (256 blocks of 32 tokens) so that
     # the events test sees it evict (the first engine's tests expect what they sent to stay).
-    P2_PORT=$(free_port); P2_SIDE=$(free_port)
-    engine prefill2 P "$P2_PORT" "$P2_SIDE" "$(free_port)" --num-gpu-blocks-override 256
+    engine prefill2 P 1 --num-gpu-blocks-override 256
+    P2_PORT=$ENGINE_PORT
     export PREFILL_VLLM_EVICTING="127.0.0.1:$P2_PORT" PREFILL_VLLM_EVICTING_BLOCKS=256
 fi
 export PREFILL_VLLM_MODEL_DIR="$ENGINE_DIR/tiny-llama"
