@@ -92,23 +92,34 @@ async fn relay(
         if n == 0 {
             break;
         }
+        let chunk = &buf[..n];
         // Counted per response: the link keeps its connections alive, so a new response head
         // starts the count again.
-        let chunk = &buf[..n];
         let head = chunk.windows(9).rposition(|w| w == b"HTTP/1.1 ");
-        let since = head.map_or(chunk, |at| &chunk[at..]);
-        let seen = since.windows(6).filter(|w| w == b"data: ").count();
-        events = if head.is_some() { seen } else { events + seen };
-        let cut = events >= CUT_AFTER_EVENTS
+        if head.is_some() {
+            events = 0;
+        }
+        let from = head.unwrap_or(0);
+        // Where this response's CUT_AFTER_EVENTS-th event starts in the chunk, if it does.
+        let cut_at = chunk[from..]
+            .windows(6)
+            .enumerate()
+            .filter(|(_, w)| *w == b"data: ")
+            .map(|(i, _)| from + i)
+            .nth(CUT_AFTER_EVENTS.saturating_sub(events + 1));
+        events += chunk[from..].windows(6).filter(|w| w == b"data: ").count();
+        let cut = cut_at.is_some()
             && armed
                 .compare_exchange(true, false, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok();
-        if cut {
-            // Up to the cut only: what the client got is a stream with no end.
+        if let (true, Some(at)) = (cut, cut_at) {
+            // The head and the events before the cut reach the client (a response that came
+            // in one read is cut inside it); then both connections close.
+            let _ = client_write.write_all(&chunk[..at]).await;
             cuts.fetch_add(1, Ordering::Relaxed);
             break;
         }
-        if client_write.write_all(&buf[..n]).await.is_err() {
+        if client_write.write_all(chunk).await.is_err() {
             break;
         }
     }
