@@ -100,13 +100,17 @@ async fn relay(
             events = 0;
         }
         let from = head.unwrap_or(0);
-        // Where this response's CUT_AFTER_EVENTS-th event starts in the chunk, if it does.
-        let cut_at = chunk[from..]
-            .windows(6)
-            .enumerate()
-            .filter(|(_, w)| *w == b"data: ")
-            .map(|(i, _)| from + i)
-            .nth(CUT_AFTER_EVENTS.saturating_sub(events + 1));
+        // Where this response's CUT_AFTER_EVENTS-th event starts in the chunk, if it does (a
+        // response already past it is not cut: the tail of one the client has finished may
+        // still be in flight when the proxy is armed).
+        let cut_at = CUT_AFTER_EVENTS.checked_sub(events + 1).and_then(|k| {
+            chunk[from..]
+                .windows(6)
+                .enumerate()
+                .filter(|(_, w)| *w == b"data: ")
+                .map(|(i, _)| from + i)
+                .nth(k)
+        });
         events += chunk[from..].windows(6).filter(|w| w == b"data: ").count();
         let cut = cut_at.is_some()
             && armed
@@ -206,6 +210,12 @@ async fn live_vllm_migration_continues_greedy_output_token_for_token() {
     }
     let counts = hop.migrating().counts();
     let migrations: u64 = BreakReason::ALL.iter().map(|&r| counts.migrations(r)).sum();
+    println!(
+        "live: cuts {}, migrations {migrations} ({} prefilled first), router {:?}",
+        proxy.cuts.load(Ordering::Relaxed),
+        counts.prefilled(),
+        hop.router().status().counters
+    );
     assert_eq!(proxy.cuts.load(Ordering::Relaxed), 1, "a stream was cut");
     assert_eq!(migrations, 1, "the cut stream migrated");
     assert_eq!(
@@ -213,6 +223,4 @@ async fn live_vllm_migration_continues_greedy_output_token_for_token() {
         1,
         "its continuation was prefilled on the prefill engine"
     );
-    let handoffs = hop.router().status().counters.handoffs;
-    println!("live: migrations {migrations}, handoffs {handoffs:?}");
 }
