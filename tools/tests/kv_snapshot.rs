@@ -228,13 +228,30 @@ async fn after_a_gap_the_workers_entries_come_back_from_a_snapshot() {
     prefill_on(&router, 7, c.clone()).await;
     eventually("the gap seen", || counts.gaps() >= 1).await;
     // Without a snapshot the index would now hold C only, until A and B were used again.
-    eventually("A, B and C credited again from a snapshot", || {
-        counts.snapshots_applied() > before
+    let state = || {
+        format!(
+            "snapshots requested {} applied {} (before {before}) failed {}, gaps {}, credits A {} B {} C {}",
+            counts.snapshots_requested(),
+            counts.snapshots_applied(),
+            counts.snapshots_failed(),
+            counts.gaps(),
+            pick(&router, &a).1,
+            pick(&router, &b).1,
+            pick(&router, &c).1
+        )
+    };
+    let ok = tokio::time::timeout(WAIT, async {
+        while !(counts.snapshots_applied() > before
             && pick(&router, &a).1 == 4
             && pick(&router, &b).1 == 4
-            && pick(&router, &c).1 == 4
+            && pick(&router, &c).1 == 4)
+        {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     })
-    .await;
+    .await
+    .is_ok();
+    assert!(ok, "never: A, B and C credited again from a snapshot: {}", state());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
