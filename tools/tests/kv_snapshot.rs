@@ -251,7 +251,11 @@ async fn after_a_gap_the_workers_entries_come_back_from_a_snapshot() {
     })
     .await
     .is_ok();
-    assert!(ok, "never: A, B and C credited again from a snapshot: {}", state());
+    assert!(
+        ok,
+        "never: A, B and C credited again from a snapshot: {}",
+        state()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
