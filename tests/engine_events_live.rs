@@ -5,7 +5,6 @@
 //! versions run in the README's test command (`tests/engine_events.rs`).
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use prefill_router::advert::ModelCard;
@@ -13,11 +12,11 @@ use prefill_router::discovery::{
     Discovery, EndpointId, Instance, MemoryConfig, MemoryDiscovery, Registration,
 };
 use prefill_router::request::GenerateRequest;
-use prefill_router::{PrefillHop, PrefillHopConfig};
+use prefill_router::PrefillHop;
 
 #[path = "support/engine_cards.rs"]
 mod engine_cards;
-use engine_cards::{card, register};
+use engine_cards::{card, live_hop, register};
 
 /// Against a real vLLM prefill engine publishing its KV events when `PREFILL_VLLM_EVENTS`
 /// names its `HOST:PORT` (`.ci/vllm.sh`; skipped, saying so, otherwise): after prompts with
@@ -219,18 +218,7 @@ async fn events_hop(addr: SocketAddr, block_size: u32) -> (PrefillHop, [Registra
         discovery.register(instance, card).await.unwrap(),
         register(&discovery, "decode", 100, addr).await,
     ];
-    let mut config = PrefillHopConfig::default();
-    config.push.request_timeout = Some(Duration::from_secs(120));
-    let discovery: Arc<dyn Discovery> = Arc::new(discovery);
-    let hop = PrefillHop::start(discovery, "engines", config)
-        .await
-        .unwrap();
-    hop.router()
-        .wait_active(Duration::from_secs(10))
-        .await
-        .map_err(|e| format!("{e:?} {:?}", hop.router().status()))
-        .unwrap();
-    (hop, registration)
+    (live_hop(discovery).await, registration)
 }
 
 /// Wait (at most 30 s) until the hop's feed of engine 1 is subscribed with a picture; how long

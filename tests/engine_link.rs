@@ -20,7 +20,7 @@ use prefill_router::{PrefillHop, PrefillHopConfig};
 
 #[path = "support/engine_cards.rs"]
 mod engine_cards;
-use engine_cards::register;
+use engine_cards::{live_hop, register};
 
 #[path = "support/http_request.rs"]
 mod http_request;
@@ -468,16 +468,7 @@ async fn live_vllm_pair_delivers_the_handoff() {
         register(&discovery, "prefill", 1, p).await,
         register(&discovery, "decode", 100, d).await,
     ];
-    let mut config = PrefillHopConfig::default();
-    config.push.request_timeout = Some(Duration::from_secs(120));
-    let discovery: Arc<dyn Discovery> = Arc::new(discovery);
-    let hop = PrefillHop::start(discovery, "engines", config)
-        .await
-        .unwrap();
-    hop.router()
-        .wait_active(Duration::from_secs(10))
-        .await
-        .unwrap();
+    let hop = live_hop(discovery).await;
     let prompt: Vec<u32> = (0..100u32).map(|i| 4 + (i * 37) % 1000).collect();
     let mut request = GenerateRequest::new(prompt, 12);
     request.engine_fields = Some(r#"{"temperature":0,"ignore_eos":true}"#.into());

@@ -15,16 +15,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use prefill_router::discovery::{Discovery, MemoryConfig, MemoryDiscovery};
+use prefill_router::discovery::{MemoryConfig, MemoryDiscovery};
 use prefill_router::migration::BreakReason;
 use prefill_router::request::GenerateRequest;
-use prefill_router::{PrefillHop, PrefillHopConfig};
+use prefill_router::PrefillHop;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 #[path = "support/engine_cards.rs"]
 mod engine_cards;
-use engine_cards::register;
+use engine_cards::{live_hop, register};
 
 /// SSE events the proxy lets through before it cuts an armed stream.
 const CUT_AFTER_EVENTS: usize = 8;
@@ -163,16 +163,7 @@ async fn live_vllm_migration_continues_greedy_output_token_for_token() {
         register(&discovery, "decode", 100, proxy.addr).await,
         register(&discovery, "decode", 101, d).await,
     ];
-    let mut config = PrefillHopConfig::default();
-    config.push.request_timeout = Some(Duration::from_secs(120));
-    let discovery: Arc<dyn Discovery> = Arc::new(discovery);
-    let hop = PrefillHop::start(discovery, "engines", config)
-        .await
-        .unwrap();
-    hop.router()
-        .wait_active(Duration::from_secs(10))
-        .await
-        .unwrap();
+    let hop = live_hop(discovery).await;
     tokio::time::timeout(Duration::from_secs(10), async {
         while hop.decode().routable() < 2 {
             tokio::time::sleep(Duration::from_millis(10)).await;

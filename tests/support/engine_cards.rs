@@ -3,9 +3,12 @@
 //! `engines`.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use prefill_router::advert::{EngineCard, EngineProtocol, ModelCard};
 use prefill_router::discovery::{Discovery, EndpointId, Instance, MemoryDiscovery, Registration};
+use prefill_router::{PrefillHop, PrefillHopConfig};
 
 /// A vLLM engine's card: model `tiny`, 32-token blocks.
 pub fn card() -> ModelCard {
@@ -30,4 +33,19 @@ pub async fn register(
         address: addr,
     };
     discovery.register(instance, card()).await.unwrap()
+}
+
+/// A hop over the engines registered in `discovery` (namespace `engines`) with the live tests'
+/// 120 s request deadline (a CPU engine is slow), once it is Active (within 10 s).
+pub async fn live_hop(discovery: MemoryDiscovery) -> PrefillHop {
+    let mut config = PrefillHopConfig::default();
+    config.push.request_timeout = Some(Duration::from_secs(120));
+    let discovery: Arc<dyn Discovery> = Arc::new(discovery);
+    let hop = PrefillHop::start(discovery, "engines", config)
+        .await
+        .unwrap();
+    if let Err(e) = hop.router().wait_active(Duration::from_secs(10)).await {
+        panic!("not active: {e:?} {:?}", hop.router().status());
+    }
+    hop
 }
