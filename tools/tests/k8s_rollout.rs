@@ -194,15 +194,6 @@ enum Exit {
     Kill,
 }
 
-/// The sum of a labelled counter's series in `serve`'s metrics.
-fn counter(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 fn chat(content: &str) -> serde_json::Value {
     json!({
         "model": "mock-llm",
@@ -341,9 +332,9 @@ fn rollout(hide_terminating: bool) -> Rollout {
     let outcome = Rollout {
         total,
         failed,
-        retries: counter(&metrics, "prefill_router_prefill_retries_total"),
-        bypassed: counter(&metrics, "prefill_router_bypassed_total"),
-        migrations: counter(&metrics, "prefill_router_migrations_total"),
+        retries: counter_sum(&metrics, "prefill_router_prefill_retries_total"),
+        bypassed: counter_sum(&metrics, "prefill_router_bypassed_total"),
+        migrations: counter_sum(&metrics, "prefill_router_migrations_total"),
         stopped,
         last_workers,
         new_prefill,

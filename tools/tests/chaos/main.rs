@@ -190,11 +190,7 @@ fn counters(balancer: &Balancer, i: usize) -> (u64, u64) {
     let addr = balancer.addr(i).expect("a running frontend's address");
     let body = frontend::get(addr, "/metrics").body;
     let outages = metric(&body, "prefill_router_discovery_outages_total").unwrap_or(0.0);
-    let migrations: f64 = body
-        .lines()
-        .filter(|l| l.starts_with("prefill_router_migrations_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let migrations = frontend::counter_sum(&body, "prefill_router_migrations_total");
     (outages as u64, migrations as u64)
 }
 

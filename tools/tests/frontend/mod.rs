@@ -580,3 +580,12 @@ pub fn until(what: &str, mut check: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(25));
     }
 }
+
+/// The sum of a counter's series (every label set) in a Prometheus text body.
+pub fn counter_sum(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
