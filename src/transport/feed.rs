@@ -7,7 +7,9 @@
 //! dispatcher does when it adopts a new connection, right after the subscribe) and after every
 //! lost batch from then on (a sequence gap, a refused or dropped batch). A request goes out when one is wanted,
 //! none is outstanding, and [`KV_SNAPSHOT_RETRY`] has passed since the previous request (no
-//! storm, whatever the stream does). While it streams, live batches are delivered as before
+//! storm, whatever the stream does). A gap is judged as the sink's index judges it: from the
+//! newest live batch delivered or the last snapshot's `(epoch, seq)`, whichever came later.
+//! While a snapshot streams, live batches are delivered as before
 //! and also kept (at most [`KV_SNAPSHOT_BUFFER_BATCHES`]); when its last chunk is in, the sink
 //! gets the snapshot, then the kept batches again, which the index's sequence rule applies
 //! after it or ignores as covered. A lost batch, a full buffer, a bad chunk or
@@ -80,7 +82,7 @@ impl Feed {
             want: false,
             sink,
             lagged: Arc::clone(&dropped),
-            last: None,
+            position: None,
             not_before: Instant::now(),
             inflight: None,
         };
@@ -142,8 +144,11 @@ struct Task {
     /// Whether the owner asked for snapshots: none is requested before.
     armed: bool,
     lagged: Arc<AtomicU64>,
-    /// `(epoch, seq)` of the newest live batch delivered, to see gaps.
-    last: Option<(u64, u64)>,
+    /// Where the sink's index stands on this stream, by its sequence rule: `(epoch, seq)` of
+    /// the newest live batch delivered, or of the last snapshot delivered if that came later
+    /// (`seq` `None`: a snapshot taken before the epoch's first batch). A batch past the next
+    /// in sequence is a gap.
+    position: Option<(u64, Option<u64>)>,
     want: bool,
     not_before: Instant,
     inflight: Option<InFlight>,
@@ -271,14 +276,8 @@ impl Task {
                 return;
             }
         };
-        match self.last {
-            Some((epoch, seq)) if epoch == batch.epoch && batch.seq > seq.saturating_add(1) => {
-                self.lost();
-            }
-            _ => {}
-        }
-        if self.last.is_none_or(|last| (batch.epoch, batch.seq) > last) {
-            self.last = Some((batch.epoch, batch.seq));
+        if self.advance(batch.epoch, batch.seq) {
+            self.lost();
         }
         let full = match self.inflight.as_mut() {
             Some(inflight) if inflight.assembler.is_some() => {
@@ -299,6 +298,22 @@ impl Task {
         self.sink.batch(batch);
     }
 
+    /// Move the position past a batch of `(epoch, seq)`; whether the batch skipped some (a
+    /// gap, for which the index drops the worker's entries).
+    fn advance(&mut self, epoch: u64, seq: u64) -> bool {
+        let gap = match self.position {
+            Some((at, last)) if at == epoch => seq > last.map_or(0, |last| last.saturating_add(1)),
+            _ => false,
+        };
+        if self
+            .position
+            .is_none_or(|position| (epoch, Some(seq)) > position)
+        {
+            self.position = Some((epoch, Some(seq)));
+        }
+        gap
+    }
+
     fn on_chunk(&mut self, seq: Option<u64>, last: bool, payload: &[u8]) {
         let Some(inflight) = self.inflight.as_mut() else {
             tracing::debug!("unrequested KV snapshot chunk ignored");
@@ -317,6 +332,22 @@ impl Task {
             Ok(None) => {}
             Ok(Some(snapshot)) => {
                 let kept = self.inflight.take().map(|i| i.kept).unwrap_or_default();
+                // The index moves to the snapshot's position (unless its epoch is older) and
+                // applies the kept batches after it: judge the next batch from there, as the
+                // index does. Judged from the live batches alone, a batch lost right after a
+                // snapshot that no live batch preceded went unseen: the index dropped the
+                // worker's entries at the next batch, and no snapshot was asked for to bring
+                // them back.
+                if self
+                    .position
+                    .is_none_or(|(epoch, _)| snapshot.epoch >= epoch)
+                {
+                    self.position = Some((snapshot.epoch, snapshot.seq));
+                }
+                let mut gap = false;
+                for batch in &kept {
+                    gap |= self.advance(batch.epoch, batch.seq);
+                }
                 tracing::debug!(
                     blocks = snapshot.block_count(),
                     seq = ?snapshot.seq,
@@ -326,6 +357,9 @@ impl Task {
                 self.sink.snapshot(snapshot);
                 for batch in kept {
                     self.sink.batch(batch);
+                }
+                if gap {
+                    self.lost();
                 }
             }
             Err(e) => {
@@ -341,7 +375,7 @@ impl Task {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_events::{encode_events, KvEvent};
+    use crate::kv_events::{encode_events, KvEvent, KvSnapshot};
 
     /// Records what a feed delivers.
     #[derive(Default)]
@@ -357,6 +391,152 @@ mod tests {
         fn closed(&self) {
             self.0.lock().push("closed".into());
         }
+        fn snapshot_requested(&self) {
+            self.0.lock().push("requested".into());
+        }
+        fn snapshot(&self, snapshot: KvSnapshot) {
+            self.0.lock().push(format!("snapshot {:?}", snapshot.seq));
+        }
+    }
+
+    impl Recorder {
+        fn requests(&self) -> usize {
+            self.0.lock().iter().filter(|e| *e == "requested").count()
+        }
+    }
+
+    /// A task armed for snapshots, driven by hand (no `run` loop); its requests go to a
+    /// loopback peer, returned to keep the connection open.
+    async fn armed_task(sink: Arc<Recorder>) -> (Task, tokio::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
+        let addr = listener.local_addr().expect("address");
+        let (ours, theirs) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let (_, wr) = super::super::stream::split_tcp(ours.expect("connect"));
+        let writer = Writer::new(
+            wr,
+            wire::DEFAULT_MAX_FRAME_LEN,
+            tokio_util::sync::CancellationToken::new(),
+        );
+        let task = Task {
+            sink,
+            writer: Some(writer),
+            trigger: Arc::default(),
+            armed: true,
+            want: true,
+            lagged: Arc::default(),
+            position: None,
+            not_before: Instant::now(),
+            inflight: None,
+        };
+        (task, theirs.expect("accept").0)
+    }
+
+    fn batch(epoch: u64, seq: u64) -> Vec<u8> {
+        encode_events(&EventBatch {
+            epoch,
+            seq,
+            events: vec![KvEvent::Stored {
+                parent: None,
+                blocks: vec![seq + 1],
+            }],
+        })
+        .expect("encodable")
+    }
+
+    /// Deliver `snapshot` to `task` as the worker sends it, chunk by chunk.
+    fn answer(task: &mut Task, snapshot: &KvSnapshot) {
+        let chunks = snapshot.chunks();
+        let count = chunks.len();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let payload = encode_events(chunk).expect("encodable");
+            task.on_chunk(snapshot.seq, i + 1 == count, &payload);
+        }
+    }
+
+    fn snapshot(epoch: u64, seq: Option<u64>) -> KvSnapshot {
+        KvSnapshot {
+            epoch,
+            seq,
+            chains: vec![KvEvent::Stored {
+                parent: None,
+                blocks: vec![100, 101],
+            }],
+        }
+    }
+
+    /// The flake of `tools/tests/kv_snapshot.rs`: the worker's snapshot is taken before its
+    /// batch 0 is handed out (the snapshot already holds the blocks), batch 0 is lost, and
+    /// batch 1 is the first live batch this connection sees. The index, at the snapshot's
+    /// position, drops the worker's entries at batch 1: the feed must ask for a snapshot
+    /// again once the retry interval allows.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_batch_that_skips_past_a_snapshots_position_asks_for_another_snapshot() {
+        let sink = Arc::new(Recorder::default());
+        let (mut task, _peer) = armed_task(Arc::clone(&sink)).await;
+        tokio::time::pause();
+        task.request_if_due().await;
+        assert_eq!(sink.requests(), 1);
+        answer(&mut task, &snapshot(1, None));
+        task.on_batch(&batch(1, 1));
+        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
+        task.request_if_due().await;
+        assert_eq!(
+            sink.requests(),
+            2,
+            "batch 1 after a snapshot at no batch yet is a gap: {:?}",
+            sink.0.lock()
+        );
+
+        // The same after a snapshot at a batch: the next but one is a gap.
+        answer(&mut task, &snapshot(1, Some(4)));
+        task.on_batch(&batch(1, 6));
+        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
+        task.request_if_due().await;
+        assert_eq!(sink.requests(), 3, "{:?}", sink.0.lock());
+    }
+
+    /// A batch kept while the snapshot streamed that does not follow the snapshot's position
+    /// is a gap once the snapshot is in (the index applies the kept batches after it).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_kept_batch_that_skips_past_the_snapshots_position_asks_for_another_snapshot() {
+        let sink = Arc::new(Recorder::default());
+        let (mut task, _peer) = armed_task(Arc::clone(&sink)).await;
+        tokio::time::pause();
+        task.request_if_due().await;
+        // The first live batch, while the snapshot streams: nothing to judge it by yet.
+        task.on_batch(&batch(1, 3));
+        answer(&mut task, &snapshot(1, Some(1)));
+        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
+        task.request_if_due().await;
+        assert_eq!(sink.requests(), 2, "{:?}", sink.0.lock());
+    }
+
+    /// The batches that follow a snapshot in sequence (or that it covers) ask for nothing.
+    #[tokio::test(flavor = "current_thread")]
+    async fn batches_in_sequence_after_a_snapshot_ask_for_nothing() {
+        let sink = Arc::new(Recorder::default());
+        let (mut task, _peer) = armed_task(Arc::clone(&sink)).await;
+        tokio::time::pause();
+        task.request_if_due().await;
+        task.on_batch(&batch(1, 2));
+        answer(&mut task, &snapshot(1, Some(2)));
+        for seq in [1, 2, 3, 4] {
+            task.on_batch(&batch(1, seq));
+        }
+        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
+        task.request_if_due().await;
+        assert_eq!(sink.requests(), 1, "{:?}", sink.0.lock());
+        // A snapshot at no batch yet is followed in sequence by batch 0.
+        let (mut task, _peer) = armed_task(Arc::clone(&sink)).await;
+        task.request_if_due().await;
+        answer(&mut task, &snapshot(2, None));
+        task.on_batch(&batch(2, 0));
+        task.on_batch(&batch(2, 1));
+        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
+        task.request_if_due().await;
+        assert_eq!(sink.requests(), 2, "{:?}", sink.0.lock());
     }
 
     #[tokio::test(flavor = "current_thread")]
