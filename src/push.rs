@@ -22,6 +22,7 @@ mod kv;
 mod kv_feed;
 mod load_board;
 mod mutant;
+pub mod own_work;
 pub mod select;
 #[cfg(test)]
 mod tests;

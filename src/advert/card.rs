@@ -65,9 +65,9 @@ pub struct KvRouterConfig {
     pub prefill_heat_half_life: u32,
     /// Weight of a worker's recent work (the work placed on it, decaying by half every 256
     /// picks) next to its booked work: at a low request rate bookings are nearly always empty,
-    /// and this is what still spreads new sessions over the pool (0: off). A worker credited
-    /// with the request's cold history has its recent work discounted by that coldness: it is
-    /// largely the conversation's own earlier turns (issue #40).
+    /// and this is what still spreads new sessions over the pool (0: off). The work the
+    /// request's own conversation placed on a worker is not counted against it, only other
+    /// sessions' (issue #40; `push::own_work`).
     pub prefill_recent_work_weight: f64,
     /// Busy threshold: a worker with at least this many uncached prompt tokens booked is
     /// skipped; when every routable worker is, the request waits for room up to the router's
@@ -94,7 +94,7 @@ impl Default for KvRouterConfig {
             balance_slack_tokens: None,
             prefill_keep_credit: 31.0,
             prefill_heat_half_life: 32,
-            prefill_recent_work_weight: 0.3,
+            prefill_recent_work_weight: 0.25,
             busy_threshold_tokens: None,
             router_temperature: 0.0,
             use_kv_events: true,

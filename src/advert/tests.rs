@@ -277,7 +277,7 @@ fn kv_router_config_defaults_match_upstream_where_the_replay_did_not_say_otherwi
     // keep credit and recent work beside it (docs/router.md, "KV cost").
     assert_eq!(d.overlap_score_weight, 0.25);
     assert_eq!(d.prefill_keep_credit, 31.0);
-    assert_eq!(d.prefill_recent_work_weight, 0.3);
+    assert_eq!(d.prefill_recent_work_weight, 0.25);
     assert_eq!(d.router_temperature, 0.0);
     assert!(d.use_kv_events);
     assert!(d.router_track_active_blocks);
@@ -347,7 +347,7 @@ fn load_only_is_the_default_without_keep_credit_or_recent_work() {
         KvRouterConfig {
             overlap_score_weight: 0.25,
             prefill_keep_credit: 31.0,
-            prefill_recent_work_weight: 0.3,
+            prefill_recent_work_weight: 0.25,
             ..plain
         },
         KvRouterConfig::default()

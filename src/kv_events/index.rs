@@ -319,6 +319,11 @@ impl KvIndex {
         self.narrow(hashes, i, out);
     }
 
+    /// How many workers hold `block`.
+    pub fn held_by(&self, block: u64) -> usize {
+        self.holders.get(&block).map_or(0, Vec::len)
+    }
+
     /// The holders of a request's deep blocks only: with `k` the first block of `hashes` held
     /// by at most `limit` workers, every worker holding blocks `0..=k`, with its leading
     /// blocks, written to `out` (cleared first) sorted by worker; returns `k`. Every worker
@@ -332,10 +337,9 @@ impl KvIndex {
         limit: usize,
         out: &mut Vec<(InstanceId, usize)>,
     ) -> usize {
-        let held_by = |h: &u64| self.holders.get(h).map_or(0, Vec::len);
         let k = hashes
             .iter()
-            .position(|h| held_by(h) <= limit)
+            .position(|&h| self.held_by(h) <= limit)
             .unwrap_or(hashes.len());
         if k == 0 {
             self.overlaps(hashes, out);

@@ -10,6 +10,7 @@ use std::collections::{HashMap, VecDeque};
 
 use super::heat::PrefixHeat;
 use super::load_board::{LoadBoard, Walk};
+use super::own_work::OwnWork;
 use super::select::{self, is_busy, Candidate, Choice, KvCost};
 use crate::advert::KvRouterConfig;
 use crate::discovery::InstanceId;
@@ -52,6 +53,8 @@ pub struct KvSelector {
     index: KvIndex,
     /// How many recent picks were credited with each prefix: scales the keep credit.
     heat: PrefixHeat,
+    /// The work each conversation placed on its worker (not held against its next turn).
+    own: OwnWork,
     /// [`select_on`](Self::select_on) lists the holders of a request's blocks from the first
     /// block held by at most this many workers (see [`KvIndex::deep_overlaps`]).
     deep_limit: usize,
@@ -105,6 +108,7 @@ impl KvSelector {
             heat: PrefixHeat::new(config.prefill_heat_half_life)
                 .with_capacity(super::heat::capacity_for(block_size)),
             deep_limit: DEEP_HOLDERS_LIMIT,
+            own: OwnWork::new(super::own_work::capacity_for(block_size)),
             mutant: Seam::off(),
         }
     }
@@ -158,10 +162,13 @@ impl KvSelector {
     }
 
     /// `worker` as a candidate for the request `hashes` with `booked` tokens booked: its
-    /// overlap as [`overlap`](Self::overlap) credits it and the coldness of that prefix.
+    /// overlap as [`overlap`](Self::overlap) credits it, the coldness of that prefix and the
+    /// request's own work on it.
     pub fn candidate(&self, hashes: &[u64], worker: InstanceId, booked: u64) -> Candidate {
         let overlap = self.overlap(hashes, worker);
-        Candidate::new(worker, overlap, booked).with_coldness(self.coldness(hashes, overlap))
+        let candidate =
+            Candidate::new(worker, overlap, booked).with_coldness(self.coldness(hashes, overlap));
+        self.with_own(hashes, candidate)
     }
 
     /// The most keep credit (coldness × overlap) any worker holding at most the first `k`
@@ -186,9 +193,36 @@ impl KvSelector {
         best
     }
 
-    /// Count a pick credited with the first `overlap` blocks of `hashes`: those blocks get
-    /// hotter (see [`super::heat`]); a pick credited with nothing only ages the table. Without
-    /// a keep credit there is nothing to weigh, so nothing is counted.
+    /// `candidate` with its own work: what the request's conversation placed on it, found at
+    /// the deepest block it is credited with, counted only where that block is narrowly held
+    /// (by at most the deep limit of workers). A prefix held across the pool (a system prompt
+    /// every worker caches) is nobody's own conversation, and it keeps the load-order walk
+    /// exact: the workers it walks hold only such a prefix, so their own work is 0.
+    fn with_own(&self, hashes: &[u64], candidate: Candidate) -> Candidate {
+        let own = match candidate.overlap.checked_sub(1).and_then(|i| hashes.get(i)) {
+            Some(&block) if self.index.held_by(block) <= self.deep_limit => {
+                self.own.own(block, candidate.id)
+            }
+            _ => 0.0,
+        };
+        candidate.with_own(own)
+    }
+
+    /// Count a pick of `worker` for the request `hashes`, credited with its first `overlap`
+    /// blocks and booked `booked` tokens there: those blocks get hotter (see [`super::heat`];
+    /// without a keep credit there is nothing to weigh, so no heat is counted), and the
+    /// request's chain end records the work its conversation placed on `worker`
+    /// ([`super::own_work`]).
+    pub fn record_pick(&mut self, hashes: &[u64], overlap: usize, worker: InstanceId, booked: u64) {
+        self.record_credit(hashes, overlap);
+        let credited = overlap.checked_sub(1).and_then(|i| hashes.get(i)).copied();
+        self.own
+            .record(hashes.last().copied(), credited, worker, booked);
+    }
+
+    /// Count a pick credited with the first `overlap` blocks of `hashes` in the heat table
+    /// only: those blocks get hotter (see [`super::heat`]); a pick credited with nothing only
+    /// ages the table. Without a keep credit there is nothing to weigh, so nothing is counted.
     pub fn record_credit(&mut self, hashes: &[u64], overlap: usize) {
         if self.cost.keep_credit > 0.0 {
             self.heat.record(&hashes[..overlap.min(hashes.len())]);
@@ -310,10 +344,13 @@ impl KvSelector {
                 }
                 _ => predicted.iter().find(|p| p.0 == id).map_or(0, |p| p.1),
             };
-            Candidate {
-                overlap,
-                ..c.with_coldness(self.coldness(hashes, overlap))
-            }
+            self.with_own(
+                hashes,
+                Candidate {
+                    overlap,
+                    ..c.with_coldness(self.coldness(hashes, overlap))
+                },
+            )
         });
         let limit = self.cost.limit(busy_threshold, least);
         self.choose(tokens, scored, limit, random)
@@ -376,6 +413,7 @@ impl KvSelector {
         board.members_of(&holders, indexed, excluded, &mut scored);
         for c in &mut scored {
             c.coldness = self.coldness(hashes, c.overlap);
+            *c = self.with_own(hashes, *c);
         }
         let mut any = !scored.is_empty();
         let max_kept = self.max_kept(hashes, k);
@@ -442,7 +480,7 @@ impl KvSelector {
     ) -> Choice {
         let candidates = candidates
             .iter()
-            .map(|c| c.with_coldness(self.coldness(hashes, c.overlap)));
+            .map(|c| self.with_own(hashes, c.with_coldness(self.coldness(hashes, c.overlap))));
         self.choose(tokens, candidates, None, random)
     }
 

@@ -7,7 +7,7 @@
 //! ```text
 //! cost(w) = overlap_score_weight × uncached_tokens(w)
 //!         + prefill_load_scale × (booked_tokens(w)
-//!                                 + recent_work_weight × (1 − kept(w)) × recent_tokens(w))
+//!                                 + recent_work_weight × (recent_tokens(w) − own_tokens(w)))
 //!         − prefill_keep_credit × coldness(w) × cached_tokens(w)
 //! ```
 //!
@@ -24,11 +24,12 @@
 //! - `recent_tokens(w)`: the work recently placed on `w` (its bookings, overhead included),
 //!   kept after its prefill ended and decaying by picks ([`super::LoadBoard::recent`]): at a
 //!   low request rate, where bookings are nearly always empty, the load signal that still
-//!   spreads new sessions. It stands for the *other* sessions on `w`, so it is discounted by
-//!   the keep share `kept(w)`: the coldness of the prefix `w` is credited with (0 when it holds
-//!   none). A conversation's next turn, credited with its own cold history, does not count
-//!   its own earlier turns against the worker that holds it; a hot prompt (keep share near 0)
-//!   still spreads by every request placed.
+//!   spreads new sessions. It stands for the *other* sessions on `w`, so the request's own
+//!   conversation's share of it, `own_tokens(w)`, is taken out ([`super::own_work`]): the work
+//!   earlier turns of this conversation placed on `w`, decayed alike. A conversation's next
+//!   turn does not count its own earlier turns against the worker that holds its history, but
+//!   that worker's other sessions still count in full; a prompt many workers hold is nobody's
+//!   own, so it still spreads by every request placed.
 //!
 //! **One unit at every block size** (issue #40). Every term, the busy threshold, the balance
 //! slack and the softmax temperature are in tokens, so the same workload described at 16 and
@@ -38,7 +39,9 @@
 //! recent work was held in full against a conversation's home, so a short chat's own earlier
 //! turns, 4,096 tokens of overhead each, outweighed the history it had cached within a few
 //! turns: a history of a few hundred tokens is worth little next to that, at any block size,
-//! and nothing at 512.)
+//! and nothing at 512. A first fix discounted the home's recent work by the coldness of the
+//! history, other sessions' work included; in closed loops that let a conversation stay
+//! behind other users' work, docs/performance.md.)
 //!
 //! With both weights 1 and no keep credit this is the expected wait: the prefill work queued
 //! on `w` plus this request's own. Overlap and load are in one unit, so a long shared prefix no
@@ -91,9 +94,9 @@ pub(crate) enum CostMutant {
     /// The per-request overhead is read as tokens at small blocks and as blocks at large ones
     /// (64 tokens or more): a cost whose unit depends on the block size (issue #40).
     OverheadInBlocksAtLargeBlocks,
-    /// Recent work counts in full against a worker holding the request's cold history (the
-    /// cost before issue #40): a short conversation's own earlier turns push it off the
-    /// worker that holds its history.
+    /// Recent work counts in full against a worker holding the request's history, its own
+    /// earlier turns included (the cost before issue #40): a short conversation's own earlier
+    /// turns push it off the worker that holds its history.
     RecentAgainstColdHistory,
 }
 
@@ -113,6 +116,9 @@ pub struct Candidate {
     /// Work recently placed on it (tokens, decayed by picks; [`super::LoadBoard::recent`]),
     /// finite and ≥ 0: the load a low request rate leaves no booking of.
     pub recent: f64,
+    /// The part of that work the request's own conversation placed there (tokens, decayed
+    /// alike; [`super::own_work`]), finite and ≥ 0: not held against it.
+    pub own: f64,
 }
 
 impl Candidate {
@@ -124,6 +130,7 @@ impl Candidate {
             booked,
             coldness: 1.0,
             recent: 0.0,
+            own: 0.0,
         }
     }
 
@@ -134,23 +141,20 @@ impl Candidate {
         self
     }
 
-    /// Its load in tokens as a cost with a keep credit weighs it: booked work plus
-    /// `recent_weight` × recent work, the recent work discounted by the
-    /// [`keep share`](Self::kept_share) (a cost without keep credit discounts nothing).
+    /// The same candidate with `own` tokens of its recent work placed by the request's own
+    /// conversation (non-finite or negative: 0).
+    #[must_use]
+    pub fn with_own(mut self, own: f64) -> Self {
+        self.own = finite_or(own, 0.0);
+        self
+    }
+
+    /// Its load in tokens: booked work plus `recent_weight` × the recent work *other* sessions
+    /// placed on it (its recent work less the request's own, never below 0).
     pub fn load(&self, recent_weight: f64) -> f64 {
         #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
         let booked = self.booked as f64;
-        booked + recent_weight * self.recent * (1.0 - self.kept_share())
-    }
-
-    /// The share of its recent work that stands for the request's own session rather than
-    /// others: the coldness of its credited prefix (0 when it holds none of the request).
-    pub fn kept_share(&self) -> f64 {
-        if self.overlap > 0 {
-            self.coldness
-        } else {
-            0.0
-        }
+        booked + recent_weight * (self.recent - self.own).max(0.0)
     }
 
     /// The same candidate with coldness `coldness` (clamped to `[0, 1]`; NaN counts as 0).
@@ -294,9 +298,8 @@ impl KvCost {
         let cached = request_tokens.saturating_sub(uncached) as f64;
         let load = if self.mutant.is(CostMutant::IgnoresLoad) {
             0.0
-        } else if self.keep_credit <= 0.0 || self.mutant.is(CostMutant::RecentAgainstColdHistory) {
-            // Without a keep credit nothing is kept, so nothing is discounted.
-            candidate.with_coldness(0.0).load(self.recent_weight)
+        } else if self.mutant.is(CostMutant::RecentAgainstColdHistory) {
+            candidate.with_own(0.0).load(self.recent_weight)
         } else {
             candidate.load(self.recent_weight)
         };
@@ -305,9 +308,10 @@ impl KvCost {
     }
 
     /// A lower bound of the cost of any worker with `booked` tokens booked, at least `recent`
-    /// recent work and at most `max_overlap` leading blocks, whose coldness × overlap (in
-    /// blocks) is at most `max_kept`: what lets the dispatcher stop its walk over the pool
-    /// early.
+    /// recent work none of which is the request's own, and at most `max_overlap` leading
+    /// blocks, whose coldness × overlap (in blocks) is at most `max_kept`: what lets the
+    /// dispatcher stop its walk over the pool early (the workers it walks hold only a widely
+    /// held prefix, which is nobody's own: [`super::own_work`]).
     #[allow(clippy::cast_precision_loss)] // token counts far below 2^52
     pub fn floor(
         &self,
@@ -317,16 +321,9 @@ impl KvCost {
         booked: u64,
         recent: f64,
     ) -> f64 {
-        // A worker crediting `o ≥ 1` blocks at coldness `c` has `c × o ≤ max_kept`, so its
-        // keep share is at most `max_kept` (and 1); one crediting none has share 0, and so
-        // has every worker without a keep credit.
-        let share = if max_overlap > 0 && self.keep_credit > 0.0 {
-            max_kept.clamp(0.0, 1.0)
-        } else {
-            0.0
-        };
-        let bare = Candidate::new(0, max_overlap, booked).with_recent(recent * (1.0 - share));
-        let bare = bare.with_coldness(0.0);
+        let bare = Candidate::new(0, max_overlap, booked)
+            .with_recent(recent)
+            .with_coldness(0.0);
         // The kept credit in tokens: at most the cached tokens of `max_overlap` blocks.
         let cached = request_tokens.saturating_sub(self.uncached(request_tokens, max_overlap));
         let kept = (max_kept * f64::from(self.block_size)).min(cached as f64);

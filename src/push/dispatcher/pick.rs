@@ -128,8 +128,8 @@ impl<L: WorkerLink> Dispatcher<L> {
                         Choice::Empty => return Err(PushError::NoRoutableInstances),
                     };
                 kv.record(&hashes, candidate.id);
-                kv.record_credit(&hashes, candidate.overlap);
                 let booked = kv.cost().booking(uncached);
+                kv.record_pick(&hashes, candidate.overlap, candidate.id, booked);
                 drop(kv);
                 let instance = board
                     .member(candidate.id)

@@ -142,8 +142,8 @@ impl<L: WorkerLink> Dispatcher<L> {
         let overlap = kv.overlap(&hashes, id);
         let uncached = kv.cost().uncached(request.token_ids.len() as u64, overlap);
         kv.record(&hashes, id);
-        kv.record_credit(&hashes, overlap);
         let booked = kv.cost().booking(uncached);
+        kv.record_pick(&hashes, overlap, id, booked);
         drop(kv);
         let booking = self.loads.book(board, id, booked);
         (Some(overlap), Some(booking))

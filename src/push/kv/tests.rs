@@ -99,6 +99,43 @@ fn the_mutant_whose_prefixes_never_heat_up_is_caught() {
     );
 }
 
+/// Where a conversation's second turn goes: worker 1 holds its first turn (8 blocks of 4
+/// tokens, credited to it once, booked `own` tokens) and `others` tokens of other sessions'
+/// recent work; worker 2 holds nothing and idled. Default KV terms.
+fn second_turn(others: f64, mutant: Option<select::CostMutant>) -> Option<InstanceId> {
+    let mut kv = KvSelector::new(4, &KvRouterConfig::default(), 1024);
+    if let Some(m) = mutant {
+        kv = kv.with_cost_mutant(m);
+    }
+    let first: Vec<u64> = (1..=8).collect();
+    let own = 20_000u64;
+    kv.record_pick(&first, 0, 1, own);
+    kv.apply_events(1, &stored(0, &first));
+    let second: Vec<u64> = first.iter().copied().chain([9, 10]).collect();
+    #[allow(clippy::cast_precision_loss)]
+    let candidates = [
+        kv.candidate(&second, 1, 0).with_recent(own as f64 + others),
+        kv.candidate(&second, 2, 0),
+    ];
+    picked(kv.select_scored(&second, 40, &candidates, 0)).map(|p| p.0)
+}
+
+#[test]
+fn a_conversations_own_turns_are_not_held_against_its_worker_but_other_sessions_are() {
+    // 20,000 tokens of its own work: not charged, so it stays where its history is.
+    assert_eq!(second_turn(0.0, None), Some(1));
+    // 20,000 tokens of other sessions' work there as well: charged in full (0.3 × 20,000
+    // against a keep credit of 31 × 32 cached tokens), so it moves to the idle worker. A
+    // discount by the history's coldness alone (1 here: never credited) kept it behind them.
+    assert_eq!(second_turn(20_000.0, None), Some(2));
+}
+
+#[test]
+fn the_mutant_that_holds_a_conversations_own_work_against_it_is_caught() {
+    let mutant = Some(select::CostMutant::RecentAgainstColdHistory);
+    assert_eq!(second_turn(0.0, mutant), Some(2));
+}
+
 #[test]
 fn a_worker_without_events_is_scored_by_prediction_in_a_mixed_pool() {
     let mut kv = selector();

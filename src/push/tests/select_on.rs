@@ -54,11 +54,14 @@ enum Step {
     Acquire(u64),
     Release(u64),
     Members(Vec<u64>),
-    /// A pick was credited with the first `overlap` blocks of a chain (its heat grows).
+    /// A pick of a worker was credited with the first `overlap` blocks of a chain and booked
+    /// `amount` there (its heat grows; the chain's own work on the worker too).
     Credit {
+        worker: u64,
         chain: u64,
         len: usize,
         overlap: usize,
+        amount: u64,
     },
     /// A pick placed `amount` tokens of work on a worker (its recent work grows).
     Note(u64, u64),
@@ -84,11 +87,15 @@ fn step() -> impl Strategy<Value = Step> {
         (0..12u64).prop_map(Step::Acquire),
         (0..12u64).prop_map(Step::Release),
         proptest::collection::vec(0..12u64, 0..12).prop_map(Step::Members),
-        (0..8u64, 1..6usize, 0..6usize).prop_map(|(chain, len, overlap)| Step::Credit {
-            chain,
-            len,
-            overlap
-        }),
+        (0..12u64, 0..8u64, 1..6usize, 0..6usize, 1..40u64).prop_map(
+            |(worker, chain, len, overlap, amount)| Step::Credit {
+                worker,
+                chain,
+                len,
+                overlap,
+                amount
+            }
+        ),
         (0..12u64, 1..40u64).prop_map(|(w, amount)| Step::Note(w, amount)),
     ]
 }
@@ -188,10 +195,12 @@ fn build_on(
                 kv.record(&chain(*c, *len), *worker);
             }
             Step::Credit {
+                worker,
                 chain: c,
                 len,
                 overlap,
-            } => kv.record_credit(&chain(*c, *len), *overlap),
+                amount,
+            } => kv.record_pick(&chain(*c, *len), *overlap, *worker, *amount),
             Step::Note(w, amount) => board.note_work(*w, *amount),
             Step::Acquire(w) => board.acquire(*w, BOOKING),
             Step::Release(w) => board.release(*w, BOOKING),

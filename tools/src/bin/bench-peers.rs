@@ -34,6 +34,8 @@ options:
   --prefill N           prefill engines in the mock pool (default 6)
   --block-tokens N      tokens per KV block (default 16: vllm-router's P/D events assume it)
   --cache-blocks N      blocks each mock engine holds (default 4096)
+  --prefill-us-per-token Y  the mock prefill engines' time per uncached prompt token
+                        (default 100): raise it to load the pool at the same rate
   --requests N          requests per workload (default 240)
   --rate R              open-loop arrivals per second (default 8)
   --users U             closed-loop users (default 8)
@@ -58,6 +60,7 @@ struct Options {
     loops: Vec<LoopMode>,
     prefill: usize,
     cache_blocks: u32,
+    prefill_us_per_token: Option<u64>,
     workload: WorkloadConfig,
     trace: PathBuf,
     tokenizer: Option<PathBuf>,
@@ -83,6 +86,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
         loops: Vec::new(),
         prefill: 6,
         cache_blocks: 4096,
+        prefill_us_per_token: None,
         workload: WorkloadConfig::default(),
         trace: repo.join("../shared/traces/mooncake_conversation_trace.jsonl"),
         tokenizer: None,
@@ -116,6 +120,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
             "--cache-blocks" => {
                 options.cache_blocks = u32::try_from(number(value)?).map_err(|e| e.to_string())?
             }
+            "--prefill-us-per-token" => options.prefill_us_per_token = Some(number(value)?),
             "--requests" => {
                 options.workload.requests = usize::try_from(number(value)?).unwrap_or(usize::MAX)
             }
@@ -238,17 +243,23 @@ async fn run(options: Options) -> Result<(), String> {
             block_tokens: options.workload.block_tokens,
             cache_blocks: options.cache_blocks,
             tokenizer: options.tokenizer.clone(),
+            prefill_us_per_token: options.prefill_us_per_token,
         })
         .await
         .map_err(|e| e.to_string())?,
     };
     let mut header = format!(
-        "bench-peers: {} prefill + {} decode engines ({}), block {} tokens, {} blocks each; load average {}\n",
+        "bench-peers: {} prefill + {} decode engines ({}), block {} tokens, {} blocks each, prefill {} µs per token; load average {}\n",
         pool.addrs.prefill.len(),
         pool.addrs.decode.len(),
         if options.given.is_some() { "given" } else { "mock-vllm" },
         options.workload.block_tokens,
         options.cache_blocks,
+        match (&options.given, options.prefill_us_per_token) {
+            (Some(_), _) => "the engines' own".to_owned(),
+            (None, Some(us)) => us.to_string(),
+            (None, None) => "100 (default)".to_owned(),
+        },
         load_average(),
     );
     let mut peers: Vec<Peer> = Vec::new();

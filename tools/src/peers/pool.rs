@@ -50,6 +50,9 @@ pub struct MockPoolConfig {
     pub cache_blocks: u32,
     /// A model folder whose tokenizer the engines use (`None`: the built-in word tokenizer).
     pub tokenizer: Option<PathBuf>,
+    /// The prefill engines' compute time per uncached prompt token, in µs (`None`: the mock's
+    /// default, 100): a slower pool makes queues form at the same request rate.
+    pub prefill_us_per_token: Option<u64>,
 }
 
 /// A free loopback port (bound and released: good enough on a quiet loopback).
@@ -105,6 +108,9 @@ impl Pool {
                 .args(["--kv-role", if decode { "consumer" } else { "producer" }]);
             if let Some(dir) = &config.tokenizer {
                 command.args(["--tokenizer", &dir.display().to_string()]);
+            }
+            if let (Some(us), false) = (config.prefill_us_per_token, decode) {
+                command.args(["--prefill-us-per-token", &us.to_string()]);
             }
             if !decode {
                 let (events, replay) = (free_port(), free_port());
