@@ -67,8 +67,9 @@ fn pool(n: u64, events: bool) -> KvSelector {
     pool_with(n, events, &KvRouterConfig::default())
 }
 
-/// [`pool`] under the KV terms of `config`; the shared system prompt was credited by recent
-/// picks (it is hot), the conversations were not.
+/// [`pool`] under the KV terms of `config`; each chain was picked once for its first holder
+/// (its own work there), and the shared system prompt was credited by recent picks since (it
+/// is hot), the conversations were not.
 fn pool_with(n: u64, events: bool, config: &KvRouterConfig) -> KvSelector {
     let mut kv = KvSelector::new(16, config, 1 << 22);
     for w in 0..n {
@@ -77,6 +78,10 @@ fn pool_with(n: u64, events: bool, config: &KvRouterConfig) -> KvSelector {
             for holder in [w, (w + 1) % n] {
                 let c = w * CHAINS_PER_WORKER + k;
                 let blocks = if k == 0 { shared_chain(c) } else { chain(c) };
+                if holder == w {
+                    // Its conversation's own work there (the own-work rule reads it).
+                    kv.record_pick(&blocks, 0, w, BOOKING);
+                }
                 if events {
                     kv.apply_events(holder, &stored(seq, blocks));
                 } else {
