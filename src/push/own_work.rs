@@ -16,7 +16,7 @@
 //! pick's booking. The next turn's prompt extends this one, so the worker holding its history
 //! is credited with that block and finds the chain's own work there in one lookup. A prompt
 //! that ends a block many requests share (a system prompt alone) is no one conversation's:
-//! the selector reads own work only at narrowly held blocks ([`super::kv`]).
+//! the selector reads own work only at narrowly held blocks (`KvSelector`, `push/kv.rs`).
 //!
 //! Clock-free, like the rest of the selection: own work decays by half every
 //! [`RECENT_WORK_HALF_LIFE`] picks, as recent work does, so it stays a part of it. Memory is
