@@ -116,6 +116,12 @@ fn rule4_disagreement_is_logged_once_and_agreement_not_at_all() {
             resolve(cards, &decode_rr()).unwrap();
         })
     };
+    // Hit the warning's callsite on this thread before any subscriber is installed. Its first
+    // hit registers it, and tracing-core computes a registering callsite's interest outside
+    // the rebuild that installing the counting subscriber triggers: a first hit on another
+    // test's thread, racing that rebuild, could cache the callsite as disabled, and the warning
+    // would go uncounted (seen once in a full run). Registered here, the rebuild covers it.
+    resolve(&one_disagrees, &decode_rr()).unwrap();
     assert_eq!(warned(&one_disagrees), 1);
     assert_eq!(warned(&all_agree), 0);
     assert_eq!(warned(&alone), 0);

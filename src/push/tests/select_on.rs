@@ -334,12 +334,15 @@ proptest! {
     }
 }
 
-/// Whether the property finds a case the selector with `mutant` gets wrong (a seeded search,
-/// as the proptest runs it).
+/// Whether the property finds a case the selector with `mutant` gets wrong: a search of 8,192
+/// cases from a fixed seed, so the check gives the same answer on every run (from a random seed,
+/// 4,096 cases missed the walk mutant in 1 of 20 runs of the library's tests once the histories
+/// recorded own work).
 fn caught(mutant: KvMutant) -> bool {
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
-        cases: 4_096,
+        cases: 8_192,
         failure_persistence: None,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x5e1e_c70f),
         ..ProptestConfig::default()
     });
     runner
