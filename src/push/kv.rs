@@ -199,6 +199,10 @@ impl KvSelector {
     /// every worker caches) is nobody's own conversation, and it keeps the load-order walk
     /// exact: the workers it walks hold only such a prefix, so their own work is 0.
     fn with_own(&self, hashes: &[u64], candidate: Candidate) -> Candidate {
+        if self.cost.recent_weight <= 0.0 {
+            // Own work only discounts recent work: with none weighed there is nothing to look up.
+            return candidate;
+        }
         let own = match candidate.overlap.checked_sub(1).and_then(|i| hashes.get(i)) {
             Some(&block) if self.index.held_by(block) <= self.deep_limit => {
                 self.own.own(block, candidate.id)
@@ -212,9 +216,14 @@ impl KvSelector {
     /// blocks and booked `booked` tokens there: those blocks get hotter (see [`super::heat`];
     /// without a keep credit there is nothing to weigh, so no heat is counted), and the
     /// request's chain end records the work its conversation placed on `worker`
-    /// ([`super::own_work`]).
+    /// ([`super::own_work`]; without a recent-work weight nothing reads it, so nothing is
+    /// recorded).
     pub fn record_pick(&mut self, hashes: &[u64], overlap: usize, worker: InstanceId, booked: u64) {
         self.record_credit(hashes, overlap);
+        if self.cost.recent_weight <= 0.0 {
+            // Nothing weighs recent work, so nothing reads own work: keep no table.
+            return;
+        }
         let credited = overlap.checked_sub(1).and_then(|i| hashes.get(i)).copied();
         self.own
             .record(hashes.last().copied(), credited, worker, booked);

@@ -466,6 +466,13 @@ mod tests {
         }
     }
 
+    /// Snapshot requests made once the retry interval has passed (the clock is paused).
+    async fn requests_after_the_retry(task: &mut Task, sink: &Recorder) -> usize {
+        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
+        task.request_if_due().await;
+        sink.requests()
+    }
+
     /// The flake of `tools/tests/kv_snapshot.rs`: the worker's snapshot is taken before its
     /// batch 0 is handed out (the snapshot already holds the blocks), batch 0 is lost, and
     /// batch 1 is the first live batch this connection sees. The index, at the snapshot's
@@ -480,10 +487,8 @@ mod tests {
         assert_eq!(sink.requests(), 1);
         answer(&mut task, &snapshot(1, None));
         task.on_batch(&batch(1, 1));
-        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
-        task.request_if_due().await;
         assert_eq!(
-            sink.requests(),
+            requests_after_the_retry(&mut task, &sink).await,
             2,
             "batch 1 after a snapshot at no batch yet is a gap: {:?}",
             sink.0.lock()
@@ -492,9 +497,8 @@ mod tests {
         // The same after a snapshot at a batch: the next but one is a gap.
         answer(&mut task, &snapshot(1, Some(4)));
         task.on_batch(&batch(1, 6));
-        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
-        task.request_if_due().await;
-        assert_eq!(sink.requests(), 3, "{:?}", sink.0.lock());
+        let requests = requests_after_the_retry(&mut task, &sink).await;
+        assert_eq!(requests, 3, "{:?}", sink.0.lock());
     }
 
     /// A batch kept while the snapshot streamed that does not follow the snapshot's position
@@ -508,9 +512,8 @@ mod tests {
         // The first live batch, while the snapshot streams: nothing to judge it by yet.
         task.on_batch(&batch(1, 3));
         answer(&mut task, &snapshot(1, Some(1)));
-        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
-        task.request_if_due().await;
-        assert_eq!(sink.requests(), 2, "{:?}", sink.0.lock());
+        let requests = requests_after_the_retry(&mut task, &sink).await;
+        assert_eq!(requests, 2, "{:?}", sink.0.lock());
     }
 
     /// The batches that follow a snapshot in sequence (or that it covers) ask for nothing.
@@ -525,18 +528,16 @@ mod tests {
         for seq in [1, 2, 3, 4] {
             task.on_batch(&batch(1, seq));
         }
-        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
-        task.request_if_due().await;
-        assert_eq!(sink.requests(), 1, "{:?}", sink.0.lock());
+        let requests = requests_after_the_retry(&mut task, &sink).await;
+        assert_eq!(requests, 1, "{:?}", sink.0.lock());
         // A snapshot at no batch yet is followed in sequence by batch 0.
         let (mut task, _peer) = armed_task(Arc::clone(&sink)).await;
         task.request_if_due().await;
         answer(&mut task, &snapshot(2, None));
         task.on_batch(&batch(2, 0));
         task.on_batch(&batch(2, 1));
-        tokio::time::advance(KV_SNAPSHOT_RETRY).await;
-        task.request_if_due().await;
-        assert_eq!(sink.requests(), 2, "{:?}", sink.0.lock());
+        let requests = requests_after_the_retry(&mut task, &sink).await;
+        assert_eq!(requests, 2, "{:?}", sink.0.lock());
     }
 
     #[tokio::test(flavor = "current_thread")]
