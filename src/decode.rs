@@ -17,6 +17,7 @@ use futures_core::Stream;
 use futures_util::future::BoxFuture;
 
 use crate::binding::PrefillOutcome;
+use crate::discovery::InstanceId;
 use crate::push::PushError;
 use crate::request::{GenerateRequest, GenerateResponse};
 
@@ -51,4 +52,38 @@ pub trait Decode: Send + Sync {
         request: GenerateRequest,
         prefill: Option<PrefillOutcome>,
     ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>>;
+
+    /// [`decode`](Self::decode), steering away from the workers in `avoid` (those a migrated
+    /// stream broke on: [`crate::migration::Continuation::avoid`]) while any other worker is
+    /// routable; only when none is may one of them take it (it may have come back). The
+    /// default cannot steer and ignores `avoid`; [`DecodePool`] and [`FollowingDecode`] steer.
+    fn decode_avoiding<'a>(
+        &'a self,
+        request: GenerateRequest,
+        prefill: Option<PrefillOutcome>,
+        avoid: &'a [InstanceId],
+    ) -> BoxFuture<'a, Result<DecodeStream, DecodeError>> {
+        let _ = avoid;
+        self.decode(request, prefill)
+    }
+}
+
+/// A decode hop whose every decode steers away from `avoid` ([`Decode::decode_avoiding`]):
+/// what a continuation hands the prefill pool, so the decode after its new prefill avoids the
+/// broken workers too.
+pub(crate) struct Avoiding<'a> {
+    /// The hop that decodes.
+    pub(crate) inner: &'a dyn Decode,
+    /// The workers to steer away from.
+    pub(crate) avoid: &'a [InstanceId],
+}
+
+impl Decode for Avoiding<'_> {
+    fn decode(
+        &self,
+        request: GenerateRequest,
+        prefill: Option<PrefillOutcome>,
+    ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
+        self.inner.decode_avoiding(request, prefill, self.avoid)
+    }
 }

@@ -10,14 +10,20 @@ its ceiling.
 
     cargo build --release -p prefill-router-tools --bin prefill-router
     python3 tools/kv_sweep.py '{}' '{"prefill_recent_work_weight":0.3}'
+    python3 tools/kv_sweep.py --seed 2 --closed-requests 3000 '{}'
+
+The generated workloads' closed loops run 12,000 requests (`--closed-requests N`): with 3,000,
+64 users starting at once are 2% of the run, so its TTFT p99 is the start's cold burst, not the
+routing under load (docs/performance.md, "Closed loop over a grid"). `--seed S` runs the
+generated workloads' closed loops from workload seed S (default 1).
 
 Results are cached in target/kv-sweep/ by command line (delete it after rebuilding).
 """
+import argparse
 import hashlib
 import json
 import os
 import subprocess
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "target", "release", "prefill-router")
@@ -43,10 +49,20 @@ SUITE = [
     ("mooncake closed", ["--trace", TRACE, "--closed-loop", GRID]),
 ]
 BASELINES = "dynamo,dynamo-blocks,round-robin"
+GENERATED = ("shared-prefix:", "multi-tenant:", "conversation:")
+CLOSED = {"requests": 12000, "seed": 1}
+
+
+def closed_args(args):
+    """A generated workload's closed loop with the run's request count and seed."""
+    if "--closed-loop" not in args:
+        return args
+    extra = f",requests={CLOSED['requests']},seed={CLOSED['seed']}"
+    return [a + extra if a.startswith(GENERATED) else a for a in args]
 
 
 def replay(args, policies, kv_config):
-    cmd = [BIN, "replay", *args, "--policy", policies, "--quiet"]
+    cmd = [BIN, "replay", *closed_args(args), "--policy", policies, "--quiet"]
     if kv_config:
         cmd += ["--kv-config", json.dumps(kv_config)]
     key = hashlib.sha1(json.dumps(cmd).encode()).hexdigest()[:16]
@@ -84,8 +100,14 @@ def misses(kv_config, policy="kv-events"):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("configs", nargs="*", default=["{}"], help="--kv-config JSON, one sweep each")
+    parser.add_argument("--closed-requests", type=int, default=CLOSED["requests"])
+    parser.add_argument("--seed", type=int, default=CLOSED["seed"])
+    options = parser.parse_args()
+    CLOSED.update(requests=options.closed_requests, seed=options.seed)
     os.makedirs(CACHE, exist_ok=True)
-    for raw in sys.argv[1:] or ["{}"]:
+    for raw in options.configs:
         lines, found = misses(json.loads(raw))
         print(f"--kv-config {raw}: {lines} lines, {len(found)} goal misses")
         for miss in found:

@@ -13,7 +13,7 @@ use super::DecodePool;
 use super::{Decode, DecodeError, DecodeStream};
 use crate::advert::SetLink;
 use crate::binding::PrefillOutcome;
-use crate::discovery::{Discovery, EndpointId};
+use crate::discovery::{Discovery, EndpointId, InstanceId};
 use crate::push::{Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::request::GenerateRequest;
 
@@ -187,12 +187,21 @@ impl Decode for FollowingDecode {
         request: GenerateRequest,
         prefill: Option<PrefillOutcome>,
     ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
+        self.decode_avoiding(request, prefill, &[])
+    }
+
+    fn decode_avoiding<'a>(
+        &'a self,
+        request: GenerateRequest,
+        prefill: Option<PrefillOutcome>,
+        avoid: &'a [InstanceId],
+    ) -> BoxFuture<'a, Result<DecodeStream, DecodeError>> {
         let slot = self.slot.load_full();
         async move {
             let Some(slot) = slot else {
                 return Err(DecodeError::Push(PushError::NoRoutableInstances));
             };
-            let stream = slot.pool.decode(request, prefill).await?;
+            let stream = slot.pool.decode_avoiding(request, prefill, avoid).await?;
             // The stream holds the slot: a retarget mid-request does not end this feed.
             let stream: DecodeStream = Box::pin(Holding {
                 inner: stream,

@@ -8,7 +8,9 @@
 //! engines alike: no engine branch here). With a prefill pool installed
 //! ([`MigratingDecode::with_prefill`]: `PrefillHop` installs its router) and Active, the
 //! continuation is prefilled there first, on the KV-aware pick, and decoded with the new
-//! handoff; otherwise the decode worker prefills the longer prompt itself.
+//! handoff; otherwise the decode worker prefills the longer prompt itself. Either way its
+//! decode steers away from the workers the stream broke on ([`Continuation::avoid`],
+//! [`Decode::decode_avoiding`]).
 //!
 //! What breaks a stream ([`break_reason`]): the connection dropped or the stream ended without
 //! a finish (`connection_dropped`), the worker's record vanished while it streamed
@@ -23,11 +25,13 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 
-use super::{Decode, DecodeError, DecodeStream};
+use super::{Avoiding, Decode, DecodeError, DecodeStream};
 use crate::binding::PrefillOutcome;
 use crate::discovery::InstanceId;
 use crate::health::FailureClass;
-use crate::migration::{BreakReason, Migration, MigrationConfig, MigrationError, Next, Step};
+use crate::migration::{
+    BreakReason, Continuation, Migration, MigrationConfig, MigrationError, Next, Step,
+};
 use crate::push::{failure_class, PushError};
 use crate::request::{EngineUsage, GenerateRequest, GenerateResponse};
 
@@ -294,7 +298,7 @@ impl Driver {
                 );
                 self.current = None;
                 let (inner, prefill) = (Arc::clone(&self.inner), self.prefill.clone());
-                match continue_on_a_decode_worker(inner, prefill, &self.counts, c.request).await {
+                match continue_on_a_decode_worker(inner, prefill, &self.counts, c).await {
                     Ok(stream) => self.current = Some(stream),
                     Err(error) => {
                         self.over = true;
@@ -339,19 +343,28 @@ impl Driver {
 /// Starts a continuation: through the prefill pool if one is installed and Active, else
 /// straight to decode (whose worker prefills the prompt itself). Owns its handles: the
 /// driver's current stream is not `Sync`, so it must not be borrowed across the awaits.
+///
+/// Either way the decode steers away from the workers the stream broke on
+/// ([`Continuation::avoid`]): a worker whose stream broke may still accept connections (a cut
+/// stream, a restarted process), and nothing else would keep the pick off it.
 async fn continue_on_a_decode_worker(
     inner: Arc<dyn Decode>,
     prefill: Option<Arc<dyn ContinuationPrefill>>,
     counts: &MigrationCounts,
-    request: GenerateRequest,
+    continuation: Continuation,
 ) -> Result<DecodeStream, DecodeError> {
+    let Continuation { request, avoid, .. } = continuation;
+    let steered = Avoiding {
+        inner: &*inner,
+        avoid: &avoid,
+    };
     if let Some(prefill) = prefill {
-        if let Some(result) = prefill.prefill_then_decode(request.clone(), &*inner).await {
+        if let Some(result) = prefill.prefill_then_decode(request.clone(), &steered).await {
             counts.prefilled.fetch_add(1, Ordering::Relaxed);
             return result;
         }
     }
-    inner.decode(request, None).await
+    steered.decode(request, None).await
 }
 
 impl From<MigrationError> for DecodeError {

@@ -5,6 +5,7 @@ use futures_util::{FutureExt, StreamExt};
 
 use super::{Decode, DecodeError, DecodeStream};
 use crate::binding::PrefillOutcome;
+use crate::discovery::InstanceId;
 use crate::push::Dispatcher;
 use crate::request::GenerateRequest;
 
@@ -30,9 +31,18 @@ impl DecodePool {
 impl Decode for DecodePool {
     fn decode(
         &self,
-        mut request: GenerateRequest,
+        request: GenerateRequest,
         prefill: Option<PrefillOutcome>,
     ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
+        self.decode_avoiding(request, prefill, &[])
+    }
+
+    fn decode_avoiding<'a>(
+        &'a self,
+        mut request: GenerateRequest,
+        prefill: Option<PrefillOutcome>,
+        avoid: &'a [InstanceId],
+    ) -> BoxFuture<'a, Result<DecodeStream, DecodeError>> {
         async move {
             if let Some(outcome) = prefill {
                 // The router already sets it; keep the outcome authoritative either way.
@@ -41,7 +51,7 @@ impl Decode for DecodePool {
             // The first response says where the prefill ran when the decode worker does not
             // (an engine's stream never does), so the frontend can tell its client.
             let mut handoff = request.handoff.clone();
-            let stream = self.dispatcher.generate(request).await?;
+            let stream = self.dispatcher.generate_avoiding(request, avoid).await?;
             let stream: DecodeStream = Box::pin(stream.map(move |item| {
                 item.map(|mut response| {
                     if let Some(info) = handoff.take() {

@@ -20,4 +20,7 @@ pub(crate) enum DispatchMutant {
     /// handoff back, so the retry carries a used handle to another worker (the handoff
     /// property tests must catch it).
     ResendHandoff,
+    /// A continuation's picks ignore the workers it must avoid (its stream broke there), so
+    /// the KV pick returns to the worker holding its prompt (the avoid tests must catch it).
+    IgnoresAvoid,
 }

@@ -1,5 +1,6 @@
 //! Tests of the dispatchers, a module per topic.
 
+mod avoid;
 mod block_size;
 mod booking;
 mod handoff;

@@ -7,24 +7,27 @@
 //! of the position alone, so a continuation (prompt plus the tokens so far) produces exactly the
 //! tokens the dead worker would have.
 
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use prefill_router::advert::{ModelCard, SelectionMode};
+use prefill_router::advert::{DecodeDefaults, ModelCard, SelectionMode};
 use prefill_router::decode::DecodeError;
 use prefill_router::discovery::{
-    Discovery, EndpointId, InstanceId, MemoryConfig, MemoryDiscovery, Registration,
+    Discovery, EndpointId, Instance, InstanceId, MemoryConfig, MemoryDiscovery, Registration,
 };
 use prefill_router::migration::{BreakReason, MigrationConfig};
 use prefill_router::push::PushConfig;
 use prefill_router::request::{FinishReason, GenerateRequest, GenerateResponse};
-use prefill_router::transport::{ServerConfig, ServerHandle};
+use prefill_router::transport::{serve, ServerConfig, ServerHandle};
 use prefill_router::{PrefillHop, PrefillHopConfig};
 use prefill_router_tools::mock::{
     spawn_registered, MockConfig, MockDecode, MockPrefill, MockStats,
 };
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 
 /// Bound on anything the test waits for (a busy 2-core box).
 const WAIT: Duration = Duration::from_secs(20);
@@ -32,6 +35,9 @@ const WAIT: Duration = Duration::from_secs(20);
 const MAX_TOKENS: u32 = 150;
 /// Tokens the client reads before the kill.
 const BEFORE_KILL: usize = 40;
+/// A prefill block's time when the continuation's prefill (3 uncached blocks) must outlast the
+/// decode breaker's first probe (at most 250 ms after the break: `BackoffPolicy::default()`).
+const SLOW_PREFILL_BLOCK: Duration = Duration::from_millis(250);
 
 fn mock() -> MockConfig {
     MockConfig {
@@ -56,8 +62,28 @@ struct Setup {
 }
 
 async fn setup(limit: u32) -> Setup {
+    setup_with(limit, SelectionMode::RoundRobin, &[], mock().block_cost).await
+}
+
+/// [`setup`] with the decode dispatcher picking by `decode_mode`, the first decode worker
+/// registered behind `proxies` (decode worker `i` behind `proxies[i]`, whose address is what
+/// discovery says; none: registered at their own), and the prefill
+/// worker computing a block in `prefill_block_cost`.
+async fn setup_with(
+    limit: u32,
+    decode_mode: SelectionMode,
+    proxies: &[CuttingProxy],
+    prefill_block_cost: Duration,
+) -> Setup {
+    let decode_card = ModelCard::named("m");
     let discovery: Arc<dyn Discovery> = Arc::new(MemoryDiscovery::new(MemoryConfig::default()));
-    let prefill_engine = MockPrefill::new(1, mock());
+    let prefill_engine = MockPrefill::new(
+        1,
+        MockConfig {
+            block_cost: prefill_block_cost,
+            ..mock()
+        },
+    );
     let prefill_stats = prefill_engine.stats();
     let prefill = spawn_registered(
         &discovery,
@@ -70,19 +96,37 @@ async fn setup(limit: u32) -> Setup {
     .await
     .unwrap();
     let mut decodes = Vec::new();
-    for id in [100 as InstanceId, 101] {
+    for (index, id) in [100 as InstanceId, 101].into_iter().enumerate() {
         let engine = MockDecode::new(id, mock());
         let stats = engine.stats();
-        let (server, registration) = spawn_registered(
-            &discovery,
-            EndpointId::new("mig", "decode", "generate"),
-            id,
-            engine,
-            ModelCard::named("m"),
-            ServerConfig::default(),
-        )
-        .await
-        .unwrap();
+        let endpoint = EndpointId::new("mig", "decode", "generate");
+        let (server, registration) = match proxies.get(index) {
+            None => spawn_registered(
+                &discovery,
+                endpoint,
+                id,
+                engine,
+                decode_card.clone(),
+                ServerConfig::default(),
+            )
+            .await
+            .unwrap(),
+            Some(proxy) => {
+                let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+                let server = serve(listener, engine, ServerConfig::default()).unwrap();
+                proxy.forward_to(server.local_addr());
+                let instance = Instance {
+                    endpoint,
+                    instance_id: id,
+                    address: proxy.address,
+                };
+                let registration = discovery
+                    .register(instance, decode_card.clone())
+                    .await
+                    .unwrap();
+                (server, registration)
+            }
+        };
         decodes.push(DecodeWorker {
             server,
             stats,
@@ -95,6 +139,11 @@ async fn setup(limit: u32) -> Setup {
             ..PushConfig::default()
         },
         migration: MigrationConfig { limit },
+        decode: DecodeDefaults {
+            router_mode: decode_mode,
+            block_size: 16,
+            ..DecodeDefaults::default()
+        },
         ..PrefillHopConfig::default()
     };
     let hop = PrefillHop::start(discovery, "mig", config).await.unwrap();
@@ -250,4 +299,133 @@ async fn with_a_limit_of_zero_the_error_reaches_the_client() {
     );
     let counts = setup.hop.migrating().counts();
     assert_eq!(counts.migrations(BreakReason::ConnectionDropped), 0);
+}
+
+/// A loopback TCP proxy in front of one worker: it forwards every connection until [`cut`],
+/// which closes the connections open then and keeps accepting new ones. The worker behind it
+/// looks like one whose stream broke but that still takes connections (a cut stream, a restart
+/// under the same id): neither a refused connection nor an open breaker keeps a pick off it.
+///
+/// [`cut`]: CuttingProxy::cut
+struct CuttingProxy {
+    address: SocketAddr,
+    upstream: Arc<OnceLock<SocketAddr>>,
+    cuts: watch::Sender<u32>,
+    accepted: Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CuttingProxy {
+    async fn start() -> Self {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let upstream: Arc<OnceLock<SocketAddr>> = Arc::default();
+        let accepted: Arc<std::sync::atomic::AtomicU64> = Arc::default();
+        let (cuts, watch_cuts) = watch::channel(0u32);
+        let task = tokio::spawn({
+            let (upstream, accepted) = (Arc::clone(&upstream), Arc::clone(&accepted));
+            async move {
+                while let Ok((mut inbound, _)) = listener.accept().await {
+                    accepted.fetch_add(1, Ordering::Relaxed);
+                    let mut cut = watch_cuts.clone();
+                    cut.mark_unchanged();
+                    let Some(&to) = upstream.get() else { continue };
+                    tokio::spawn(async move {
+                        let Ok(mut outbound) = TcpStream::connect(to).await else {
+                            return;
+                        };
+                        // Either end: both sockets drop, so the frontend's read sees the
+                        // connection close mid-stream.
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                            _ = cut.changed() => {}
+                        }
+                    });
+                }
+            }
+        });
+        CuttingProxy {
+            address,
+            upstream,
+            cuts,
+            accepted,
+            task,
+        }
+    }
+
+    fn forward_to(&self, upstream: SocketAddr) {
+        self.upstream.set(upstream).expect("forwarded once");
+    }
+
+    /// Close every connection open now; later ones are forwarded as before.
+    fn cut(&self) {
+        self.cuts.send_modify(|n| *n += 1);
+    }
+}
+
+impl Drop for CuttingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Decode in KV mode: the continuation's prompt extends the original's, whose blocks the
+/// decode pick attributed to the worker that served it, so that worker is the KV pick's first
+/// choice for the continuation too. Its stream is cut while it still takes connections. The
+/// cut opens its breaker, but the continuation is prefilled first, on a prefill worker slow
+/// enough (as an engine re-prefilling a long context is) that the breaker's probe reconnects
+/// and closes it before the continuation's decode is picked: only `Continuation::avoid` keeps
+/// that pick off the broken worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continuation_avoids_the_worker_whose_stream_broke_though_it_still_accepts() {
+    let proxies = [CuttingProxy::start().await, CuttingProxy::start().await];
+    let setup = setup_with(
+        MigrationConfig::DEFAULT_LIMIT,
+        SelectionMode::KV,
+        &proxies,
+        SLOW_PREFILL_BLOCK,
+    )
+    .await;
+    let mut reference = setup.hop.generate(request()).await.unwrap();
+    let want = tokens(&collect(&mut reference).await);
+    // A finished stream keeps its pick's booking until it drops.
+    drop(reference);
+    assert_eq!(want.len(), MAX_TOKENS as usize);
+    // The KV pick keeps the prompt on the worker that served it first (a tie between idle
+    // workers decided that one).
+    let home = requests(&setup)
+        .iter()
+        .position(|&n| n == 1)
+        .expect("one decode worker served the reference");
+    let mut expected = [0, 0];
+    expected[home] = 2;
+
+    let mut stream = setup.hop.generate(request()).await.unwrap();
+    let mut items = read_tokens(&mut stream, BEFORE_KILL).await;
+    assert_eq!(
+        requests(&setup),
+        expected,
+        "the same prompt stays on its worker"
+    );
+    proxies[home].cut();
+    items.extend(collect(&mut stream).await);
+    assert!(items.iter().all(Result::is_ok), "{items:?}");
+    assert_eq!(tokens(&items), want, "token for token");
+    let counts = setup.hop.migrating().counts();
+    let migrations: u64 = BreakReason::ALL.iter().map(|&r| counts.migrations(r)).sum();
+    assert_eq!(migrations, 1);
+    assert_eq!(
+        counts.prefilled(),
+        1,
+        "prefilled first, on the slow prefill worker"
+    );
+    // The broken worker still takes connections (its breaker's probe reconnected through the
+    // proxy while the continuation was prefilled), but the continuation went to the other.
+    expected[1 - home] = 1;
+    assert_eq!(
+        requests(&setup),
+        expected,
+        "the continuation avoided the broken worker"
+    );
+    assert!(proxies[home].accepted.load(Ordering::Relaxed) >= 2);
 }

@@ -27,6 +27,8 @@ enum End {
 struct Scripted {
     script: Mutex<VecDeque<(u32, End)>>,
     requests: Mutex<Vec<GenerateRequest>>,
+    /// What each attempt was asked to avoid, in order.
+    avoided: Mutex<Vec<Vec<InstanceId>>>,
 }
 
 impl Scripted {
@@ -34,12 +36,35 @@ impl Scripted {
         Arc::new(Scripted {
             script: Mutex::new(script.into()),
             requests: Mutex::new(Vec::new()),
+            avoided: Mutex::new(Vec::new()),
         })
     }
 }
 
 impl Decode for Scripted {
+    fn decode_avoiding<'a>(
+        &'a self,
+        request: GenerateRequest,
+        prefill: Option<PrefillOutcome>,
+        avoid: &'a [InstanceId],
+    ) -> BoxFuture<'a, Result<DecodeStream, DecodeError>> {
+        self.avoided.lock().push(avoid.to_vec());
+        self.attempt(request, prefill)
+    }
+
     fn decode(
+        &self,
+        request: GenerateRequest,
+        prefill: Option<PrefillOutcome>,
+    ) -> BoxFuture<'_, Result<DecodeStream, DecodeError>> {
+        self.avoided.lock().push(Vec::new());
+        self.attempt(request, prefill)
+    }
+}
+
+impl Scripted {
+    /// The next scripted attempt.
+    fn attempt(
         &self,
         request: GenerateRequest,
         prefill: Option<PrefillOutcome>,
@@ -73,8 +98,13 @@ impl Decode for Scripted {
 }
 
 fn reset() -> DecodeError {
+    reset_by(100)
+}
+
+/// A reset from `worker` (the driver learns which worker broke from the error).
+fn reset_by(worker: InstanceId) -> DecodeError {
     DecodeError::Push(PushError::Transport {
-        instance: 100,
+        instance: worker,
         source: TransportError::Disconnected {
             reason: "reset by peer".into(),
         },
@@ -297,4 +327,38 @@ async fn a_continuation_is_prefilled_on_an_active_pool_first_and_by_decode_other
     assert!(requests[2].handoff.is_none());
     assert_eq!(hop.counts().prefilled(), 1);
     assert_eq!(hop.counts().migrations(BreakReason::ConnectionDropped), 2);
+}
+
+#[tokio::test]
+async fn a_continuation_avoids_every_worker_its_stream_broke_on_through_the_pool_and_straight_to_decode(
+) {
+    let inner = Scripted::new(vec![
+        (3, End::Error(reset_by(100))),
+        (2, End::Error(reset_by(200))),
+        (1, End::Close),
+        (10, End::Finish),
+    ]);
+    // The first continuation goes through the prefill pool (Active), the others straight to
+    // decode.
+    let pool = Arc::new(Pool {
+        active: Mutex::new([true, false, false].into()),
+        prefilled: Mutex::new(Vec::new()),
+    });
+    let hop = MigratingDecode::new(
+        Arc::clone(&inner) as Arc<dyn Decode>,
+        MigrationConfig { limit: 3 },
+        None,
+    )
+    .with_prefill(Arc::clone(&pool) as Arc<dyn ContinuationPrefill>);
+    let (request, outcome) = original();
+    let stream = hop.decode(request, Some(outcome)).await.unwrap();
+    let items = stream.collect::<Vec<_>>().await;
+    assert_eq!(tokens(&items), (4..14).collect::<Vec<u32>>());
+    // The first attempt avoids nothing; each continuation avoids the workers broken so far
+    // (a stream that ended without a finish names no worker, so nothing is added for it).
+    assert_eq!(
+        *inner.avoided.lock(),
+        vec![vec![], vec![100], vec![100, 200], vec![100, 200]]
+    );
+    assert_eq!(pool.prefilled.lock().len(), 1);
 }

@@ -38,6 +38,21 @@ impl<L: WorkerLink> Dispatcher<L> {
         &self,
         request: GenerateRequest,
     ) -> Result<RoutedStream<L::Stream>, PushError> {
+        self.generate_avoiding(request, &[]).await
+    }
+
+    /// [`generate`](Self::generate), every pick steering away from the workers in `avoid`
+    /// while another is routable: a migrated stream's continuation avoids the workers its
+    /// stream broke on, which may still accept connections (a cut stream, a restarted
+    /// process), so neither the retry's exclusions nor the breakers would keep the pick off
+    /// them. When only avoided workers are routable they may take it (one may have come back);
+    /// unlike the workers a request failed on, they are never reported to the link as failed.
+    /// `Direct` mode ignores `avoid`.
+    pub async fn generate_avoiding(
+        &self,
+        request: GenerateRequest,
+        avoid: &[InstanceId],
+    ) -> Result<RoutedStream<L::Stream>, PushError> {
         let deadline = self.config.request_timeout.map(|t| Instant::now() + t);
         let budget = if matches!(self.mode, PushMode::Direct(_)) {
             0
@@ -45,7 +60,7 @@ impl<L: WorkerLink> Dispatcher<L> {
             self.config.retry_budget
         };
         if budget == 0 {
-            let pick = self.select_or_wait(&request, &[], deadline).await?;
+            let pick = self.select_avoiding(&request, &[], avoid, deadline).await?;
             return self.dispatch(pick, request, deadline).await;
         }
         // `excluded` stays the workers failed so far, in order (bar the test mutant that
@@ -64,7 +79,10 @@ impl<L: WorkerLink> Dispatcher<L> {
             let Some(current) = request.as_ref() else {
                 return Err(exhausted(attempts, PushError::NoRoutableInstances));
             };
-            let pick = match self.select_or_wait(current, &excluded, deadline).await {
+            let pick = match self
+                .select_avoiding(current, &excluded, avoid, deadline)
+                .await
+            {
                 Ok(pick) => pick,
                 Err(e) => return Err(exhausted(attempts, e)),
             };
@@ -130,6 +148,33 @@ impl<L: WorkerLink> Dispatcher<L> {
                 excluded.push(id);
             }
         }
+    }
+
+    /// A pick as [`select_or_wait`](Self::select_or_wait) never in `excluded` and, while
+    /// another worker is routable, never in `avoid`.
+    async fn select_avoiding(
+        &self,
+        request: &GenerateRequest,
+        excluded: &[InstanceId],
+        avoid: &[InstanceId],
+        deadline: Option<Instant>,
+    ) -> Result<Pick, PushError> {
+        let steer = !self.mutant.is(DispatchMutant::IgnoresAvoid);
+        if steer && avoid.iter().any(|id| !excluded.contains(id)) {
+            let mut both = excluded.to_vec();
+            both.extend(avoid.iter().filter(|id| !excluded.contains(id)));
+            match self.select_or_wait(request, &both, deadline).await {
+                // Only avoided workers are left: one of them may take it.
+                Err(PushError::NoRoutableInstances) => {
+                    tracing::debug!(
+                        ?avoid,
+                        "only avoided workers are routable: picking among them"
+                    );
+                }
+                other => return other,
+            }
+        }
+        self.select_or_wait(request, excluded, deadline).await
     }
 
     /// Send `request` to the named instance, whatever the mode.

@@ -469,8 +469,20 @@ fn run_blocking(options: &ReplayOptions) -> ExitCode {
             .map_or("unbounded caches".to_owned(), |c| {
                 format!("{c}-block caches")
             });
+        // One closed loop (or none) across the reports: say it, and the run's length, since
+        // a closed loop's start weighs on its tail in a short run (docs/replay.md).
+        let closed = match reports.first().map(|r| (r.closed_loop, r.requests)) {
+            Some((Some((users, think)), requests))
+                if reports
+                    .iter()
+                    .all(|r| r.closed_loop == Some((users, think))) =>
+            {
+                format!(", closed loop {users} users, think {think} ms, {requests} requests")
+            }
+            _ => String::new(),
+        };
         let title = format!(
-            "{}: {} workers, {cache}",
+            "{}: {} workers, {cache}{closed}",
             std::path::Path::new(&options.trace)
                 .file_name()
                 .map_or(options.trace.clone(), |n| n.to_string_lossy().into_owned()),
