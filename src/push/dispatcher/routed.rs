@@ -104,7 +104,8 @@ impl HeldPick {
 impl<L: WorkerLink> Dispatcher<L> {
     /// Send `request` through the link to the instance `selection` picked, as the request's
     /// only attempt, and stream its responses: the selection's booking moves into the returned
-    /// stream and is released when it drops (the prefill ended, failed or was cancelled),
+    /// stream and is released when the request is over (the stream ended or failed, or was
+    /// dropped: cancelled),
     /// exactly as [`generate`](Self::generate)'s own pick's is. For callers that pick first
     /// and dispatch that very pick later (conditional disaggregation probes the pick before
     /// deciding), so the work stays booked from the pick to the end of the request.
@@ -142,7 +143,8 @@ impl<L: WorkerLink> Dispatcher<L> {
 }
 
 /// The responses of a routed request, and which instance serves it. Dropping it cancels the
-/// request at the worker and releases the work the pick booked there. `S` is the link's
+/// request at the worker; the work the pick booked there is released when the stream ends or
+/// fails (the request is over, whether or not the caller drops the stream yet) or drops. `S` is the link's
 /// stream ([`WorkerLink::Stream`](super::WorkerLink::Stream)): the request plane's by default.
 pub struct RoutedStream<S = super::LinkStream> {
     pub(super) instance: InstanceId,
@@ -152,8 +154,8 @@ pub struct RoutedStream<S = super::LinkStream> {
     pub(super) view: RoutableView,
     /// The first item, read ahead by a retrying `generate` (`Some(None)`: the stream ended).
     pub(super) peeked: Option<Option<Result<GenerateResponse, PushError>>>,
-    /// Released when the stream drops: the request ended, failed or was cancelled.
-    pub(super) _booking: Option<Booking>,
+    /// Released when the stream ends or fails (the request is over) or drops (cancelled).
+    pub(super) booking: Option<Booking>,
 }
 
 impl<S> std::fmt::Debug for RoutedStream<S> {
@@ -191,12 +193,16 @@ where
     pub(super) async fn peek(&mut self) -> Option<(PushError, FailureClass)> {
         use futures_util::StreamExt;
         match self.inner.next().await {
-            Some(Err(e)) => Some(classify(&self.view, self.instance, e)),
+            Some(Err(e)) => {
+                self.booking = None;
+                Some(classify(&self.view, self.instance, e))
+            }
             Some(Ok(response)) => {
                 self.peeked = Some(Some(Ok(response)));
                 None
             }
             None => {
+                self.booking = None;
                 self.peeked = Some(None);
                 None
             }
@@ -217,10 +223,15 @@ where
         }
         match Pin::new(&mut this.inner).poll_next(cx) {
             Poll::Ready(Some(Err(e))) => {
+                // The request is over: its work no longer weighs on the worker.
+                this.booking = None;
                 Poll::Ready(Some(Err(classify(&this.view, this.instance, e).0)))
             }
             Poll::Ready(Some(Ok(r))) => Poll::Ready(Some(Ok(r))),
-            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Ready(None) => {
+                this.booking = None;
+                Poll::Ready(None)
+            }
             Poll::Pending => Poll::Pending,
         }
     }

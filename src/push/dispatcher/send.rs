@@ -247,7 +247,7 @@ impl<L: WorkerLink> Dispatcher<L> {
                 inner,
                 view: self.view.clone(),
                 peeked: None,
-                _booking: booking,
+                booking,
             }),
             Err(e) => Err(classify(&self.view, id, e)),
         }

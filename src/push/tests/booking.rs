@@ -376,3 +376,57 @@ async fn a_full_overload_queue_sheds_at_once() {
         w.abort();
     }
 }
+
+/// A link whose every request gets one response and then ends, or, for a request of more
+/// than one token, fails after it (its connection cut).
+struct Answers;
+
+impl WorkerLink for Answers {
+    type Stream =
+        futures_util::stream::Iter<std::vec::IntoIter<Result<GenerateResponse, TransportError>>>;
+
+    async fn open(
+        &self,
+        _dispatch: Dispatch<'_>,
+        request: GenerateRequest,
+        _deadline: Option<tokio::time::Instant>,
+    ) -> Result<Self::Stream, TransportError> {
+        let mut items = vec![Ok(GenerateResponse::default())];
+        if request.max_tokens > 1 {
+            items.push(Err(TransportError::Disconnected {
+                reason: "cut".into(),
+            }));
+        }
+        Ok(futures_util::stream::iter(items))
+    }
+}
+
+#[tokio::test]
+async fn a_stream_that_ended_or_failed_releases_its_booking_before_it_drops() {
+    use futures_util::StreamExt;
+    let view = RoutableView::spawn(
+        futures_util::stream::pending(),
+        None,
+        CancellationToken::new(),
+    );
+    view.apply(InstanceEvent::Added(instance(1)));
+    let mode = PushMode::Kv {
+        block_size: 4,
+        config: KvRouterConfig::default(),
+    };
+    let dispatcher = crate::push::Dispatcher::with_link(view, mode, PushConfig::default(), Answers);
+    for max_tokens in [1, 2] {
+        let request = GenerateRequest {
+            max_tokens,
+            ..prompt(max_tokens, 4)
+        };
+        let mut stream = dispatcher.generate(request).await.expect("routed");
+        assert!(dispatcher.booked_work(1) > 0, "booked while it runs");
+        let items: Vec<_> = (&mut stream).collect().await;
+        assert_eq!(items.last().is_some_and(Result::is_err), max_tokens > 1);
+        // The caller still holds the stream: the request is over all the same.
+        assert_eq!(dispatcher.booked_work(1), 0, "max_tokens {max_tokens}");
+        drop(stream);
+        assert_eq!(dispatcher.booked_work(1), 0);
+    }
+}
