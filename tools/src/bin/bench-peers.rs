@@ -218,6 +218,7 @@ async fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
+    prefill_router_tools::peers::procs::stop_children_on_signal();
     if let Err(message) = run(options).await {
         eprintln!("bench-peers: {message}");
         std::process::exit(1);

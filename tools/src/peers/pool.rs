@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::procs::kill_tree;
+use super::procs::{adopt, kill_tree, release};
 use super::routers::PoolAddrs;
 use crate::engines::{http_get, http_post_json};
 
@@ -127,6 +127,7 @@ impl Pool {
                     program: config.binary.display().to_string(),
                     source,
                 })?;
+            adopt(child.id());
             pool.children.push(child);
             let url = format!("http://127.0.0.1:{port}");
             if decode {
@@ -194,6 +195,7 @@ impl Drop for Pool {
         for child in &mut self.children {
             kill_tree(child.id());
             let _ = child.wait();
+            release(child.id());
         }
     }
 }

@@ -1,8 +1,51 @@
 //! What a router process costs: the CPU seconds and peak resident memory of its whole process
-//! tree (a Python launcher and the router it starts count together), read from `/proc`.
+//! tree (a Python launcher and the router it starts count together), read from `/proc`; and
+//! the harness's children, stopped with it ([`adopt`], [`stop_children_on_signal`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs;
+
+use parking_lot::Mutex;
+
+/// The process trees the harness started and has not stopped yet (by root pid).
+static CHILDREN: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
+
+/// Remember `pid` as a child the harness must stop if it is signalled ([`release`] when it is
+/// stopped the usual way, on drop).
+pub fn adopt(pid: u32) {
+    CHILDREN.lock().insert(pid);
+}
+
+/// Forget `pid` (stopped by its owner).
+pub fn release(pid: u32) {
+    CHILDREN.lock().remove(&pid);
+}
+
+/// On SIGINT or SIGTERM, stop every adopted process tree ([`kill_tree`]) and exit with 130.
+/// Drops do not run when a signal ends the process, so without this a run interrupted
+/// mid-way left its router and engines running. Call once, inside the runtime.
+pub fn stop_children_on_signal() {
+    tokio::spawn(async {
+        let Ok(mut term) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        else {
+            tracing::warn!("cannot watch SIGTERM: children outlive a terminated run");
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        let children: Vec<u32> = CHILDREN.lock().iter().copied().collect();
+        eprintln!(
+            "bench-peers: signalled; stopping {} child process trees",
+            children.len()
+        );
+        // kill_tree blocks (it waits up to 3 s per tree): off the runtime's workers.
+        let _ = tokio::task::spawn_blocking(move || children.into_iter().for_each(kill_tree)).await;
+        std::process::exit(130);
+    });
+}
 
 /// Clock ticks per second of `/proc/PID/stat`'s times (USER_HZ, 100 on every Linux the
 /// harness targets).
@@ -78,6 +121,16 @@ fn tree_of(root: u32, parents: &HashMap<u32, (u32, u64)>) -> HashSet<u32> {
         }
     }
     tree
+}
+
+/// The pids of `root` and its descendants now.
+pub fn tree_pids(root: u32) -> HashSet<u32> {
+    tree_of(root, &processes())
+}
+
+/// Whether `pid` is a live process (not exited, not a zombie).
+pub fn alive(pid: u32) -> bool {
+    processes().contains_key(&pid) && !zombie(pid)
 }
 
 /// Stop `root` and its descendants: SIGTERM, up to 3 s to exit, then SIGKILL (a router's

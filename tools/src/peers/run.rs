@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::client::{complete, Outcome};
 use super::pool::{free_port, Pool};
-use super::procs::{kill_tree, tree_usage};
+use super::procs::{adopt, kill_tree, release, tree_usage};
 use super::report::Row;
 use super::routers::{Binaries, RouterSpec};
 use super::workload::PeerRequest;
@@ -61,6 +61,7 @@ impl Drop for Running {
     fn drop(&mut self) {
         kill_tree(self.child.id());
         let _ = self.child.wait();
+        release(self.child.id());
     }
 }
 
@@ -87,6 +88,7 @@ async fn start(
         .stderr(err)
         .spawn()
         .map_err(|e| RunError::Spawn(format!("{} ({})", spec.label(), program.display()), e))?;
+    adopt(child.id());
     let running = Running {
         child,
         addr: SocketAddr::from(([127, 0, 0, 1], port)),
