@@ -201,6 +201,9 @@ fn ensure_peers(venv: &Path) -> Result<(), String> {
     }
 }
 
+/// Requests each engine serves before the first router is measured.
+const WARM_UP: usize = 4;
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -302,6 +305,7 @@ async fn run(options: Options) -> Result<(), String> {
         timeout: Duration::from_secs(120),
     };
     let mut rows: Vec<Row> = Vec::new();
+    let mut warmed = false;
     for kind in &options.workloads {
         let requests = match kind {
             WorkloadKind::Conversation => {
@@ -318,6 +322,20 @@ async fn run(options: Options) -> Result<(), String> {
             requests.len(),
             ceiling(&requests, options.workload.block_tokens)
         ));
+        if !warmed {
+            // Before the first router: its run must not pay for the engines' first requests.
+            let prompts: Vec<&str> = requests
+                .iter()
+                .take(WARM_UP)
+                .map(|r| r.prompt.as_str())
+                .collect();
+            let answered = pool.warm(&options.model, &prompts).await;
+            header.push_str(&format!(
+                "- engines warmed before the first router: {answered} requests answered of {}\n",
+                prompts.len() * (pool.addrs.prefill.len() + pool.addrs.decode.len())
+            ));
+            warmed = true;
+        }
         for mode in &options.loops {
             let mut reference = None;
             let found = harness

@@ -175,6 +175,27 @@ impl Pool {
         refused
     }
 
+    /// Send each of `prompts` to every engine directly (`/v1/completions`, 4 tokens) and
+    /// return how many answered 200. Real vLLM on CPU serves its first requests several times
+    /// slower than the next ones; without this the first router measured met engines fresh
+    /// from start-up (docs/performance.md, "On real vLLM"). The caches are cleared before
+    /// every router anyway.
+    pub async fn warm(&self, model: &str, prompts: &[&str]) -> usize {
+        let mut answered = 0;
+        for url in self.addrs.prefill.iter().chain(&self.addrs.decode) {
+            let Ok(addr) = socket_of(url) else { continue };
+            for prompt in prompts {
+                let body = serde_json::json!({ "model": model, "prompt": prompt, "max_tokens": 4 });
+                match http_post_json(addr, "/v1/completions", &body, Duration::from_secs(120)).await
+                {
+                    Ok((200, _)) => answered += 1,
+                    other => tracing::warn!(%url, ?other, "a warm-up request failed"),
+                }
+            }
+        }
+        answered
+    }
+
     /// The prefill engines' prefix-cache counters summed: (queried tokens, hit tokens).
     pub async fn prefix_counters(&self) -> (f64, f64) {
         let (mut queries, mut hits) = (0.0, 0.0);
