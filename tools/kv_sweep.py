@@ -102,8 +102,10 @@ def misses(kv_config, policy="kv-events"):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("configs", nargs="*", default=["{}"], help="--kv-config JSON, one sweep each")
-    parser.add_argument("--closed-requests", type=int, default=CLOSED["requests"])
-    parser.add_argument("--seed", type=int, default=CLOSED["seed"])
+    parser.add_argument("--closed-requests", type=int, default=CLOSED["requests"],
+                        help="requests of each generated workload's closed loops (default 12000)")
+    parser.add_argument("--seed", type=int, default=CLOSED["seed"],
+                        help="workload seed of the generated workloads' closed loops (default 1)")
     options = parser.parse_args()
     CLOSED.update(requests=options.closed_requests, seed=options.seed)
     os.makedirs(CACHE, exist_ok=True)
