@@ -292,19 +292,23 @@ impl ContinuationPrefill for Pool {
     }
 }
 
-#[tokio::test]
-async fn a_continuation_is_prefilled_on_an_active_pool_first_and_by_decode_otherwise() {
-    let inner = Scripted::new(vec![
-        (3, End::Error(reset())),
-        (2, End::Close),
-        (10, End::Finish),
-    ]);
+/// The original through a migrating hop over `inner` (limit 3) whose continuations go through
+/// a [`Pool`] that is Active per continuation as `active` says: the client's items, the pool
+/// and the hop.
+async fn run_with_pool(
+    inner: &Arc<Scripted>,
+    active: &[bool],
+) -> (
+    Vec<Result<GenerateResponse, DecodeError>>,
+    Arc<Pool>,
+    MigratingDecode,
+) {
     let pool = Arc::new(Pool {
-        active: Mutex::new([true, false].into()),
+        active: Mutex::new(active.iter().copied().collect()),
         prefilled: Mutex::new(Vec::new()),
     });
     let hop = MigratingDecode::new(
-        Arc::clone(&inner) as Arc<dyn Decode>,
+        Arc::clone(inner) as Arc<dyn Decode>,
         MigrationConfig { limit: 3 },
         None,
     )
@@ -312,6 +316,17 @@ async fn a_continuation_is_prefilled_on_an_active_pool_first_and_by_decode_other
     let (request, outcome) = original();
     let stream = hop.decode(request, Some(outcome)).await.unwrap();
     let items = stream.collect::<Vec<_>>().await;
+    (items, pool, hop)
+}
+
+#[tokio::test]
+async fn a_continuation_is_prefilled_on_an_active_pool_first_and_by_decode_otherwise() {
+    let inner = Scripted::new(vec![
+        (3, End::Error(reset())),
+        (2, End::Close),
+        (10, End::Finish),
+    ]);
+    let (items, pool, hop) = run_with_pool(&inner, &[true, false]).await;
     assert_eq!(tokens(&items), (4..14).collect::<Vec<u32>>());
     // The first continuation went through the pool: prompt plus the 3 tokens, decoded with the
     // pool's new handoff (never the first prefill's); the second, with the pool not Active,
@@ -340,19 +355,7 @@ async fn a_continuation_avoids_every_worker_its_stream_broke_on_through_the_pool
     ]);
     // The first continuation goes through the prefill pool (Active), the others straight to
     // decode.
-    let pool = Arc::new(Pool {
-        active: Mutex::new([true, false, false].into()),
-        prefilled: Mutex::new(Vec::new()),
-    });
-    let hop = MigratingDecode::new(
-        Arc::clone(&inner) as Arc<dyn Decode>,
-        MigrationConfig { limit: 3 },
-        None,
-    )
-    .with_prefill(Arc::clone(&pool) as Arc<dyn ContinuationPrefill>);
-    let (request, outcome) = original();
-    let stream = hop.decode(request, Some(outcome)).await.unwrap();
-    let items = stream.collect::<Vec<_>>().await;
+    let (items, pool, _) = run_with_pool(&inner, &[true, false, false]).await;
     assert_eq!(tokens(&items), (4..14).collect::<Vec<u32>>());
     // The first attempt avoids nothing; each continuation avoids the workers broken so far
     // (a stream that ended without a finish names no worker, so nothing is added for it).

@@ -10,30 +10,15 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::retry::{added, wait_routable, worker};
 use crate::advert::KvRouterConfig;
-use crate::discovery::{EndpointId, Instance, InstanceEvent, InstanceId};
+use crate::discovery::{InstanceEvent, InstanceId};
 use crate::health::BackoffPolicy;
 use crate::push::{DispatchMutant, Dispatcher, PushConfig, PushError, PushMode, RoutableView};
 use crate::request::GenerateRequest;
-use crate::test_engine::TestPrefill;
-use crate::transport::{serve, ServerConfig, ServerHandle};
+use crate::transport::{ServerConfig, ServerHandle};
 
 const WAIT: Duration = Duration::from_secs(10);
-
-async fn worker(id: InstanceId) -> ServerHandle {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    serve(listener, TestPrefill::new(id), ServerConfig::default()).expect("serve")
-}
-
-fn added(id: InstanceId, server: &ServerHandle) -> InstanceEvent {
-    InstanceEvent::Added(Instance {
-        endpoint: EndpointId::new("t", "decode", "generate"),
-        instance_id: id,
-        address: server.local_addr(),
-    })
-}
 
 /// The worker that served `request` sent while avoiding `avoid`.
 async fn served_by(
@@ -69,7 +54,10 @@ async fn kv_pool_where_worker_1_holds_the_prompt(
         cancel.clone(),
         BackoffPolicy::default(),
     );
-    let servers = vec![worker(1).await, worker(2).await, worker(3).await];
+    let mut servers = Vec::new();
+    for id in 1..=3 {
+        servers.push(worker(id, ServerConfig::default().max_in_flight).await);
+    }
     let mut dispatcher = Dispatcher::new(
         view.clone(),
         PushMode::Kv {
@@ -84,17 +72,13 @@ async fn kv_pool_where_worker_1_holds_the_prompt(
     }
     let prompt: Vec<u32> = (0..64).collect();
     tx.send(added(1, &servers[0])).await.expect("view alive");
-    tokio::time::timeout(WAIT, view.wait_for(|r| r.len() == 1))
-        .await
-        .expect("view caught up");
+    wait_routable(&view, 1).await;
     let first = served_by(&dispatcher, GenerateRequest::new(prompt.clone(), 1), &[]).await;
     assert_eq!(first, Ok(1));
     for (id, server) in [(2, &servers[1]), (3, &servers[2])] {
         tx.send(added(id, server)).await.expect("view alive");
     }
-    tokio::time::timeout(WAIT, view.wait_for(|r| r.len() == 3))
-        .await
-        .expect("view caught up");
+    wait_routable(&view, 3).await;
     (dispatcher, prompt, (servers, tx))
 }
 

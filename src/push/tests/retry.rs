@@ -19,7 +19,9 @@ use crate::transport::{serve, ServerConfig, ServerHandle};
 
 const WAIT: Duration = Duration::from_secs(10);
 
-async fn worker(id: InstanceId, max_in_flight: usize) -> ServerHandle {
+/// A test worker on loopback, serving at most `max_in_flight` requests at once (0: it answers
+/// every request "overloaded").
+pub(super) async fn worker(id: InstanceId, max_in_flight: usize) -> ServerHandle {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -34,7 +36,8 @@ async fn worker(id: InstanceId, max_in_flight: usize) -> ServerHandle {
     .expect("serve")
 }
 
-fn added(id: InstanceId, server: &ServerHandle) -> InstanceEvent {
+/// `server` discovered as instance `id`.
+pub(super) fn added(id: InstanceId, server: &ServerHandle) -> InstanceEvent {
     InstanceEvent::Added(Instance {
         endpoint: EndpointId::new("t", "prefill", "generate"),
         instance_id: id,
@@ -42,7 +45,8 @@ fn added(id: InstanceId, server: &ServerHandle) -> InstanceEvent {
     })
 }
 
-async fn wait_routable(view: &RoutableView, n: usize) {
+/// Wait (bounded) until `view` routes `n` instances.
+pub(super) async fn wait_routable(view: &RoutableView, n: usize) {
     tokio::time::timeout(WAIT, view.wait_for(|r| r.len() == n))
         .await
         .expect("view caught up");
